@@ -1,0 +1,96 @@
+// The NVFP4 format of SPEC §2: E2M1 codes, E4M3 block scales per 16 elements,
+// an fp32 global dequantization multiplier g. Host/device-safe, no tables in memory.
+#pragma once
+
+#include <cmath>
+
+#include "m3sparse/common.h"
+
+namespace m3sparse {
+
+constexpr int kNvfp4Group = 16;         // elements per E4M3 block scale
+constexpr uint8_t kScaleNaN = 0x7F;     // E4M3 NaN: marks a group that held a NaN (SPEC §2.2 step 4)
+constexpr float kE2M1Max = 6.0f;
+constexpr float kE4M3Max = 448.0f;
+constexpr float kScaleFloor = 0.001953125f;  // 2^-9, the smallest E4M3 subnormal
+
+// Magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} by index 0..7 (SPEC §2.1).
+M3_HD float e2m1_magnitude(unsigned m) {
+  return m < 4 ? 0.5f * float(m) : (m < 7 ? float(m) - 2.0f : 6.0f);
+}
+
+M3_HD float e2m1_to_float(unsigned code) {
+  float v = e2m1_magnitude(code & 7u);
+  return (code & 8u) ? -v : v;
+}
+
+// float8_e4m3fn byte -> float (every byte value, including sign and NaN).
+M3_HD float e4m3_to_float(uint8_t byte) {
+  uint32_t sign = uint32_t(byte & 0x80u) << 24;
+  uint32_t exp = (byte >> 3) & 0xFu;
+  uint32_t man = byte & 7u;
+  if (exp == 0xF && man == 7) return bits_float(sign | 0x7FC00000u);
+  if (exp == 0) {
+    float v = float(man) * kScaleFloor;
+    return sign ? -v : v;
+  }
+  return bits_float(sign | ((exp + 120u) << 23) | (man << 20));
+}
+
+// Round v in [2^-9, 448] to the nearest E4M3 value, ties to even (SPEC §2.2 step 2).
+M3_HD uint8_t e4m3_from_clamped(float v) {
+  uint32_t b = float_bits(v);
+  int exp = int(b >> 23) - 127;
+  if (exp < -6) {
+    // E4M3 subnormal range: units of 2^-9. v*512 is exact; q == 8 is the code of 2^-6.
+    return uint8_t(rintf(v * 512.0f));
+  }
+  uint32_t mant = b & 0x7FFFFFu;
+  uint32_t keep = mant >> 20;        // 3 mantissa bits survive
+  uint32_t rest = mant & 0xFFFFFu;   // 20 bits are rounded away
+  if (rest > 0x80000u || (rest == 0x80000u && (keep & 1u))) ++keep;
+  uint32_t exp_field = uint32_t(exp + 7);
+  if (keep == 8) { keep = 0; ++exp_field; }
+  return uint8_t((exp_field << 3) | keep);
+}
+
+// E2M1 code of y, ties to even, saturating to ±6; −0 and tiny negatives give +0 (SPEC §2.2 step 3).
+M3_HD uint8_t e2m1_from_float(float y) {
+  float a = fabsf(y);
+  uint8_t m = a <= 0.25f ? 0 : a < 0.75f ? 1 : a <= 1.25f ? 2 : a < 1.75f ? 3
+            : a <= 2.5f ? 4 : a < 3.5f ? 5 : a <= 5.0f ? 6 : 7;
+  return (m != 0 && (float_bits(y) >> 31)) ? uint8_t(m | 8u) : m;
+}
+
+// r = 1/g, or NaN when g cannot be inverted to a finite positive number (SPEC §2.2 step 1, 5):
+// every group quantized with such an r becomes a NaN group.
+M3_HD float nvfp4_inverse_scale(float g) {
+  float r = 1.0f / g;
+  return (g > 0.0f && is_finite(g) && is_finite(r)) ? r : bits_float(0x7FC00000u);
+}
+
+// Quantizes 16 fp32 values: data[8] (element 2j in the low nibble of byte j) and one scale byte.
+M3_HD void nvfp4_quantize_group(const float* x, float r, uint8_t* data, uint8_t* scale) {
+  float amax = 0.0f;
+  bool nan = is_nan(r);
+  for (int i = 0; i < kNvfp4Group; ++i) {
+    nan = nan || is_nan(x[i]);
+    amax = fmaxf(amax, fabsf(x[i]));
+  }
+  if (nan) {
+    *scale = kScaleNaN;
+    for (int j = 0; j < kNvfp4Group / 2; ++j) data[j] = 0;
+    return;
+  }
+  float s = (amax / kE2M1Max) * r;
+  uint8_t sf = e4m3_from_clamped(fminf(fmaxf(s, kScaleFloor), kE4M3Max));
+  float sf_value = e4m3_to_float(sf);
+  *scale = sf;
+  for (int j = 0; j < kNvfp4Group / 2; ++j) {
+    uint8_t lo = e2m1_from_float((x[2 * j] * r) / sf_value);
+    uint8_t hi = e2m1_from_float((x[2 * j + 1] * r) / sf_value);
+    data[j] = uint8_t(lo | (hi << 4));
+  }
+}
+
+}  // namespace m3sparse

@@ -1,0 +1,33 @@
+"""jax_m3sparse: MiniMax M3 block-sparse attention over an NVFP4 paged KV cache, for JAX.
+
+Public API (SPEC.md sections in each docstring):
+
+* NVFP4: :func:`nvfp4_quantize`, :func:`nvfp4_dequantize` (SPEC §2)
+* cache: :class:`KVCacheSpec`, :func:`allocate_kv_cache`, :func:`pack_kv_pages`,
+  :func:`unpack_kv_pages` (SPEC §3)
+* metadata: :func:`query_token_positions` (SPEC §4), :class:`SparseAttentionMetadata`,
+  :func:`build_attention_metadata`
+* attention: :func:`sparse_decode`, :func:`sparse_prefill`, :func:`sparse_attention` (SPEC §5)
+* geometry and faults: :func:`unsupported_reason` (SPEC §1), :func:`check_inputs` (SPEC §7)
+* :mod:`jax_m3sparse.reference`: pure-jnp versions of all of these.
+"""
+
+from jax_m3sparse import reference
+from jax_m3sparse.faults import check_inputs
+from jax_m3sparse.metadata import SparseAttentionMetadata, build_attention_metadata
+from jax_m3sparse.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+from jax_m3sparse.ops.attention import sparse_attention
+from jax_m3sparse.ops.decode import sparse_decode
+from jax_m3sparse.ops.pack import pack_kv_pages, unpack_kv_pages
+from jax_m3sparse.ops.positions import query_token_positions
+from jax_m3sparse.ops.prefill import sparse_prefill
+from jax_m3sparse.spec import KVCacheSpec, allocate_kv_cache, unsupported_reason
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KVCacheSpec", "SparseAttentionMetadata", "allocate_kv_cache", "build_attention_metadata",
+    "check_inputs", "nvfp4_dequantize", "nvfp4_quantize", "pack_kv_pages", "query_token_positions",
+    "reference", "sparse_attention", "sparse_decode", "sparse_prefill", "unpack_kv_pages",
+    "unsupported_reason",
+]

@@ -1,0 +1,67 @@
+"""Trace-time argument checks: every message names the argument, expected and actual (SPEC §7)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_m3sparse.spec import LAYOUTS, check_layout
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def rank(x, name, expected: int, shape_doc: str):
+    if x.ndim != expected:
+        raise ValueError(f"{name} must have rank {expected} ({shape_doc}), got shape {x.shape}")
+
+
+def dtype(x, name, allowed):
+    allowed = tuple(np.dtype(a) for a in allowed)
+    if x.dtype not in allowed:
+        names = " or ".join(str(a) for a in allowed)
+        raise TypeError(f"{name} must be {names}, got {x.dtype}")
+
+
+def dim(name, what, expected, actual):
+    if expected != actual:
+        raise ValueError(f"{name}: {what} must be {expected}, got {actual}")
+
+
+def scalar(x, name, dt):
+    """A rank-0 operand of dtype ``dt`` (Python numbers and 0-d/1-element arrays accepted)."""
+    x = jnp.asarray(x)
+    if x.size != 1:
+        raise ValueError(f"{name} must be a scalar, got shape {x.shape}")
+    if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
+        raise TypeError(f"{name} must be a number, got {x.dtype}")
+    return x.reshape(()).astype(dt)
+
+
+def cache_geometry(kv_cache, layer, layout):
+    """Checks a 4-D/5-D uint8 cache with its layer/layout; returns (layer operand, layout code,
+    num_layers, num_pages, num_slots, block_size, head_dim)."""
+    if kv_cache.dtype != jnp.uint8:
+        raise TypeError(f"kv_cache must be uint8, got {kv_cache.dtype}")
+    if kv_cache.ndim not in (4, 5):
+        raise ValueError(f"kv_cache must be 4-D [P, 2Hkv, N, C] or 5-D ({' / '.join(LAYOUTS)}), "
+                         f"got shape {kv_cache.shape}")
+    code = check_layout(layout)
+    if kv_cache.ndim == 5 and layer is None:
+        raise ValueError(f"layer is required for a 5-D kv_cache (shape {kv_cache.shape}); "
+                         "pass the layer index (int32 scalar, may be traced)")
+    if kv_cache.ndim == 4 and layer is not None:
+        raise ValueError(f"layer must be None for a 4-D kv_cache (shape {kv_cache.shape})")
+    if kv_cache.ndim == 4:
+        num_layers, num_pages = 1, kv_cache.shape[0]
+    elif code == 0:
+        num_layers, num_pages = kv_cache.shape[:2]
+    else:
+        num_pages, num_layers = kv_cache.shape[:2]
+    num_slots, block_size, full_dim = kv_cache.shape[-3:]
+    if full_dim % 9 or (full_dim * 16 // 9) % 32:
+        raise ValueError(f"kv_cache last dim must be D/2 + D/16 (72 for D = 128) with D a "
+                         f"multiple of 32, got {full_dim}")
+    if num_slots % 2:
+        raise ValueError(f"kv_cache head-slot dim must be 2·Hkv (even), got {num_slots}")
+    layer_op = scalar(0 if layer is None else layer, "layer", jnp.int32)
+    return layer_op, code, num_layers, num_pages, num_slots, block_size, full_dim * 16 // 9

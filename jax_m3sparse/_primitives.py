@@ -1,0 +1,105 @@
+"""The one way a jax_m3sparse primitive is defined.
+
+:func:`define_primitive` makes a ``jax.extend.core.Primitive`` with
+
+* an abstract-eval rule (shapes and dtypes only; ``jax.eval_shape`` runs no handler),
+* a lowering per platform to ``custom_call @m3sparse_<op>_<platform>`` with the operands and
+  attributes of ``docs/ffi_targets.md`` — for ``cpu``/``cuda`` when the compiled module is
+  present, for ``rocm`` always (gfx950 code is exported from machines without a GPU),
+* a fallback lowering to the pure-JAX reference (``mlir.lower_fun``) for every other platform
+  and for ``cpu``/``cuda`` when their module is not built,
+* a batching rule: ``vmap`` over any operands runs the primitive once per batch element
+  (``lax.map``), which is exact for every op, including the in-place cache update.
+
+Static attributes are passed to the FFI call as explicit numpy scalars.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from jax_m3sparse import _ffi
+
+# Platforms whose lowering is the FFI custom call even without a local module.
+_ALWAYS_NATIVE = ("rocm",)
+
+
+def define_primitive(op: str, *, abstract_eval: Callable, reference: Callable,
+                     attributes: Callable[..., dict], multiple_results: bool = False,
+                     operand_output_aliases: dict[int, int] | None = None,
+                     native_platforms=("cpu", "rocm", "cuda"),
+                     platform_reason: Callable | None = None) -> Primitive:
+    """Defines primitive ``m3sparse_<op>``.
+
+    Args:
+      op: the op's name; FFI targets are ``m3sparse_<op>_<platform>``.
+      abstract_eval: ``(*avals, **params) -> ShapedArray | tuple``.
+      reference: ``(*operands, **params) -> result(s)`` in pure jnp (the fallback lowering).
+      attributes: ``(**params) -> {name: numpy scalar}``, the FFI attributes.
+      multiple_results: the primitive returns a tuple.
+      operand_output_aliases: ``{operand index: result index}`` for in-place results.
+      native_platforms: platforms that may have an FFI target for this op.
+      platform_reason: ``(platform, *avals, **params) -> str | None``: why that platform's
+        kernels cannot serve these shapes; raised as ValueError when lowering for it.
+    """
+    prim = Primitive(f"m3sparse_{op}")
+    prim.multiple_results = multiple_results
+    prim.def_abstract_eval(abstract_eval)
+    prim.def_impl(lambda *args, **params: jax.jit(functools.partial(prim.bind, **params))(*args))
+
+    reference_rule = mlir.lower_fun(reference, multiple_results=multiple_results)
+    mlir.register_lowering(prim, reference_rule)
+    for platform in native_platforms:
+        if platform in _ALWAYS_NATIVE or _ffi.has_native(op, platform):
+            mlir.register_lowering(
+                prim, _ffi_rule(_ffi.target_name(op, platform), attributes, operand_output_aliases,
+                                functools.partial(platform_reason, platform) if platform_reason
+                                else None),
+                platform=platform)
+
+    batching.primitive_batchers[prim] = functools.partial(_batch_by_map, prim)
+    return prim
+
+
+def _ffi_rule(target: str, attributes: Callable, aliases, reason: Callable | None):
+    rule = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases)
+
+    def lower(ctx, *args, **params):
+        why = reason(*ctx.avals_in, **params) if reason else None
+        if why:
+            raise ValueError(why)
+        return rule(ctx, *args, **attributes(**params))
+
+    return lower
+
+
+def _batch_by_map(prim, args, dims, **params):
+    """vmap rule: one primitive call per batch element, via ``lax.map``."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+    batched = [d is not batching.not_mapped for d in dims]
+    moved = [jax.numpy.moveaxis(a, d, 0) if b else a for a, d, b in zip(args, dims, batched)]
+    mapped = [a for a, b in zip(moved, batched) if b]
+
+    def one(xs):
+        it = iter(xs)
+        call = [next(it) if b else a for a, b in zip(moved, batched)]
+        return prim.bind(*call, **params)
+
+    out = jax.lax.map(one, mapped)
+    if prim.multiple_results:
+        return out, [0] * len(out)
+    return out, 0
+
+
+def f32(x) -> np.float32:
+    return np.float32(x)
+
+
+def i64(x) -> np.int64:
+    return np.int64(x)

@@ -1,0 +1,1 @@
+"""One file per primitive: pack, positions, decode, prefill (and the mixed batch)."""

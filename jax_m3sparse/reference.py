@@ -1,0 +1,232 @@
+"""Pure ``jax.numpy`` versions of every jax_m3sparse op (the oracles' JAX twin).
+
+Same signatures as the public functions. They lower on any platform, are memory-safe
+for any index values (gathers are clipped and masked, scatters drop out-of-range
+writes), and mask with selects, so NaN bytes in unattended page tails never leak
+(SPEC §5.2). The primitives fall back to these where no native kernel is built.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_m3sparse import nvfp4
+from jax_m3sparse.nvfp4 import nvfp4_dequantize, nvfp4_quantize  # noqa: F401  (re-exported)
+from jax_m3sparse.spec import check_layout
+
+_TOKEN_CHUNK = 16  # tokens per step of the attention reference: bounds its memory
+
+
+# ----------------------------------------------------------------------------- cache views
+def tile_view(kv_cache, layout_code: int):
+    """The cache as ``[L, P, 2Hkv, N·C]`` tiles (a free reshape/transpose of SPEC §3.3)."""
+    if kv_cache.ndim == 4:
+        return kv_cache.reshape(1, kv_cache.shape[0], kv_cache.shape[1], -1)
+    tiles = kv_cache.reshape(*kv_cache.shape[:3], -1)
+    return tiles if layout_code == 0 else jnp.swapaxes(tiles, 0, 1)
+
+
+def _split_tile(tiles, head_dim):
+    """Bytes ``[..., N·C]`` -> (data ``[..., N, D/2]``, scales ``[..., N, D/16]``), SPEC §3.2."""
+    data_bytes = tiles.shape[-1] * 8 // 9
+    n = data_bytes // (head_dim // 2)
+    data = tiles[..., :data_bytes].reshape(*tiles.shape[:-1], n, head_dim // 2)
+    scales = tiles[..., data_bytes:].reshape(*tiles.shape[:-1], n, head_dim // 16)
+    return data, scales
+
+
+# ----------------------------------------------------------------------------- pack
+def pack_impl(kv_cache, key, value, slot_mapping, k_scale, v_scale, layer, *, layout):
+    """Primitive-level reference of pack_kv_pages (``layer`` an int32 operand, ``layout`` 0/1)."""
+    T, Hkv, D = key.shape
+    num_layers, num_pages, _, _ = tile_view(kv_cache, layout).shape
+    N = kv_cache.shape[-2]
+    kd, ks = nvfp4_quantize(key, k_scale)
+    vd, vs = nvfp4_quantize(value, v_scale)
+    data = jnp.stack([kd, vd], axis=2)                                   # [T, Hkv, 2, D/2]
+    scales = jax.lax.bitcast_convert_type(jnp.stack([ks, vs], axis=2), jnp.uint8)
+    values = jnp.concatenate([data, scales], axis=-1)                    # [T, Hkv, 2, C]
+
+    slot = slot_mapping.astype(jnp.int32)
+    ok = (slot >= 0) & (slot < num_pages * N)
+    page = jnp.where(ok, slot // N, num_pages)            # num_pages: out of range, dropped
+    offset = jnp.where(ok, slot % N, 0)
+    layer = jnp.asarray(layer, jnp.int32)
+    layer = jnp.where((layer >= 0) & (layer < num_layers), layer, num_layers)
+    byte = jnp.concatenate([offset[:, None] * (D // 2) + jnp.arange(D // 2),
+                            N * (D // 2) + offset[:, None] * (D // 16) + jnp.arange(D // 16)],
+                           axis=-1)                                      # [T, C]
+    head_slot = (2 * jnp.arange(Hkv)[:, None] + jnp.arange(2)[None, :])  # [Hkv, 2]
+    idx_page = page[:, None, None, None]
+    idx_slot = head_slot[None, :, :, None]
+    idx_byte = byte[:, None, None, :]
+    flat = kv_cache.reshape(*kv_cache.shape[:-2], -1)
+    if kv_cache.ndim == 4:
+        idx_page = jnp.where(layer == 0, idx_page, num_pages)
+        flat = flat.at[idx_page, idx_slot, idx_byte].set(values, mode="drop")
+    elif layout == 0:
+        flat = flat.at[layer, idx_page, idx_slot, idx_byte].set(values, mode="drop")
+    else:
+        flat = flat.at[idx_page, layer, idx_slot, idx_byte].set(values, mode="drop")
+    return flat.reshape(kv_cache.shape)
+
+
+def pack_kv_pages(kv_cache, key, value, slot_mapping, k_scale, v_scale, *, layer=None,
+                  layout="LBHNC"):
+    """Reference of :func:`jax_m3sparse.pack_kv_pages` (SPEC §2.2, §3)."""
+    layer = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
+    return pack_impl(kv_cache, key, value, slot_mapping, jnp.float32(k_scale),
+                     jnp.float32(v_scale), layer, layout=check_layout(layout))
+
+
+def unpack_kv_pages(kv_cache, page_ids, k_scale, v_scale, *, layer=None, layout="LBHNC"):
+    """Dequantizes whole pages: (key, value) float32 ``[n, Hkv, N, D]`` each.
+
+    Page ids outside ``[0, P)`` and a layer outside ``[0, L)`` give zeros.
+    """
+    tiles = tile_view(kv_cache, check_layout(layout))
+    num_layers, num_pages = tiles.shape[:2]
+    head_dim = kv_cache.shape[-1] * 16 // 9
+    layer = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
+    page_ids = jnp.asarray(page_ids, jnp.int32)
+    ok = (page_ids >= 0) & (page_ids < num_pages) & (layer >= 0) & (layer < num_layers)
+    picked = tiles[jnp.clip(layer, 0, num_layers - 1), jnp.clip(page_ids, 0, num_pages - 1)]
+    picked = jnp.where(ok[:, None, None], picked, 0)                     # [n, 2Hkv, N·C]
+    data, scales = _split_tile(picked, head_dim)
+    k = nvfp4_dequantize(data[:, 0::2], scales[:, 0::2], k_scale)
+    v = nvfp4_dequantize(data[:, 1::2], scales[:, 1::2], v_scale)
+    return k, v
+
+
+# ----------------------------------------------------------------------------- positions
+def positions_impl(cu_seqlens_q, context_lens, *, num_tokens):
+    """SPEC §4 with the count form of query_req_id (defined for any cu_seqlens_q)."""
+    cu = jnp.asarray(cu_seqlens_q, jnp.int32)
+    ctx = jnp.asarray(context_lens, jnp.int32)
+    R = ctx.shape[0]
+    j = jnp.arange(num_tokens, dtype=jnp.int32)
+    r = jnp.sum(cu[None, 1:] <= j[:, None], axis=1, dtype=jnp.int32)
+    valid = r < R
+    rc = jnp.clip(r, 0, max(R - 1, 0))
+    pos = ctx[rc] + (j - cu[rc]) if R else j
+    return jnp.where(valid, r, -1), jnp.where(valid, pos, -1)
+
+
+def query_token_positions(cu_seqlens_q, context_lens, num_tokens):
+    """Reference of :func:`jax_m3sparse.query_token_positions` (SPEC §4)."""
+    return positions_impl(cu_seqlens_q, context_lens, num_tokens=int(num_tokens))
+
+
+# ----------------------------------------------------------------------------- attention
+def _attend_chunk(q, tiles, topk, block_table, req, pos, k_scale, v_scale, layer, scale):
+    """SPEC §5.2/§5.5 for a chunk of tokens: q [t, Hq, D], topk [Hkv, t, K]."""
+    t, Hq, D = q.shape
+    Hkv, _, K = topk.shape
+    G = Hq // Hkv
+    L, P, _, _ = tiles.shape
+    R, M = block_table.shape
+    N = tiles.shape[-1] * 8 // 9 // (D // 2)
+    vis = jnp.where(pos < jnp.iinfo(jnp.int32).max, pos + 1, pos)        # [t]
+    row_ok = (req >= 0) & (req < R) & (vis > 0) & (layer >= 0) & (layer < L)
+    b = topk
+    bc = jnp.clip(b, 0, M - 1)
+    page = block_table[jnp.clip(req, 0, R - 1)[None, :, None], bc]       # [Hkv, t, K]
+    slot_ok = (row_ok[None, :, None] & (b >= 0) & (b < M) & (bc * N < vis[None, :, None])
+               & (page >= 0) & (page < P))
+    key_pos = bc[..., None] * N + jnp.arange(N)                         # [Hkv, t, K, N]
+    attended = slot_ok[..., None] & (key_pos < vis[None, :, None, None])
+
+    heads = jnp.arange(Hkv)[:, None, None]
+    lc = jnp.clip(layer, 0, L - 1)
+    pc = jnp.clip(page, 0, P - 1)
+    kd, ks = _split_tile(tiles[lc, pc, 2 * heads], D)                   # [Hkv, t, K, N, ·]
+    vd, vs = _split_tile(tiles[lc, pc, 2 * heads + 1], D)
+    k = nvfp4_dequantize(kd, ks, k_scale)
+    v = nvfp4_dequantize(vd, vs, v_scale)
+    v = jnp.where(attended[..., None], v, 0.0)
+
+    qg = q.astype(jnp.float32).reshape(t, Hkv, G, D)
+    z = jnp.einsum("tgid,gtknd->gtikn", qg, k, precision="highest") * jnp.float32(scale)
+    z = z.reshape(Hkv, t, G, K * N)
+    mask = attended.reshape(Hkv, t, 1, K * N)
+    z = jnp.where(mask, z, -jnp.inf)
+    m = jnp.max(z, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(z - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("gtix,gtxd->gtid", p, v.reshape(Hkv, t, K * N, D), precision="highest")
+    # Exact zeros only where nothing was attended: a NaN in attended bytes stays visible.
+    any_key = jnp.any(mask, axis=-1, keepdims=True)
+    o = jnp.where(any_key, o / jnp.where(any_key, denom, 1.0), 0.0)
+    return jnp.transpose(o, (1, 0, 2, 3)).reshape(t, Hq, D)
+
+
+def attend_impl(q, kv_cache, topk, block_table, req, pos, k_scale, v_scale, layer, *, scale,
+                layout):
+    """Sparse attention of rows with known (request, position), in token chunks."""
+    T = q.shape[0]
+    tiles = tile_view(kv_cache, layout)
+    layer = jnp.asarray(layer, jnp.int32)
+    chunk = min(_TOKEN_CHUNK, max(T, 1))
+    n = -(-T // chunk)
+    pad = n * chunk - T
+    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(n, chunk, *q.shape[1:])
+    tp = jnp.pad(topk, ((0, 0), (0, pad), (0, 0))).reshape(topk.shape[0], n, chunk, -1)
+    rp = jnp.pad(req, (0, pad), constant_values=-1).reshape(n, chunk)
+    pp = jnp.pad(pos, (0, pad), constant_values=-1).reshape(n, chunk)
+
+    def step(xs):
+        qc, tc, rc, pc = xs
+        return _attend_chunk(qc, tiles, tc, block_table, rc, pc, k_scale, v_scale, layer, scale)
+
+    out = jax.lax.map(step, (qp, jnp.moveaxis(tp, 1, 0), rp, pp))
+    return out.reshape(n * chunk, *q.shape[1:])[:T].astype(q.dtype)
+
+
+def decode_rows(seq_lens, num_tokens, decode_query_len):
+    """(request, position) of each decode row (SPEC §5.3)."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    r = t // decode_query_len
+    pos = jnp.asarray(seq_lens, jnp.int32)[r] - decode_query_len + t % decode_query_len
+    return r, jnp.maximum(pos, -1)
+
+
+def decode_impl(q, kv_cache, topk, block_table, seq_lens, k_scale, v_scale, layer, *, scale,
+                decode_query_len, layout):
+    req, pos = decode_rows(seq_lens, q.shape[0], decode_query_len)
+    return attend_impl(q, kv_cache, topk, block_table, req, pos, k_scale, v_scale, layer,
+                       scale=scale, layout=layout)
+
+
+def prefill_impl(q, kv_cache, topk, block_table, query_req_id, query_abs_pos, k_scale, v_scale,
+                 layer, *, scale, layout):
+    return attend_impl(q, kv_cache, topk, block_table, query_req_id, query_abs_pos, k_scale,
+                       v_scale, layer, scale=scale, layout=layout)
+
+
+def sparse_decode(q, kv_cache, topk_indices, block_table, seq_lens, k_scale, v_scale, *,
+                  scale=None, decode_query_len=1, layer=None, layout="LBHNC"):
+    """Reference of :func:`jax_m3sparse.sparse_decode` (SPEC §5.3)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return decode_impl(q, kv_cache, topk_indices, block_table, seq_lens, jnp.float32(k_scale),
+                       jnp.float32(v_scale), 0 if layer is None else layer, scale=scale,
+                       decode_query_len=decode_query_len, layout=check_layout(layout))
+
+
+def sparse_prefill(q, kv_cache, topk_indices, block_table, query_req_id, query_abs_pos, k_scale,
+                   v_scale, *, scale=None, layer=None, layout="LBHNC"):
+    """Reference of :func:`jax_m3sparse.sparse_prefill` (SPEC §5.4)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return prefill_impl(q, kv_cache, topk_indices, block_table, query_req_id, query_abs_pos,
+                        jnp.float32(k_scale), jnp.float32(v_scale), 0 if layer is None else layer,
+                        scale=scale, layout=check_layout(layout))
+
+
+def sparse_attention(q, kv_cache, topk_indices, metadata, k_scale, v_scale, *, scale=None,
+                     layer=None, layout="LBHNC"):
+    """Reference of :func:`jax_m3sparse.sparse_attention` (SPEC §5.6)."""
+    from jax_m3sparse.metadata import reference_sparse_attention  # noqa: PLC0415 (import cycle)
+    return reference_sparse_attention(q, kv_cache, topk_indices, metadata, k_scale, v_scale,
+                                      scale=scale, layer=layer, layout=layout)

@@ -1,0 +1,141 @@
+"""Cache geometry (SPEC §1, §3): :class:`KVCacheSpec`, byte offsets, supported shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+LAYOUTS = ("LBHNC", "BLHNC")
+"""5-D cache layouts (SPEC §3.3): [L, P, 2Hkv, N, C] or [P, L, 2Hkv, N, C]."""
+
+NVFP4_GROUP = 16
+"""Elements per E4M3 block scale (SPEC §2.1)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    """Geometry of an NVFP4 paged KV cache (SPEC §3.1).
+
+    Args:
+      num_kv_heads: Hkv, KV heads on this device.
+      head_dim: D, a multiple of 32 (128 for MiniMax M3).
+      block_size: N, tokens per page (= tokens per sparse block, 128).
+
+    Slot ``2h`` of a page holds K of KV head ``h``, slot ``2h + 1`` its V. Each
+    (page, slot) tile is ``N * full_dim`` bytes: the data plane (``D/2`` bytes per
+    token) then the scale plane (``D/16`` bytes per token), SPEC §3.2.
+    """
+
+    num_kv_heads: int
+    head_dim: int = 128
+    block_size: int = 128
+
+    def __post_init__(self):
+        for name in ("num_kv_heads", "head_dim", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"KVCacheSpec.{name} must be a positive int, got {v!r}")
+        if self.head_dim % 32:
+            raise ValueError(f"KVCacheSpec.head_dim must be a multiple of 32, got {self.head_dim}")
+
+    @property
+    def num_head_slots(self) -> int:
+        """2·Hkv: one K and one V slot per KV head."""
+        return 2 * self.num_kv_heads
+
+    @property
+    def full_dim(self) -> int:
+        """Bytes per token and head slot: D/2 data + D/16 scales (72 for D = 128)."""
+        return self.head_dim // 2 + self.head_dim // NVFP4_GROUP
+
+    @property
+    def tile_bytes(self) -> int:
+        """Bytes of one (page, slot) tile: N · full_dim."""
+        return self.block_size * self.full_dim
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer: 2·Hkv · N · full_dim."""
+        return self.num_head_slots * self.tile_bytes
+
+    def cache_shape(self, num_pages: int, num_layers: int | None = None,
+                    layout: str = "LBHNC") -> tuple[int, ...]:
+        """Shape of a one-layer (``num_layers=None``) or all-layer cache (SPEC §3.3)."""
+        tail = (self.num_head_slots, self.block_size, self.full_dim)
+        if num_layers is None:
+            return (num_pages, *tail)
+        check_layout(layout)
+        return (num_layers, num_pages, *tail) if layout == "LBHNC" else (num_pages, num_layers, *tail)
+
+    def tile_offsets(self, token: int) -> tuple[int, int]:
+        """Byte offsets of token ``token``'s data and scales inside a tile (SPEC §3.2)."""
+        data = token * (self.head_dim // 2)
+        scales = self.block_size * (self.head_dim // 2) + token * (self.head_dim // NVFP4_GROUP)
+        return data, scales
+
+    def page_offset(self, page: int, layer: int = 0, num_pages: int | None = None,
+                    num_layers: int = 1, layout: str = "LBHNC") -> int:
+        """Byte offset of page ``page`` of layer ``layer`` in the flat cache (SPEC §3.3)."""
+        if layout == "BLHNC":
+            return (page * num_layers + layer) * self.page_bytes
+        return (layer * (num_pages or 0) + page) * self.page_bytes
+
+
+def tile_offsets(token: int, head_dim: int = 128, block_size: int = 128) -> tuple[int, int]:
+    """Byte offsets (data, scales) of ``token`` inside one (page, slot) tile, SPEC §3.2."""
+    return KVCacheSpec(1, head_dim, block_size).tile_offsets(token)
+
+
+def allocate_kv_cache(spec: KVCacheSpec, num_pages: int, num_layers: int | None = None,
+                      layout: str = "LBHNC") -> jnp.ndarray:
+    """A zeroed ``uint8`` cache of ``spec.cache_shape(num_pages, num_layers, layout)``."""
+    return jnp.zeros(spec.cache_shape(num_pages, num_layers, layout), jnp.uint8)
+
+
+def check_layout(layout) -> int:
+    """The layout's attribute code (0 = LBHNC, 1 = BLHNC); ValueError otherwise."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return LAYOUTS.index(layout)
+
+
+# What each platform's native kernels serve (SPEC §1). None: no limit beyond the CPU's.
+_KERNEL_LIMITS = {
+    "rocm": dict(arch="gfx950", head_dim=128, group=16, topk_blocks=16, block_size=128),
+    "cuda": dict(arch="sm_90", head_dim=128, group=16, topk_blocks=16, block_size=128),
+}
+
+
+def unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, topk_blocks: int,
+                       block_size: int, platform: str | None = None) -> str | None:
+    """None if ``platform``'s backend serves this geometry, else one sentence naming every
+    violated requirement and the values seen (SPEC §1).
+
+    ``platform`` None or "cpu": any G = Hq/Hkv ≥ 1, K ≥ 1, N = 128, D a multiple of 32
+    (the CPU backend and the reference). "rocm": the gfx950 kernels (D = 128, G = 16,
+    K = 16, N = 128). "cuda": the sm_90 kernels (the same limits).
+    """
+    problems = []
+    if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads:
+        problems.append(f"num_heads ({num_heads}) must be a positive multiple of "
+                        f"num_kv_heads ({num_kv_heads})")
+    if head_dim < 32 or head_dim % 32:
+        problems.append(f"head_dim must be a multiple of 32 (got {head_dim})")
+    if topk_blocks < 1:
+        problems.append(f"topk_blocks must be >= 1 (got {topk_blocks})")
+    if block_size != 128:
+        problems.append(f"block_size must be 128 (got {block_size})")
+    limits = _KERNEL_LIMITS.get(platform)
+    if limits and not problems:
+        group = num_heads // num_kv_heads
+        for name, seen in (("head_dim", head_dim), ("group", group),
+                           ("topk_blocks", topk_blocks), ("block_size", block_size)):
+            if seen != limits[name]:
+                label = "num_heads / num_kv_heads" if name == "group" else name
+                problems.append(f"{label} must be {limits[name]} (got {seen})")
+    if not problems:
+        return None
+    where = f"the {platform} ({limits['arch']}) kernels" if limits else "jax_m3sparse"
+    return f"{where} cannot serve this geometry: " + "; ".join(problems) + "."
