@@ -1,0 +1,135 @@
+"""Sparse NVFP4 decode attention for gfx950 (SPEC §5.2, §5.3, §5.5), bf16 MFMA compute.
+
+Compiled variants: `sparse_decode_bf16`, `sparse_decode_f16` (the q / out dtype; the products are
+computed in bf16 either way, SPEC §5.5). Launcher arguments, in order (ffi/rocm/ passes them):
+
+    q            bf16|f16 [T, Hq, D]            Hq = Hkv·G, D = 128, G = 16
+    kv_cache     uint8, SPEC §3 (4-D, or 5-D LBHNC / BLHNC; see page_stride / layer_stride)
+    topk_indices int32 [Hkv, T, K]              K = 16 logical block ids, -1 = unused
+    block_table  int32 [R, M]
+    seq_lens     int32 [R]                      including this step's tokens
+    k_scale, v_scale  float32 []                global dequantization multipliers (SPEC §2.1)
+    layer        int32 []
+    out          bf16|f16 [T, Hq, D]
+    num_tokens T, num_kv_heads Hkv, num_requests R, max_blocks M, num_pages P, num_layers L (int32),
+    page_stride, layer_stride (int64 bytes: page p of layer l is at p·page_stride + l·layer_stride),
+    decode_query_len dql (int32), scale (float32 softmax scale), stream.
+
+Work decomposition. One workgroup of 4 waves per (token t, KV head g): grid = (T, Hkv). Wave w
+takes the selected slots k = 4·w + j, j = 0..3 (SPEC §5.1: order does not matter), runs an online
+softmax over them, and the 4 partial results (m, l, O) are merged through LDS at the end (the
+"split over the 16 blocks with an LSE merge", inside the workgroup). All 16 query heads of the
+KV head share every dequantized K/V tile.
+
+Per slot (SPEC §5.2): r = t // dql, pos = seq_lens[r] - dql + t % dql, vis = pos + 1. The slot's id
+b is valid iff 0 <= b < M, 128·b < vis, the layer is in [0, L) and 0 <= block_table[r, b] < P.
+An invalid slot gets buffer descriptors of 0 bytes, so its loads return zeros and touch no
+memory; its keys are all masked. Key p = 128·b + o is attended iff valid and p < vis. Masking is
+by select: scores of unattended keys become -inf before the max, and the raw NVFP4 words of
+unattended V tokens are replaced by zeros before dequantization, so garbage (NaN scales in page
+tails) never reaches the PV product.
+
+Lane mapping (lane in the wave, lane16 = lane % 16, quad = lane // 16), MFMA v_mfma_f32_16x16x32_bf16
+(A 16x32: lane holds row lane16, k = 8·quad + i; B 32x16: column lane16, same k; C 16x16: column
+lane16, rows 4·quad + i):
+* Q (registers, loaded once): head g·16 + lane16, head-dim d = 32·quad + 8·c + i for MFMA c = 0..3
+  (one 64-byte contiguous run per lane; the contraction over d is permuted identically for Q and K,
+  which leaves the dot product unchanged).
+* S^T = K · Q^T per tile of 16 keys: A = K (row = key 16·jt + lane16, the lane's 16-byte load of
+  that token's data bytes 16·quad..16·quad+15 plus its 2 scale bytes), B = Q. C gives the lane
+  the scores of head lane16 for keys 16·jt + 4·quad + i. So every lane owns one head; the row max /
+  sum need only the xor-16 and xor-32 shuffles.
+* O^T = V^T · P^T per 32-key step s: B = P (the lane's own probabilities of tiles 2s, 2s+1, key
+  16·(i/4) + 4·quad + i%4 in k-slot i), A = V^T from LDS, C = O^T rows d = 16·dt + 4·quad + i,
+  column head lane16 (8 d-tiles, 32 fp32 accumulators per lane).
+* V staging (LDS, per wave, per 64-key half of a block): lane16 picks tokens 4·lane16..+3 of the half,
+  quad the d range 32·quad..+31; the lane dequantizes and writes, for each of its 32 d, the 4 tokens'
+  bf16 as one 8-byte ds_write into Vt[d][token] (row stride VT_ROW_BYTES). The PV A-operand of
+  lane (lane16, quad) is two 8-byte reads of row 16·dt + lane16 at tokens 32·s + 4·quad and +16.
+
+NVFP4 -> bf16 (SPEC §2.1): v_cvt_scalef32_pk_f32_fp4 with a *unit* scale gives exact e2m1 values;
+the E4M3 block scale (v_cvt_pk_f32_fp8, exact) is applied as an exact fp32 multiply
+(v_pk_mul_f32), and v_cvt_pk_bf16_f32 rounds nothing because e2m1·e4m3 is exact in bf16. (The
+scaled conversion's scale operand applies only its exponent, so it cannot take an E4M3 scale.)
+
+Softmax (SPEC §5.5): base 2, fp32. The logit scale is scale · k_scale · log2(e) (k_scale folded,
+one multiply per score); v_scale is applied once in the epilogue. exp2 is v_exp_f32. A row with
+nothing attended has l = 0 and is written as exact zeros; a NaN that is attended stays visible.
+
+LDS: 4 waves × VT_BYTES (= 128 rows × 144 B = 18 KiB) = 72 KiB; the merge reuses it.
+"""
+
+import functools
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+
+from attention_core import COMPUTE_DTYPES, THREADS, Operands, attend, shared_storage
+
+IO_DTYPES = {"bf16": fx.BFloat16, "f16": fx.Float16}
+COMPUTE = "bf16"            # SPEC §5.5: the gfx950 decode computes the products in bf16
+
+
+@functools.lru_cache(maxsize=None)
+def compile_sparse_decode(dtype: str = "bf16"):
+    """Launcher for q/out dtype `dtype` ("bf16" or "f16"); products in bf16."""
+    io = IO_DTYPES[dtype]
+    compute = COMPUTE_DTYPES[COMPUTE]
+    SharedStorage = shared_storage()
+
+    @flyc.kernel(known_block_size=(THREADS, 1, 1))
+    def sparse_decode_kernel(
+        q: fx.Pointer, kv_cache: fx.Pointer, topk_indices: fx.Pointer, block_table: fx.Pointer,
+        seq_lens: fx.Pointer, k_scale: fx.Pointer, v_scale: fx.Pointer, layer: fx.Pointer,
+        out: fx.Pointer,
+        num_tokens: fx.Int32, num_kv_heads: fx.Int32, num_requests: fx.Int32, max_blocks: fx.Int32,
+        num_pages: fx.Int32, num_layers: fx.Int32, page_stride: fx.Int64, layer_stride: fx.Int64,
+        decode_query_len: fx.Int32, scale: fx.Float32,
+    ):
+        token = fx.Int32(fx.block_idx.x)
+        kv_head = fx.Int32(fx.block_idx.y)
+        lds = fx.SharedAllocator().allocate(SharedStorage).peek()
+        lds_base = fx.recast_iter(fx.Uint8, lds.buf.ptr)
+
+        # SPEC §5.3: row t belongs to request t // dql; pos = seq_lens[r] - dql + t % dql.
+        req = token // decode_query_len
+        seq_len = fx.Int32(seq_lens[req])
+        vis = seq_len - decode_query_len + token % decode_query_len + 1
+        row_ok = vis > 0                           # a padded request (seq_len 0) attends nothing
+
+        ops = Operands(q, kv_cache, topk_indices, block_table, k_scale, v_scale, layer, out,
+                       num_tokens, num_kv_heads, num_requests, max_blocks, num_pages, num_layers,
+                       page_stride, layer_stride, scale)
+        attend(ops, compute, io, token, kv_head, req, vis, row_ok, lds_base)
+
+    @flyc.jit
+    def launch(
+        q: fx.Pointer, kv_cache: fx.Pointer, topk_indices: fx.Pointer, block_table: fx.Pointer,
+        seq_lens: fx.Pointer, k_scale: fx.Pointer, v_scale: fx.Pointer, layer: fx.Pointer, out: fx.Pointer,
+        num_tokens: fx.Int32, num_kv_heads: fx.Int32, num_requests: fx.Int32, max_blocks: fx.Int32,
+        num_pages: fx.Int32, num_layers: fx.Int32, page_stride: fx.Int64, layer_stride: fx.Int64,
+        decode_query_len: fx.Int32, scale: fx.Float32,
+        stream: fx.Stream = fx.Stream(None),
+    ):
+        sparse_decode_kernel(
+            q, kv_cache, topk_indices, block_table, seq_lens, k_scale, v_scale, layer, out,
+            num_tokens, num_kv_heads, num_requests, max_blocks, num_pages, num_layers, page_stride,
+            layer_stride, decode_query_len, scale,
+        ).launch(grid=(num_tokens, num_kv_heads, 1), block=(THREADS, 1, 1), stream=stream)
+
+    return launch
+
+
+def placeholders(dtype: str = "bf16"):
+    """Arguments for flyc.compile without a GPU (null pointers, dummy scalars)."""
+    io = IO_DTYPES[dtype]
+    ptr = flyc.from_c_void_p
+    return (
+        ptr(io, None, assumed_align=16), ptr(fx.Uint8, None, assumed_align=16),
+        ptr(fx.Int32, None, assumed_align=4), ptr(fx.Int32, None, assumed_align=4),
+        ptr(fx.Int32, None, assumed_align=4), ptr(fx.Float32, None, assumed_align=4),
+        ptr(fx.Float32, None, assumed_align=4), ptr(fx.Int32, None, assumed_align=4),
+        ptr(io, None, assumed_align=16),
+        fx.Int32(1), fx.Int32(1), fx.Int32(1), fx.Int32(1), fx.Int32(1), fx.Int32(1),
+        fx.Int64(1), fx.Int64(1), fx.Int32(1), fx.Float32(1.0),
+    )
