@@ -33,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 KERNELS = {
     "pack_kv_pages_bf16": ("pack_kv_pages", "compile_pack_kv_pages", {"dtype": "bf16"}),
     "pack_kv_pages_f16": ("pack_kv_pages", "compile_pack_kv_pages", {"dtype": "f16"}),
+    "query_token_positions": ("query_token_positions", "compile_query_token_positions", {}),
     "sparse_decode_bf16": ("sparse_decode", "compile_sparse_decode", {"dtype": "bf16"}),
     "sparse_decode_f16": ("sparse_decode", "compile_sparse_decode", {"dtype": "f16"}),
     "sparse_prefill_bf16": ("sparse_prefill", "compile_sparse_prefill", {"dtype": "bf16"}),
