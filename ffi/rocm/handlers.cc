@@ -1,0 +1,299 @@
+// XLA FFI handlers of the ROCm (gfx950) backend: m3sparse_<op>_rocm, with exactly the operands,
+// results and attributes of docs/ffi_targets.md. Each handler validates the buffers (shapes,
+// dtypes, the gfx950 geometry D = 128, G = 16, K = 16, N = 128, 32-bit index limits), makes sure
+// the device is a gfx950 with the kernel's module loaded (device.cc), and calls the FlyDSL
+// entry point exported by ffi/flydsl/export.py on XLA's stream. Semantics: SPEC §2–§5, §7.
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "kernels.h"
+#include "m3sparse/cache.h"
+#include "m3sparse/ffi_checks.h"
+
+namespace m3sparse::rocm {
+namespace {
+
+constexpr int64_t kHeadDim = 128;    // D
+constexpr int64_t kGroup = 16;       // G query heads per KV head
+constexpr int64_t kTopk = 16;        // K selected blocks
+constexpr int64_t kBlockSize = 128;  // N
+constexpr int64_t kPackTokensPerGroup = 4;   // pack_kv_pages: tokens per 64-lane workgroup
+constexpr int64_t kPositionsPerGroup = 64;   // query_token_positions: tokens per workgroup
+constexpr int64_t kI32Max = std::numeric_limits<int32_t>::max();
+
+ffi::Error refuse(const char* target, const std::string& what) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(target) + ": " + what);
+}
+
+std::string dims_text(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+bool is_half(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::F16; }
+
+// Cache geometry (SPEC §3) restricted to what the gfx950 kernels are compiled for.
+ffi::Error cache_geometry(const char* target, const ffi::AnyBuffer& cache, int64_t layout,
+                          CacheGeometry* geo) {
+  if (auto e = decode_cache_geometry(cache, layout, kHeadDim, geo); e.failure()) return e;
+  if (geo->block_size != kBlockSize)
+    return refuse(target, "block_size must be 128 on gfx950, got " + std::to_string(geo->block_size));
+  if (geo->num_slots % 2 != 0) return refuse(target, "kv_cache must have 2·Hkv head slots");
+  if (geo->num_pages > kI32Max || geo->num_layers > kI32Max)
+    return refuse(target, "num_pages and num_layers must fit in int32");
+  return ffi::Error::Success();
+}
+
+// Strides in bytes for the kernels (SPEC §3.3): page p of layer l at p·page_stride + l·layer_stride.
+void strides(const CacheGeometry& geo, int64_t* page_stride, int64_t* layer_stride) {
+  *page_stride = geo.page_offset(0, 1) - geo.page_offset(0, 0);
+  *layer_stride = geo.page_offset(1, 0) - geo.page_offset(0, 0);
+}
+
+bool fits_i32(int64_t bytes) { return bytes >= 0 && bytes <= kI32Max; }
+
+// ---------------------------------------------------------------------------------------------
+// m3sparse_pack_kv_pages_rocm (SPEC §2.2, §3)
+// ---------------------------------------------------------------------------------------------
+constexpr const char* kPackTarget = "m3sparse_pack_kv_pages_rocm";
+
+ffi::Error PackKvPages(hipStream_t stream, int32_t device, ffi::AnyBuffer cache, ffi::AnyBuffer key,
+                       ffi::AnyBuffer value, ffi::Buffer<ffi::S32> slot_mapping,
+                       ffi::BufferR0<ffi::F32> k_scale, ffi::BufferR0<ffi::F32> v_scale,
+                       ffi::BufferR0<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> cache_out,
+                       int64_t layout) {
+  CacheGeometry geo;
+  if (auto e = cache_geometry(kPackTarget, cache, layout, &geo); e.failure()) return e;
+  auto kd = key.dimensions();
+  const int64_t hkv = geo.num_slots / 2;
+  if (kd.size() != 3 || kd[1] != hkv || kd[2] != kHeadDim)
+    return refuse(kPackTarget, "key must be [T, Hkv=" + std::to_string(hkv) + ", 128], got " +
+                                   dims_text(kd));
+  if (value.element_type() != key.element_type() || dims_text(value.dimensions()) != dims_text(kd))
+    return refuse(kPackTarget, "value must have key's dtype and shape");
+  if (!is_half(key.element_type()))
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      std::string(kPackTarget) + ": the gfx950 pack kernel takes bf16 or f16 K/V");
+  const int64_t tokens = kd[0];
+  if (slot_mapping.element_count() != tokens)
+    return refuse(kPackTarget, "slot_mapping must be [T=" + std::to_string(tokens) + "]");
+  if (!fits_i32(tokens * hkv * kHeadDim * 2)) return refuse(kPackTarget, "key is larger than 2 GiB");
+  if (cache_out->untyped_data() != cache.untyped_data()) {
+    // Not aliased (the caller did not donate the cache): start from a copy, as XLA expects.
+    hipError_t err = hipMemcpyAsync(cache_out->untyped_data(), cache.untyped_data(),
+                                    cache.size_bytes(), hipMemcpyDeviceToDevice, stream);
+    if (err != hipSuccess)
+      return ffi::Error(ffi::ErrorCode::kInternal, std::string(kPackTarget) +
+                                                       ": copying the unaliased cache failed: " +
+                                                       hipGetErrorString(err));
+  }
+  if (tokens == 0) return ffi::Error::Success();
+  int64_t page_stride, layer_stride;
+  strides(geo, &page_stride, &layer_stride);
+  const bool bf16 = key.element_type() == ffi::DataType::BF16;
+  const KernelModule kernel =
+      bf16 ? M3SPARSE_KERNEL_MODULE(pack_kv_pages_bf16) : M3SPARSE_KERNEL_MODULE(pack_kv_pages_f16);
+  if (auto e = prepare_launch(kPackTarget, kernel, device); e.failure()) return e;
+  auto call = bf16 ? pack_kv_pages_bf16_call : pack_kv_pages_f16_call;
+  int32_t st = call(cache_out->untyped_data(), key.untyped_data(), value.untyped_data(),
+                    slot_mapping.typed_data(), k_scale.typed_data(), v_scale.typed_data(),
+                    layer.typed_data(), int32_t(tokens), int32_t(hkv), int32_t(geo.num_pages),
+                    int32_t(geo.num_layers), page_stride, layer_stride,
+                    int32_t((tokens + kPackTokensPerGroup - 1) / kPackTokensPerGroup), stream);
+  return launch_status(kPackTarget, kernel, st);
+}
+
+// ---------------------------------------------------------------------------------------------
+// m3sparse_query_token_positions_rocm (SPEC §4)
+// ---------------------------------------------------------------------------------------------
+constexpr const char* kPositionsTarget = "m3sparse_query_token_positions_rocm";
+
+ffi::Error QueryTokenPositions(hipStream_t stream, int32_t device, ffi::Buffer<ffi::S32> cu_seqlens_q,
+                               ffi::Buffer<ffi::S32> context_lens,
+                               ffi::Result<ffi::Buffer<ffi::S32>> query_req_id,
+                               ffi::Result<ffi::Buffer<ffi::S32>> query_abs_pos) {
+  const int64_t requests = context_lens.element_count();
+  if (cu_seqlens_q.element_count() != requests + 1)
+    return refuse(kPositionsTarget, "cu_seqlens_q must be [R+1] with context_lens [R]");
+  const int64_t tokens = query_req_id->element_count();
+  if (query_abs_pos->element_count() != tokens)
+    return refuse(kPositionsTarget, "query_req_id and query_abs_pos must have the same size");
+  if (!fits_i32((requests + 1) * 4) || !fits_i32(tokens * 4))
+    return refuse(kPositionsTarget, "too many requests or tokens for int32 indexing");
+  if (tokens == 0) return ffi::Error::Success();
+  int32_t steps = 0;  // ceil(log2(R + 1)): binary-search steps over [0, R)
+  while ((int64_t(1) << steps) <= requests) ++steps;
+  const KernelModule kernel = M3SPARSE_KERNEL_MODULE(query_token_positions);
+  if (auto e = prepare_launch(kPositionsTarget, kernel, device); e.failure()) return e;
+  int32_t st = query_token_positions_call(
+      cu_seqlens_q.typed_data(), context_lens.typed_data(), query_req_id->typed_data(),
+      query_abs_pos->typed_data(), int32_t(requests), int32_t(tokens), steps,
+      int32_t((tokens + kPositionsPerGroup - 1) / kPositionsPerGroup), stream);
+  return launch_status(kPositionsTarget, kernel, st);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared checks of sparse_decode / sparse_prefill (SPEC §5)
+// ---------------------------------------------------------------------------------------------
+struct AttendShape {
+  CacheGeometry geo;
+  int64_t tokens, hkv, requests, max_blocks, page_stride, layer_stride;
+};
+
+ffi::Error attend_shape(const char* target, const ffi::AnyBuffer& q, const ffi::AnyBuffer& cache,
+                        const ffi::Buffer<ffi::S32>& topk, const ffi::Buffer<ffi::S32>& block_table,
+                        const ffi::AnyBuffer& out, int64_t layout, AttendShape* s) {
+  if (auto e = cache_geometry(target, cache, layout, &s->geo); e.failure()) return e;
+  s->hkv = s->geo.num_slots / 2;
+  auto qd = q.dimensions();
+  if (qd.size() != 3 || qd[2] != kHeadDim)
+    return refuse(target, "q must be [T, Hq, 128], got " + dims_text(qd));
+  if (qd[1] != kGroup * s->hkv)
+    return refuse(target, "gfx950 kernels need G = Hq/Hkv = 16, got Hq=" + std::to_string(qd[1]) +
+                              ", Hkv=" + std::to_string(s->hkv));
+  if (!is_half(q.element_type()))
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      std::string(target) + ": the gfx950 kernels take bf16 or f16 q");
+  if (out.element_type() != q.element_type() || dims_text(out.dimensions()) != dims_text(qd))
+    return refuse(target, "out must have q's dtype and shape");
+  s->tokens = qd[0];
+  auto td = topk.dimensions();
+  if (td.size() != 3 || td[0] != s->hkv || td[1] != s->tokens || td[2] != kTopk)
+    return refuse(target, "topk_indices must be [Hkv, T, 16], got " + dims_text(td));
+  auto bd = block_table.dimensions();
+  if (bd.size() != 2) return refuse(target, "block_table must be [R, M]");
+  s->requests = bd[0];
+  s->max_blocks = bd[1];
+  if (!fits_i32(s->tokens * qd[1] * kHeadDim * 2) || !fits_i32(s->hkv * s->tokens * kTopk * 4) ||
+      !fits_i32(s->requests * s->max_blocks * 4) || !fits_i32(s->max_blocks * kBlockSize))
+    return refuse(target, "an operand is too large for the kernels' 32-bit indexing");
+  strides(s->geo, &s->page_stride, &s->layer_stride);
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// m3sparse_sparse_decode_rocm (SPEC §5.3)
+// ---------------------------------------------------------------------------------------------
+constexpr const char* kDecodeTarget = "m3sparse_sparse_decode_rocm";
+
+ffi::Error SparseDecode(hipStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer cache,
+                        ffi::Buffer<ffi::S32> topk, ffi::Buffer<ffi::S32> block_table,
+                        ffi::Buffer<ffi::S32> seq_lens, ffi::BufferR0<ffi::F32> k_scale,
+                        ffi::BufferR0<ffi::F32> v_scale, ffi::BufferR0<ffi::S32> layer,
+                        ffi::Result<ffi::AnyBuffer> out, float scale, int64_t decode_query_len,
+                        int64_t layout) {
+  AttendShape s;
+  if (auto e = attend_shape(kDecodeTarget, q, cache, topk, block_table, *out, layout, &s); e.failure())
+    return e;
+  if (decode_query_len < 1 || s.tokens != s.requests * decode_query_len ||
+      seq_lens.element_count() != s.requests)
+    return refuse(kDecodeTarget, "decode needs T = R·decode_query_len and seq_lens [R]");
+  if (s.tokens == 0) return ffi::Error::Success();
+  const bool bf16 = q.element_type() == ffi::DataType::BF16;
+  const KernelModule kernel =
+      bf16 ? M3SPARSE_KERNEL_MODULE(sparse_decode_bf16) : M3SPARSE_KERNEL_MODULE(sparse_decode_f16);
+  if (auto e = prepare_launch(kDecodeTarget, kernel, device); e.failure()) return e;
+  auto call = bf16 ? sparse_decode_bf16_call : sparse_decode_f16_call;
+  int32_t st = call(q.untyped_data(), cache.untyped_data(), topk.typed_data(), block_table.typed_data(),
+                    seq_lens.typed_data(), k_scale.typed_data(), v_scale.typed_data(),
+                    layer.typed_data(), out->untyped_data(), int32_t(s.tokens), int32_t(s.hkv),
+                    int32_t(s.requests), int32_t(s.max_blocks), int32_t(s.geo.num_pages),
+                    int32_t(s.geo.num_layers), s.page_stride, s.layer_stride,
+                    int32_t(decode_query_len), scale, stream);
+  return launch_status(kDecodeTarget, kernel, st);
+}
+
+// ---------------------------------------------------------------------------------------------
+// m3sparse_sparse_prefill_rocm (SPEC §5.4)
+// ---------------------------------------------------------------------------------------------
+constexpr const char* kPrefillTarget = "m3sparse_sparse_prefill_rocm";
+
+ffi::Error SparsePrefill(hipStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer cache,
+                         ffi::Buffer<ffi::S32> topk, ffi::Buffer<ffi::S32> block_table,
+                         ffi::Buffer<ffi::S32> query_req_id, ffi::Buffer<ffi::S32> query_abs_pos,
+                         ffi::BufferR0<ffi::F32> k_scale, ffi::BufferR0<ffi::F32> v_scale,
+                         ffi::BufferR0<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out, float scale,
+                         int64_t layout) {
+  AttendShape s;
+  if (auto e = attend_shape(kPrefillTarget, q, cache, topk, block_table, *out, layout, &s); e.failure())
+    return e;
+  if (query_req_id.element_count() != s.tokens || query_abs_pos.element_count() != s.tokens)
+    return refuse(kPrefillTarget, "query_req_id and query_abs_pos must be [T]");
+  if (s.tokens == 0) return ffi::Error::Success();
+  const bool bf16 = q.element_type() == ffi::DataType::BF16;
+  const KernelModule kernel =
+      bf16 ? M3SPARSE_KERNEL_MODULE(sparse_prefill_bf16) : M3SPARSE_KERNEL_MODULE(sparse_prefill_f16);
+  if (auto e = prepare_launch(kPrefillTarget, kernel, device); e.failure()) return e;
+  auto call = bf16 ? sparse_prefill_bf16_call : sparse_prefill_f16_call;
+  int32_t st = call(q.untyped_data(), cache.untyped_data(), topk.typed_data(), block_table.typed_data(),
+                    query_req_id.typed_data(), query_abs_pos.typed_data(), k_scale.typed_data(),
+                    v_scale.typed_data(), layer.typed_data(), out->untyped_data(), int32_t(s.tokens),
+                    int32_t(s.hkv), int32_t(s.requests), int32_t(s.max_blocks),
+                    int32_t(s.geo.num_pages), int32_t(s.geo.num_layers), s.page_stride,
+                    s.layer_stride, scale, stream);
+  return launch_status(kPrefillTarget, kernel, st);
+}
+
+}  // namespace
+}  // namespace m3sparse::rocm
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_pack_kv_pages_rocm, m3sparse::rocm::PackKvPages,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<hipStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()               // kv_cache
+                                  .Arg<ffi::AnyBuffer>()               // key
+                                  .Arg<ffi::AnyBuffer>()               // value
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // slot_mapping
+                                  .Arg<ffi::BufferR0<ffi::F32>>()      // k_scale
+                                  .Arg<ffi::BufferR0<ffi::F32>>()      // v_scale
+                                  .Arg<ffi::BufferR0<ffi::S32>>()      // layer
+                                  .Ret<ffi::AnyBuffer>()               // kv_cache (aliased)
+                                  .Attr<int64_t>("layout"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_query_token_positions_rocm, m3sparse::rocm::QueryTokenPositions,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<hipStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // cu_seqlens_q
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // context_lens
+                                  .Ret<ffi::Buffer<ffi::S32>>()        // query_req_id
+                                  .Ret<ffi::Buffer<ffi::S32>>());      // query_abs_pos
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_sparse_decode_rocm, m3sparse::rocm::SparseDecode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<hipStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()               // q
+                                  .Arg<ffi::AnyBuffer>()               // kv_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // topk_indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // block_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // seq_lens
+                                  .Arg<ffi::BufferR0<ffi::F32>>()      // k_scale
+                                  .Arg<ffi::BufferR0<ffi::F32>>()      // v_scale
+                                  .Arg<ffi::BufferR0<ffi::S32>>()      // layer
+                                  .Ret<ffi::AnyBuffer>()               // out
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("decode_query_len")
+                                  .Attr<int64_t>("layout"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_sparse_prefill_rocm, m3sparse::rocm::SparsePrefill,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<hipStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()               // q
+                                  .Arg<ffi::AnyBuffer>()               // kv_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // topk_indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // block_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // query_req_id
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // query_abs_pos
+                                  .Arg<ffi::BufferR0<ffi::F32>>()      // k_scale
+                                  .Arg<ffi::BufferR0<ffi::F32>>()      // v_scale
+                                  .Arg<ffi::BufferR0<ffi::S32>>()      // layer
+                                  .Ret<ffi::AnyBuffer>()               // out
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("layout"));
