@@ -56,3 +56,17 @@ def has_native(op: str, platform: str) -> bool:
 def import_error(platform: str) -> str | None:
     """Why the module of ``platform`` did not load (None if it did or was not tried)."""
     return _import_errors.get(platform)
+
+
+OPS = ("pack_kv_pages", "query_token_positions", "sparse_decode", "sparse_prefill")
+
+
+def export_disabled_checks(platforms=("cpu", "rocm", "cuda")):
+    """The ``disabled_checks`` that let ``jax.export`` serialize our custom calls.
+
+    jax.export refuses custom calls without a compatibility guarantee; ours are stable
+    for a given jax_m3sparse version (docs/ffi_targets.md). Use as
+    ``jax.export.export(jax.jit(f), platforms=[...], disabled_checks=export_disabled_checks())``.
+    """
+    return [jax.export.DisabledSafetyCheck.custom_call(target_name(op, p))
+            for p in platforms for op in OPS]

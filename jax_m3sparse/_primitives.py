@@ -81,8 +81,7 @@ def _ffi_rule(target: str, attributes: Callable, aliases, reason: Callable | Non
 
 def _batch_by_map(prim, args, dims, **params):
     """vmap rule: one primitive call per batch element, via ``lax.map``."""
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
-    batched = [d is not batching.not_mapped for d in dims]
+    batched = [d is not None for d in dims]
     moved = [jax.numpy.moveaxis(a, d, 0) if b else a for a, d, b in zip(args, dims, batched)]
     mapped = [a for a, b in zip(moved, batched) if b]
 

@@ -1,0 +1,201 @@
+"""The CUDA backend through the public API, on a GPU (skipped without one or without the
+compiled ``_m3sparse_cuda`` module). Oracles: tests/oracle.py (float64 from the stored bytes,
+SPEC §6) and the CPU backend (bit-exact pack)."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import oracle  # noqa: E402
+
+import jax_m3sparse as m3  # noqa: E402
+from jax_m3sparse import _ffi  # noqa: E402
+
+
+def _gpus():
+    try:
+        return jax.devices("cuda")
+    except RuntimeError:
+        return []
+
+
+pytestmark = [
+    pytest.mark.skipif(not _gpus(), reason="no CUDA device"),
+    pytest.mark.skipif(not _gpus() or not _ffi.has_native("sparse_decode", "cuda"),
+                       reason="jax_m3sparse._m3sparse_cuda not built"),
+]
+
+GPU_COS, GPU_RELF = 0.99, 0.06
+
+
+def _gpu(x):
+    return jax.device_put(x, _gpus()[0])
+
+
+def _cache(rng, shape):
+    """Random cache bytes with the scale planes (tile bytes [8192, 9216)) in a sane E4M3 range."""
+    c = rng.integers(0, 256, shape, dtype=np.uint8)
+    f = c.reshape(*shape[:-2], 128 * 72)
+    f[..., 8192:] = rng.integers(0x28, 0x48, f[..., 8192:].shape, dtype=np.uint8)
+    return c
+
+
+def _setup(rng, Hkv, seq_lens, K, num_layers=None, layout="LBHNC"):
+    seq_lens = np.asarray(seq_lens)
+    R = len(seq_lens)
+    nblocks = (seq_lens + 127) // 128
+    M = int(nblocks.max()) + 2
+    P = int(nblocks.sum()) + 3
+    pages = rng.permutation(P)
+    bt = -np.ones((R, M), np.int32)
+    tail = np.zeros(P, np.int64)
+    i = 0
+    for r in range(R):
+        for b in range(nblocks[r]):
+            bt[r, b] = pages[i]
+            tail[pages[i]] = min(128, seq_lens[r] - 128 * b)
+            i += 1
+        if nblocks[r] < M:
+            bt[r, nblocks[r]] = P + 5 if r % 2 else -3
+    if num_layers is None:
+        shape = (P, 2 * Hkv, 128, 72)
+    elif layout == "LBHNC":
+        shape = (num_layers, P, 2 * Hkv, 128, 72)
+    else:
+        shape = (P, num_layers, 2 * Hkv, 128, 72)
+    cache = _cache(rng, shape)
+    # NaN scales wherever nothing may be read: key tails past seq_len, unreferenced pages
+    f = cache.reshape(*shape[:-2], 128 * 72)
+    for p in range(P):
+        view = f[:, p] if (num_layers is not None and layout == "LBHNC") else f[p]
+        view[..., 8192 + 8 * int(tail[p]):] = 0x7F
+    return cache, bt, M, P
+
+
+def _topk(rng, Hkv, T, K, vis_blocks, M):
+    topk = -np.ones((Hkv, T, K), np.int32)
+    for g in range(Hkv):
+        for t in range(T):
+            ids = rng.permutation(max(int(vis_blocks[t]), 0))[:K]
+            topk[g, t, :len(ids)] = ids
+            junk = rng.random(K) < 0.15
+            topk[g, t, junk] = rng.choice([-1, -9, M + 2, int(vis_blocks[t]) + 1], junk.sum())
+    return topk
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dql", [1, 2])
+def test_decode_matches_oracle(rng, dtype, dql):
+    Hkv, K = 2, 16
+    seq_lens = np.array([1500, 0, 640, 2049, 77, 3000])
+    cache, bt, M, P = _setup(rng, Hkv, seq_lens, K)
+    req, pos = oracle.decode_rows(seq_lens, dql)
+    T = len(req)
+    topk = _topk(rng, Hkv, T, K, (pos + 1 + 127) // 128, M)
+    q = jnp.asarray(rng.standard_normal((T, Hkv * 16, 128)), dtype)
+    ks, vs = np.float32(0.8), np.float32(1.3)
+    fn = jax.jit(lambda *a: m3.sparse_decode(*a, decode_query_len=dql))
+    out = fn(_gpu(q), _gpu(cache), _gpu(topk), _gpu(bt), _gpu(seq_lens.astype(np.int32)),
+             _gpu(ks), _gpu(vs))
+    assert list(out.devices())[0].platform == "gpu"
+    out = np.asarray(out.astype(jnp.float32))
+    ref = oracle.attention(np.asarray(q.astype(jnp.float32)), cache, topk, bt, req, pos, ks, vs)
+    cos, relf = oracle.metrics(out, ref)
+    assert np.isfinite(out).all()
+    empty = np.abs(ref).sum(-1) == 0
+    assert (out[empty] == 0).all()
+    assert cos >= GPU_COS and relf <= GPU_RELF, (cos, relf)
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
+def test_prefill_multilayer_matches_oracle(rng, layout):
+    Hkv, K, L = 1, 16, 3
+    seq_lens = np.array([700, 300, 1900])
+    cache, bt, M, P = _setup(rng, Hkv, seq_lens, K, num_layers=L, layout=layout)
+    chunk = np.array([30, 0, 45])
+    ctx = seq_lens - chunk
+    cu = np.concatenate([[0], np.cumsum(chunk)]).astype(np.int32)
+    T = int(cu[-1]) + 4
+    rid, apos = m3.query_token_positions(_gpu(cu), _gpu(ctx.astype(np.int32)), T)
+    req, pos = oracle.positions(cu, ctx, T)
+    np.testing.assert_array_equal(np.asarray(rid), req)
+    np.testing.assert_array_equal(np.asarray(apos), pos)
+    topk = _topk(rng, Hkv, T, K, np.where(req >= 0, (pos + 1 + 127) // 128, 2), M)
+    q = jnp.asarray(rng.standard_normal((T, 16 * Hkv, 128)), jnp.bfloat16)
+    for layer in (1, 7):
+        out = jax.jit(lambda *a: m3.sparse_prefill(*a[:-1], layer=a[-1], layout=layout))(
+            _gpu(q), _gpu(cache), _gpu(topk), _gpu(bt), rid, apos, _gpu(np.float32(1.0)),
+            _gpu(np.float32(0.5)), _gpu(np.int32(layer)))
+        out = np.asarray(out.astype(jnp.float32))
+        ref = oracle.attention(np.asarray(q.astype(jnp.float32)), cache, topk, bt, req, pos,
+                               1.0, 0.5, layer=layer, layout=layout)
+        if layer >= L:
+            assert (out == 0).all()
+            continue
+        cos, relf = oracle.metrics(out, ref)
+        assert np.isfinite(out).all()
+        assert (out[req < 0] == 0).all()
+        assert cos >= GPU_COS and relf <= GPU_RELF, (cos, relf)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_pack_bit_exact_vs_cpu_and_oracle(rng, dtype):
+    Hkv, T, P = 2, 200, 4
+    cache = rng.integers(0, 256, (P, 2 * Hkv, 128, 72), dtype=np.uint8)
+    key = rng.standard_normal((T, Hkv, 128)) * np.exp2(rng.integers(-12, 12, (T, Hkv, 1)))
+    value = rng.standard_normal((T, Hkv, 128)) * 3
+    key[3, 0, 5] = np.nan
+    key[4, 1, 17] = np.inf
+    value[5, 0, :16] = 0.0
+    key, value = jnp.asarray(key, dtype), jnp.asarray(value, dtype)
+    slots = rng.permutation(P * 128)[:T].astype(np.int32)
+    slots[[2, 9, 11]] = [-1, P * 128, P * 128 + 5]
+    ks, vs = np.float32(0.37), np.float32(2.5)
+    fn = jax.jit(m3.pack_kv_pages, donate_argnums=0)
+    gpu = np.asarray(fn(_gpu(cache), _gpu(key), _gpu(value), _gpu(slots), _gpu(ks), _gpu(vs)))
+    cpu_dev = jax.devices("cpu")[0]
+    cpu = np.asarray(jax.jit(m3.pack_kv_pages)(*(jax.device_put(x, cpu_dev) for x in (
+        cache, key, value, slots, ks, vs))))
+    np.testing.assert_array_equal(gpu, cpu)
+    want = oracle.pack(cache, np.asarray(key.astype(jnp.float32)),
+                       np.asarray(value.astype(jnp.float32)), slots, ks, vs)
+    np.testing.assert_array_equal(gpu, want)
+
+
+def test_pack_then_decode_in_scan_over_layers(rng):
+    """Traced layer inside lax.scan, 5-D BLHNC cache donated through the loop."""
+    Hkv, L, P, K = 1, 3, 8, 4
+    cache = jnp.zeros((P, L, 2 * Hkv, 128, 72), jnp.uint8)
+    T = 256
+    key = jnp.asarray(rng.standard_normal((L, T, Hkv, 128)), jnp.bfloat16)
+    value = jnp.asarray(rng.standard_normal((L, T, Hkv, 128)), jnp.bfloat16)
+    slots = jnp.arange(T, dtype=jnp.int32)
+    q = jnp.asarray(rng.standard_normal((1, 16 * Hkv, 128)), jnp.bfloat16)
+    topk = jnp.asarray([[[0, 1, -1, 3]]], jnp.int32)
+    bt = jnp.asarray([[0, 1, 2, 3]], jnp.int32)
+    seq = jnp.asarray([T], jnp.int32)
+
+    def step(c, xs):
+        layer, k, v = xs
+        c = m3.pack_kv_pages(c, k, v, slots, 1.0, 1.0, layer=layer, layout="BLHNC")
+        o = m3.sparse_decode(q, c, topk, bt, seq, 1.0, 1.0, layer=layer, layout="BLHNC")
+        return c, o
+
+    run = jax.jit(lambda c, k, v: jax.lax.scan(step, c, (jnp.arange(L, dtype=jnp.int32), k, v)),
+                  donate_argnums=0)
+    c, outs = run(_gpu(cache), _gpu(key), _gpu(value))
+    c, outs = np.asarray(c), np.asarray(outs.astype(jnp.float32))
+    for layer in range(L):
+        ref = oracle.attention(np.asarray(q.astype(jnp.float32)), c, np.asarray(topk),
+                               np.asarray(bt), [0], [T - 1], 1.0, 1.0, layer=layer,
+                               layout="BLHNC")
+        cos, relf = oracle.metrics(outs[layer], ref)
+        assert cos >= GPU_COS and relf <= GPU_RELF, (layer, cos, relf)

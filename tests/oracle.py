@@ -1,0 +1,170 @@
+"""Independent float64/numpy oracles written from SPEC.md (they never call jax_m3sparse).
+
+* NVFP4 (SPEC §2.2): fp32 numpy arithmetic, ml_dtypes for the E4M3 rounding, and E2M1
+  rounding by nearest grid point with ties to the even code (not by thresholds).
+* Page map (SPEC §3): byte-by-byte writes with Python offsets.
+* Attention (SPEC §5): float64 dense softmax over the keys a row attends, read from the
+  stored bytes.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+E2M1_GRID = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
+
+
+def e2m1_code(y: float) -> int:
+    """Nearest magnitude on the grid (ties to the even code), saturating; sign bit unless +0."""
+    a = abs(float(y))
+    dist = np.abs(E2M1_GRID - min(a, 6.0))
+    best = np.flatnonzero(dist == dist.min())
+    m = int(best[0]) if len(best) == 1 else int(best[best % 2 == 0][0])
+    return m | 8 if (m and np.signbit(y)) else m
+
+
+def quantize(x, g):
+    """(data uint8[..., D/2], scale bytes uint8[..., D/16]) of x (any float dtype), SPEC §2.2."""
+    x = np.asarray(x).astype(np.float32)
+    g = np.float32(g)
+    with np.errstate(all="ignore"):
+        r = np.float32(1) / g
+    bad_g = not (g > 0 and np.isfinite(g) and np.isfinite(r))
+    D = x.shape[-1]
+    flat = x.reshape(-1, D)
+    data = np.zeros((flat.shape[0], D // 2), np.uint8)
+    scales = np.zeros((flat.shape[0], D // 16), np.uint8)
+    with np.errstate(all="ignore"):
+        for i, row in enumerate(flat):
+            for s in range(D // 16):
+                grp = row[16 * s:16 * s + 16]
+                if bad_g or np.isnan(grp).any():
+                    scales[i, s] = 0x7F
+                    continue
+                amax = np.float32(np.max(np.abs(grp)))
+                sv = np.float32(np.float32(amax / np.float32(6)) * r)
+                sf = np.array(min(max(sv, np.float32(2.0 ** -9)), np.float32(448)),
+                              np.float32).astype(ml_dtypes.float8_e4m3fn)
+                scales[i, s] = sf.view(np.uint8)
+                codes = [e2m1_code(np.float32(np.float32(v * r) / np.float32(sf.astype(np.float32))))
+                         for v in grp]
+                for j in range(8):
+                    data[i, 8 * s + j] = codes[2 * j] | (codes[2 * j + 1] << 4)
+    return data.reshape(*x.shape[:-1], D // 2), scales.reshape(*x.shape[:-1], D // 16)
+
+
+def dequantize(data, scale_bytes, g):
+    """float64 values of stored NVFP4 bytes (SPEC §2.1)."""
+    data = np.asarray(data)
+    vals = np.concatenate([E2M1_GRID, -E2M1_GRID])
+    v = np.stack([vals[data & 15], vals[data >> 4]], -1).reshape(*data.shape[:-1], -1)
+    s = np.asarray(scale_bytes, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return v * np.repeat(s, 16, axis=-1) * np.float64(np.float32(g))
+
+
+def page_index(layer, page, num_layers, num_pages, layout):
+    """Index of (layer, page) in the first two axes of a 5-D cache (SPEC §3.3)."""
+    return (layer, page) if layout == "LBHNC" else (page, layer)
+
+
+def tile(cache, layer, page, slot, layout="LBHNC"):
+    """Bytes [N·C] of one (page, slot) tile of a 4-D or 5-D numpy cache."""
+    if cache.ndim == 4:
+        return cache[page, slot].reshape(-1)
+    return cache[page_index(layer, page, 0, 0, layout)][slot].reshape(-1)
+
+
+def pack(cache, key, value, slots, gk, gv, layer=0, layout="LBHNC"):
+    """Numpy cache after writing key/value [T, Hkv, D] at slots (SPEC §3.2–3.4)."""
+    cache = np.array(cache, copy=True)
+    N, C = cache.shape[-2:]
+    D = key.shape[-1]
+    P = cache.shape[0] if cache.ndim == 4 or layout == "BLHNC" else cache.shape[1]
+    L = 1 if cache.ndim == 4 else (cache.shape[0] if layout == "LBHNC" else cache.shape[1])
+    if not 0 <= layer < L:
+        return cache
+    kd, ks = quantize(key, gk)
+    vd, vs = quantize(value, gv)
+    for t, slot in enumerate(np.asarray(slots)):
+        if slot < 0 or slot >= P * N:
+            continue
+        page, off = divmod(int(slot), N)
+        for h in range(key.shape[1]):
+            for side, (d, s) in enumerate(((kd, ks), (vd, vs))):
+                view = (cache[page, 2 * h + side] if cache.ndim == 4
+                        else cache[page_index(layer, page, L, P, layout)][2 * h + side])
+                flat = view.reshape(-1)
+                flat[off * (D // 2):(off + 1) * (D // 2)] = d[t, h]
+                base = N * (D // 2) + off * (D // 16)
+                flat[base:base + D // 16] = s[t, h]
+    return cache
+
+
+def attention(q, cache, topk, block_table, req, pos, gk, gv, scale=None, layer=0, layout="LBHNC"):
+    """float64 [T, Hq, D]: SPEC §5.2/§5.5 for rows with known (request, position)."""
+    q = np.asarray(q, np.float64)
+    cache = np.asarray(cache)
+    T, Hq, D = q.shape
+    Hkv, _, K = topk.shape
+    G = Hq // Hkv
+    N = cache.shape[-2]
+    R, M = block_table.shape
+    P = cache.shape[0] if cache.ndim == 4 or layout == "BLHNC" else cache.shape[1]
+    L = 1 if cache.ndim == 4 else (cache.shape[0] if layout == "LBHNC" else cache.shape[1])
+    scale = D ** -0.5 if scale is None else scale
+    out = np.zeros((T, Hq, D))
+    for t in range(T):
+        r, vis = int(req[t]), int(pos[t]) + 1
+        if r < 0 or r >= R or vis <= 0 or not 0 <= layer < L:
+            continue
+        for g in range(Hkv):
+            keys, vals = [], []
+            for b in topk[g, t]:
+                b = int(b)
+                if not (0 <= b < M and 128 * b < vis):
+                    continue
+                page = int(block_table[r, b])
+                if not 0 <= page < P:
+                    continue
+                n = min(N, vis - N * b)
+                for side, acc in ((0, keys), (1, vals)):
+                    tb = tile(cache, layer, page, 2 * g + side, layout)
+                    data = tb[:N * D // 2].reshape(N, D // 2)[:n]
+                    sc = tb[N * D // 2:].reshape(N, D // 16)[:n]
+                    acc.append(dequantize(data, sc, gk if side == 0 else gv))
+            if not keys:
+                continue
+            k, v = np.concatenate(keys), np.concatenate(vals)
+            for i in range(G):
+                h = g * G + i
+                z = k @ q[t, h] * scale
+                p = np.exp(z - z.max())
+                out[t, h] = (p / p.sum()) @ v
+    return out
+
+
+def decode_rows(seq_lens, dql):
+    """(req, pos) per decode row, SPEC §5.3."""
+    req = np.repeat(np.arange(len(seq_lens)), dql)
+    pos = np.asarray(seq_lens)[req] - dql + np.tile(np.arange(dql), len(seq_lens))
+    return req, pos
+
+
+def positions(cu, ctx, num_tokens):
+    """SPEC §4 by a direct scan over requests."""
+    req = -np.ones(num_tokens, np.int64)
+    pos = -np.ones(num_tokens, np.int64)
+    for r in range(len(ctx)):
+        for j in range(cu[r], min(cu[r + 1], num_tokens)):
+            req[j], pos[j] = r, ctx[r] + j - cu[r]
+    return req, pos
+
+
+def metrics(out, ref):
+    """(cosine, relative Frobenius error) of out against ref (SPEC §6)."""
+    a = np.asarray(out, np.float64).ravel()
+    b = np.asarray(ref, np.float64).ravel()
+    nb = np.linalg.norm(b)
+    cos = float(a @ b / (np.linalg.norm(a) * nb)) if nb else float(np.linalg.norm(a) == 0)
+    return cos, float(np.linalg.norm(a - b) / nb) if nb else float(np.linalg.norm(a))
