@@ -1,0 +1,319 @@
+"""A small continuous-batching engine around :func:`model.forward_step`.
+
+The Python side only schedules: it owns the page allocator and the per-request state, builds
+numpy arrays for one step (decode requests first, prefill chunks after, padded to a few shape
+buckets) and reads back logits. All model work is the one jitted step; each padded shape is
+compiled once (ahead of time, through ``lower().compile()``), never per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from .config import ModelConfig
+from .model import allocate_caches, forward_step
+
+
+# ----------------------------------------------------------------------------- pages
+class PageAllocator:
+    """A free list of cache pages. Pages are never shared: double frees and leaks raise."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self.free_pages = list(range(num_pages - 1, -1, -1))   # pop() hands out low ids first
+        self.owner: dict[int, int] = {}                        # page -> request id
+        self.peak_in_use = 0
+        self.total_allocations = 0
+
+    def num_free(self) -> int:
+        return len(self.free_pages)
+
+    def allocate(self, n: int, owner: int) -> list[int]:
+        if n > len(self.free_pages):
+            raise RuntimeError(f"out of pages: want {n}, {len(self.free_pages)} free")
+        pages = [self.free_pages.pop() for _ in range(n)]
+        for p in pages:
+            assert p not in self.owner, f"page {p} handed out twice"
+            self.owner[p] = owner
+        self.total_allocations += n
+        self.peak_in_use = max(self.peak_in_use, len(self.owner))
+        return pages
+
+    def free(self, pages: list[int], owner: int) -> None:
+        for p in pages:
+            if self.owner.pop(p, None) != owner:
+                raise RuntimeError(f"page {p} freed by request {owner}, which does not own it")
+            self.free_pages.append(p)
+
+
+# ----------------------------------------------------------------------------- requests
+@dataclasses.dataclass
+class Request:
+    """One prompt's state. ``tokens`` = prompt + generated; the first ``num_cached`` are in
+    the caches (a decoding request's last token is not: it is the next step's input)."""
+
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    num_cached: int = 0
+    pages: list[int] = dataclasses.field(default_factory=list)
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)      # per generated token
+    ref_logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+
+    def __post_init__(self):
+        self.tokens = list(self.prompt)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_cached < len(self.prompt)
+
+    @property
+    def done(self) -> bool:
+        return len(self.generated) >= self.max_new_tokens
+
+
+def propose_drafts(tokens: list[int], n: int, max_ngram: int = 3) -> list[int]:
+    """Prompt-lookup drafts: the ``n`` tokens that followed the latest earlier occurrence of
+    the longest suffix n-gram (3, 2, then 1 tokens); the last token repeated if none."""
+    arr = np.asarray(tokens)
+    for g in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        tail = arr[-g:]
+        for start in range(len(tokens) - g - 1, -1, -1):
+            if np.array_equal(arr[start:start + g], tail):
+                follow = tokens[start + g:start + g + n]
+                return follow + [tokens[-1]] * (n - len(follow))
+    return [tokens[-1]] * n
+
+
+# ----------------------------------------------------------------------------- engine
+@dataclasses.dataclass
+class EngineConfig:
+    num_pages: int = 64
+    max_running: int = 4            # requests in flight (= padded decode / prefill rows)
+    chunk_size: int = 512           # prefill tokens per step (all prefill requests together)
+    max_seq_len: int = 8192         # sets the block table width M
+    spec_tokens: int = 0            # prompt-lookup draft tokens verified per decode step
+    compare: bool = True            # run the bf16 reference stream alongside
+
+    @property
+    def decode_query_len(self) -> int:
+        return 1 + self.spec_tokens
+
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """Padded prefill token counts: few shapes, so few compilations."""
+        return tuple(sorted({0, max(self.chunk_size // 4, 1), self.chunk_size}))
+
+
+class Engine:
+    """Continuous batching: admit, chunked prefill, batched decode, greedy (+ speculative)."""
+
+    def __init__(self, params, cfg: ModelConfig, ecfg: EngineConfig):
+        self.params, self.cfg, self.ecfg = params, cfg, ecfg
+        self.caches = allocate_caches(cfg, ecfg.num_pages, ecfg.compare)
+        self.allocator = PageAllocator(ecfg.num_pages)
+        self.max_blocks = -(-ecfg.max_seq_len // cfg.block_size)
+        self.compiled: dict[tuple, object] = {}
+        self.compile_seconds = 0.0
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self.stats = RunStats(cfg.num_layers)
+
+    # -- requests
+    def add_request(self, rid: int, prompt: list[int], max_new_tokens: int) -> None:
+        need = len(prompt) + max_new_tokens + self.ecfg.spec_tokens
+        if need > self.max_blocks * self.cfg.block_size or not prompt:
+            raise ValueError(f"request {rid}: {len(prompt)} prompt tokens + {max_new_tokens} "
+                             f"new do not fit max_seq_len {self.ecfg.max_seq_len}")
+        self.waiting.append(Request(rid, list(prompt), max_new_tokens))
+
+    def _pages_needed(self, r: Request) -> int:
+        """Pages for the whole request (prompt, new tokens, rejected-draft slots)."""
+        return -(-(len(r.prompt) + r.max_new_tokens + self.ecfg.spec_tokens) // self.cfg.block_size)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.ecfg.max_running:
+            need = self._pages_needed(self.waiting[0])
+            if need > self.allocator.num_free():
+                if not self.running:
+                    raise RuntimeError(f"request {self.waiting[0].rid} needs {need} pages, the "
+                                       f"pool has {self.allocator.num_pages}: raise --num-pages")
+                return
+            r = self.waiting.pop(0)
+            r.pages = self.allocator.allocate(need, r.rid)
+            self.running.append(r)
+
+    def _finish(self, r: Request) -> None:
+        self.allocator.free(r.pages, r.rid)
+        r.pages = []
+        self.running.remove(r)
+        self.finished.append(r)
+
+    # -- one step
+    def _slot(self, r: Request, pos: int) -> int:
+        return r.pages[pos // self.cfg.block_size] * self.cfg.block_size + pos % self.cfg.block_size
+
+    def _build_batch(self):
+        """numpy arrays of one step and what each row means."""
+        e, N = self.ecfg, self.cfg.block_size
+        dql, R_half = e.decode_query_len, e.max_running
+        decoding = [r for r in self.running if not r.prefilling][:R_half]
+        prefill, budget = [], e.chunk_size
+        for r in self.running:
+            if r.prefilling and budget > 0:
+                n = min(len(r.prompt) - r.num_cached, budget)
+                prefill.append((r, n))
+                budget -= n
+        n_pre = e.chunk_size - budget
+        bucket = next(b for b in e.prefill_buckets() if b >= n_pre)
+        T = R_half * dql + bucket
+        tokens = np.zeros(T, np.int32)
+        slots = np.full(T, -1, np.int32)
+        qlens = np.zeros(2 * R_half, np.int32)
+        ctx = np.zeros(2 * R_half, np.int32)
+        table = np.full((2 * R_half, self.max_blocks), -1, np.int32)
+        drafts = {}
+        for i, r in enumerate(decoding):
+            d = propose_drafts(r.tokens, e.spec_tokens) if e.spec_tokens else []
+            drafts[r.rid] = d
+            rows = [r.tokens[-1], *d]
+            tokens[i * dql:(i + 1) * dql] = rows
+            slots[i * dql:(i + 1) * dql] = [self._slot(r, r.num_cached + j) for j in range(dql)]
+            qlens[i], ctx[i] = dql, r.num_cached
+            table[i, :len(r.pages)] = r.pages
+        t = R_half * dql
+        for j, (r, n) in enumerate(prefill):
+            row = R_half + j
+            tokens[t:t + n] = r.prompt[r.num_cached:r.num_cached + n]
+            slots[t:t + n] = [self._slot(r, r.num_cached + k) for k in range(n)]
+            qlens[row], ctx[row] = n, r.num_cached
+            table[row, :len(r.pages)] = r.pages
+            t += n
+        batch = dict(tokens=tokens, slot_mapping=slots, query_lens=qlens, context_lens=ctx,
+                     block_table=table)
+        return batch, decoding, prefill, drafts
+
+    def _compiled_step(self, batch):
+        key = tuple((k, v.shape) for k, v in sorted(batch.items()))
+        if key not in self.compiled:
+            t0 = time.perf_counter()
+            self.compiled[key] = forward_step.lower(
+                self.params, self.caches, batch, cfg=self.cfg,
+                num_decode_requests=self.ecfg.max_running,
+                decode_query_len=self.ecfg.decode_query_len, compare=self.ecfg.compare).compile()
+            self.compile_seconds += time.perf_counter() - t0
+        return self.compiled[key]
+
+    def step(self) -> int:
+        """Admits, runs one jitted step, samples; returns the number of tokens processed."""
+        self._admit()
+        batch, decoding, prefill, drafts = self._build_batch()
+        fn = self._compiled_step(batch)
+        t0 = time.perf_counter()
+        self.caches, out = fn(self.params, self.caches, batch)
+        out = jax.device_get(out)
+        seconds = time.perf_counter() - t0
+        logits, ref = out["logits"], out.get("ref_logits")
+        dql = self.ecfg.decode_query_len
+        emitted_decode = 0
+        step_rows = []                       # (served, ref) logits rows that emitted a token
+        for i, r in enumerate(decoding):
+            rows = slice(i * dql, (i + 1) * dql)
+            greedy = logits[rows].argmax(-1)
+            d = drafts[r.rid]
+            a = 0
+            while a < len(d) and greedy[a] == d[a]:
+                a += 1
+            r.drafted += len(d)
+            r.accepted += a
+            new = [*d[:a], int(greedy[a])][:r.max_new_tokens - len(r.generated)]
+            for k in range(len(new)):
+                self._log(r, logits[i * dql + k], None if ref is None else ref[i * dql + k])
+                step_rows.append(i * dql + k)
+            r.tokens += new
+            r.num_cached += a + 1
+            emitted_decode += len(new)
+        t = self.ecfg.max_running * dql
+        prefill_tokens = 0
+        for r, n in prefill:
+            r.num_cached += n
+            t += n
+            prefill_tokens += n
+            if not r.prefilling:             # the prompt's last token gives the first new one
+                self._log(r, logits[t - 1], None if ref is None else ref[t - 1])
+                r.tokens.append(int(logits[t - 1].argmax()))
+        self.stats.record_step(seconds, prefill_tokens, emitted_decode, len(decoding),
+                               out.get("attn_stats"),
+                               None if ref is None else (logits[step_rows], ref[step_rows]))
+        for r in [r for r in self.running if r.done]:
+            self._finish(r)
+        return prefill_tokens + emitted_decode
+
+    def _log(self, r: Request, row, ref_row):
+        r.logits.append(np.array(row))
+        if ref_row is not None:
+            r.ref_logits.append(np.array(ref_row))
+
+    def run(self, progress=None) -> list[Request]:
+        """Steps until every request is finished; ``progress(n_tokens)`` after each step."""
+        while self.waiting or self.running:
+            n = self.step()
+            if progress:
+                progress(n)
+        return sorted(self.finished, key=lambda r: r.rid)
+
+
+# ----------------------------------------------------------------------------- statistics
+def cosine(a, b) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
+
+
+class RunStats:
+    """Throughput and served-vs-reference agreement, accumulated over a run."""
+
+    def __init__(self, num_layers: int):
+        self.prefill_tokens = self.prefill_seconds = 0
+        self.decode_tokens = self.decode_seconds = 0
+        self.attn_sums = np.zeros((num_layers, 4))          # over all rows of the run
+        self.decode_steps: list[dict] = []                   # per step with decode rows
+
+    def record_step(self, seconds, prefill_tokens, decode_tokens, num_decoding, attn_stats,
+                    logit_pairs):
+        # Mixed steps count toward prefill (their time is dominated by the chunk).
+        if prefill_tokens:
+            self.prefill_tokens += prefill_tokens
+            self.prefill_seconds += seconds
+        else:
+            self.decode_tokens += decode_tokens
+            self.decode_seconds += seconds
+        if attn_stats is None:
+            return
+        attn_stats = np.asarray(attn_stats, np.float64)      # [L, 2 (decode, prefill), 4]
+        self.attn_sums += attn_stats.sum(axis=1)
+        if num_decoding and logit_pairs is not None and len(logit_pairs[0]):
+            served, ref = logit_pairs
+            self.decode_steps.append(dict(
+                attn_cos=[_cos_from_sums(s) for s in attn_stats[:, 0]],
+                logit_cos=float(np.mean([cosine(a, b) for a, b in zip(served, ref)])),
+                agree=float(np.mean(served.argmax(-1) == ref.argmax(-1)))))
+
+    def per_layer(self):
+        """(cosine, relative Frobenius error) of the served attention output per layer."""
+        return ([_cos_from_sums(s) for s in self.attn_sums],
+                [float(np.sqrt(s[3] / max(s[2], 1e-30))) for s in self.attn_sums])
+
+
+def _cos_from_sums(s) -> float:
+    return float(s[0] / max(np.sqrt(s[1] * s[2]), 1e-30))
