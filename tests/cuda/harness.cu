@@ -828,10 +828,11 @@ static void bench_pack(std::mt19937& rng, int T, double copy_tbs) {
 }
 
 int main(int argc, char** argv) {
-  bool quick = false, bench = true;
+  bool quick = false, bench = true, tests = true;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--quick")) quick = true;
     if (!strcmp(argv[i], "--no-bench")) bench = false;
+    if (!strcmp(argv[i], "--bench-only")) tests = false;
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -839,6 +840,7 @@ int main(int argc, char** argv) {
          prop.l2CacheSize / 1e6, prop.major, prop.minor);
   std::mt19937 rng(1234);
 
+  if (tests) {
   test_dequant<__nv_bfloat16>("bf16", true);
   test_dequant<__half>("f16", false);
 
@@ -858,6 +860,7 @@ int main(int argc, char** argv) {
   test_pack(rng, DType::kBF16, 3, 1, 2, "bf16 BLHNC layer 2");
   test_pack(rng, DType::kBF16, 3, 0, 1, "bf16 LBHNC layer 1");
   test_pack(rng, DType::kBF16, 2, 0, 2, "bf16 layer out of range (writes nothing)");
+  }
 
   if (bench) {
     const double copy = copy_bandwidth();

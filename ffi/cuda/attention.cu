@@ -1,0 +1,443 @@
+// Sparse NVFP4 attention for sm_90: sparse_decode (SPEC §5.3) and sparse_prefill (§5.4).
+//
+// One CTA (4 warps) per (token, KV head, split). The G = 16 query heads of a KV head are the
+// 16 rows of every m16n8k16 mma, so each dequantized K/V element serves all 16 heads.
+//   1. Threads 0..K-1 check their top-k slot (SPEC §5.2: 0 <= b < max_blocks, 128·b < vis,
+//      0 <= block_table[r, b] < P, layer in [0, L)) before anything is loaded, and the valid
+//      slots are compacted in shared memory; split `rank` of S takes entries rank, rank+S, ...
+//   2. The K tile and the V tile of a (page, head) are adjacent in the cache (slots 2h, 2h+1):
+//      18432 contiguous bytes, streamed with 16-byte cp.async into a 4-stage ring.
+//   3. Warp w owns keys [32w, 32w+32) of every block: it dequantizes K into mma B fragments
+//      (device_utils.cuh: exact), computes S = Q·Kᵀ (fp32), masks keys >= vis with a select,
+//      runs the base-2 online softmax, dequantizes V (block scale selected to 0 for masked keys,
+//      so NaN/garbage never meets the PV product) and accumulates P·V in fp32.
+//      The d order inside a k-step and the key order inside an n-tile are permuted (both sides
+//      agree) so that every lane reads contiguous bytes: 16 B per key for K, 8 B for V.
+//   4. The 4 warps' (m, l, acc) merge in shared memory; the S CTAs of a cluster merge through
+//      distributed shared memory (no global workspace, CUDA-graph safe). Rows with no attended
+//      key write exact zeros.
+#include <cooperative_groups.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "device_utils.cuh"
+#include "m3sparse_cuda.h"
+
+namespace cg = cooperative_groups;
+
+namespace m3sparse {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kStages = 4;
+constexpr int kTileBytes = kBlockSize * (kHeadDim / 2 + kHeadDim / 16);  // 9216
+constexpr int kScalePlane = kBlockSize * kHeadDim / 2;                     // 8192
+constexpr int kStageBytes = 2 * kTileBytes;                                // K tile, V tile
+constexpr int kSmemBytes = kStages * kStageBytes;                          // 73728
+constexpr int kMaxSplits = 16;
+constexpr float kLog2e = 1.4426950408889634f;
+
+static_assert(kHeadDim == 128 && kBlockSize == 128 && kGroup == 16, "kernel geometry");
+// Merge scratch (reuses the stage ring): 4 warp partials + one CTA partial.
+static_assert((kWarps * kGroup * kHeadDim + 2 * kWarps * kGroup + kGroup * kHeadDim + 2 * kGroup) *
+                      4 <= kSmemBytes,
+              "merge scratch fits");
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 3) sparse_attention_kernel(const AttentionParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ int64_t s_slot_off[kMaxTopk];
+  __shared__ int s_slot_n[kMaxTopk];
+  __shared__ int64_t s_off[kMaxTopk];
+  __shared__ int s_nvalid[kMaxTopk];
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int S = int(cluster.num_blocks());
+  const int rank = int(cluster.block_rank());
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int g8 = lane >> 2;   // mma groupID
+  const int tig = lane & 3;   // thread in group
+
+  const int64_t pair = int64_t(blockIdx.x) / S;
+  const int Hkv = p.num_kv_heads;
+  const int64_t t = pair / Hkv;
+  const int g = int(pair % Hkv);
+  const int64_t ntok = p.num_tokens;
+  const int K = p.topk;
+  const int M = p.max_blocks;
+  const CacheGeometry geom = p.geom;
+
+  // ---- position of this token (SPEC §5.3 / §5.4)
+  int64_t r;
+  int64_t pos;
+  bool live;
+  if (!p.is_prefill) {
+    const int dql = p.decode_query_len;
+    r = t / dql;
+    live = r < p.num_requests;
+    pos = live ? int64_t(p.seq_lens[r]) - dql + (t % dql) : -1;
+  } else {
+    r = p.query_req_id[t];
+    live = r >= 0 && r < p.num_requests;
+    pos = live ? int64_t(p.query_abs_pos[t]) : -1;
+  }
+  const int64_t layer = *p.layer;
+  live = live && geom.valid_layer(layer);
+  const int64_t vis = (live && pos >= 0) ? pos + 1 : 0;
+
+  // ---- validity of every top-k slot before any load (SPEC §5.2)
+  if (tid < K) {
+    int nv = 0;
+    int64_t off = 0;
+    if (vis > 0) {
+      const int64_t b = p.topk_indices[(int64_t(g) * ntok + t) * K + tid];
+      if (b >= 0 && b < M && b * kBlockSize < vis) {
+        const int64_t page = p.block_table[r * M + b];
+        if (geom.valid_page(page)) {
+          const int64_t rest = vis - b * kBlockSize;
+          nv = int(rest < kBlockSize ? rest : kBlockSize);
+          off = geom.tile_offset(layer, page, 2 * g);
+        }
+      }
+    }
+    s_slot_n[tid] = nv;
+    s_slot_off[tid] = off;
+  }
+  __syncthreads();
+  if (tid < K && s_slot_n[tid] > 0) {
+    int idx = 0;
+    for (int k = 0; k < tid; ++k) idx += s_slot_n[k] > 0;
+    s_off[idx] = s_slot_off[tid];
+    s_nvalid[idx] = s_slot_n[tid];
+  }
+  int count = 0;
+  for (int k = 0; k < K; ++k) count += s_slot_n[k] > 0;
+  __syncthreads();
+  const int nmine = count > rank ? (count - rank + S - 1) / S : 0;
+
+  // ---- Q fragments (A operand), d permuted to match the K fragments below:
+  // register j = 4W + k of lane (g8, tig) holds d = 32·tig + 8W + k (lo) and d + 4 (hi).
+  const int Hq = Hkv * kGroup;
+  const uint16_t* qbase =
+      static_cast<const uint16_t*>(p.q) + ((t * Hq + int64_t(g) * kGroup) * kHeadDim);
+  uint32_t qa[8][4];
+  {
+    uint32_t row[2][16];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint4* src =
+          reinterpret_cast<const uint4*>(qbase + (g8 + 8 * half) * kHeadDim + 32 * tig);
+#pragma unroll
+      for (int W = 0; W < 4; ++W) {
+        const uint4 c = src[W];
+        row[half][4 * W + 0] = prmt(c.x, c.z, 0x5410);
+        row[half][4 * W + 1] = prmt(c.x, c.z, 0x7632);
+        row[half][4 * W + 2] = prmt(c.y, c.w, 0x5410);
+        row[half][4 * W + 3] = prmt(c.y, c.w, 0x7632);
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      qa[s][0] = row[0][2 * s];
+      qa[s][1] = row[1][2 * s];
+      qa[s][2] = row[0][2 * s + 1];
+      qa[s][3] = row[1][2 * s + 1];
+    }
+  }
+
+  const float zc = p.scale * (*p.k_scale) * Traits<T>::kComp * kLog2e;
+
+  float acc[16][4];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+  const uint8_t* cache = p.kv_cache;
+  auto issue = [&](int j) {
+    const uint8_t* src = cache + s_off[rank + j * S];
+    uint8_t* dst = smem + (j % kStages) * kStageBytes;
+#pragma unroll
+    for (int c = tid; c < kStageBytes / 16; c += kThreads) cp_async16(dst + 16 * c, src + 16 * c);
+  };
+
+#pragma unroll
+  for (int j = 0; j < kStages - 1; ++j) {
+    if (j < nmine) issue(j);
+    cp_async_commit();
+  }
+
+  const int kb = 32 * warp;  // this warp's keys in every block
+  for (int j = 0; j < nmine; ++j) {
+    if (j + kStages - 1 < nmine) issue(j + kStages - 1);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
+    __syncthreads();
+
+    const uint8_t* Kt = smem + (j % kStages) * kStageBytes;
+    const uint8_t* Vt = Kt + kTileBytes;
+    const int nvalid = s_nvalid[rank + j * S];
+
+    if (kb < nvalid) {
+      // ---- S = Q·Kᵀ over 4 n-tiles of 8 keys; column c of n-tile v is key kb+8v+4(c&1)+(c>>1)
+      float sc[4][4];
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        sc[v][0] = sc[v][1] = sc[v][2] = sc[v][3] = 0.f;
+        const int key = kb + 8 * v + 4 * (g8 & 1) + (g8 >> 1);
+        const uint4 kd = *reinterpret_cast<const uint4*>(Kt + key * 64 + 16 * tig);
+        const uint32_t sfb = *reinterpret_cast<const uint16_t*>(Kt + kScalePlane + key * 8 + 2 * tig);
+        const uint32_t s0 = scale_multiplier<T>(sfb & 0xFF);
+        const uint32_t s1 = scale_multiplier<T>(sfb >> 8);
+        const uint32_t s0x2 = s0 | (s0 << 16);
+        const uint32_t s1x2 = s1 | (s1 << 16);
+        uint32_t b[16];
+        dequant8<T>(kd.x, s0x2, b + 0);
+        dequant8<T>(kd.y, s0x2, b + 4);
+        dequant8<T>(kd.z, s1x2, b + 8);
+        dequant8<T>(kd.w, s1x2, b + 12);
+#pragma unroll
+        for (int s = 0; s < 8; ++s) Traits<T>::mma(sc[v], qa[s], b[2 * s], b[2 * s + 1]);
+      }
+
+      // ---- mask (select), base-2 online softmax
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = kb + 8 * v + 4 * (e & 1) + tig;
+          sc[v][e] = key < nvalid ? sc[v][e] * zc : -INFINITY;
+        }
+        mx0 = fmaxf(mx0, fmaxf(sc[v][0], sc[v][1]));
+        mx1 = fmaxf(mx1, fmaxf(sc[v][2], sc[v][3]));
+      }
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+      const float mu0 = mn0 == -INFINITY ? 0.f : mn0;
+      const float mu1 = mn1 == -INFINITY ? 0.f : mn1;
+      const float al0 = fast_exp2(m0 - mu0), al1 = fast_exp2(m1 - mu1);
+      m0 = mn0;
+      m1 = mn1;
+      float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        sc[v][0] = fast_exp2(sc[v][0] - mu0);
+        sc[v][1] = fast_exp2(sc[v][1] - mu0);
+        sc[v][2] = fast_exp2(sc[v][2] - mu1);
+        sc[v][3] = fast_exp2(sc[v][3] - mu1);
+        ps0 += sc[v][0] + sc[v][1];
+        ps1 += sc[v][2] + sc[v][3];
+      }
+      l0 = l0 * al0 + ps0;
+      l1 = l1 * al1 + ps1;
+#pragma unroll
+      for (int jd = 0; jd < 16; ++jd) {
+        acc[jd][0] *= al0;
+        acc[jd][1] *= al0;
+        acc[jd][2] *= al1;
+        acc[jd][3] *= al1;
+      }
+
+      // ---- O += P·V: k-step i covers n-tiles 2i, 2i+1; lane (g8, tig) supplies keys
+      // ka = kb+16i+tig, +4 (b0) and +8, +12 (b1), d = 16·g8 + jd for d-tile jd.
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        uint32_t pa[4];
+        pa[0] = Traits<T>::pack2(sc[2 * i][0], sc[2 * i][1]);
+        pa[1] = Traits<T>::pack2(sc[2 * i][2], sc[2 * i][3]);
+        pa[2] = Traits<T>::pack2(sc[2 * i + 1][0], sc[2 * i + 1][1]);
+        pa[3] = Traits<T>::pack2(sc[2 * i + 1][2], sc[2 * i + 1][3]);
+        const int ka = kb + 16 * i + tig;
+        uint2 w[4];
+        uint32_t smul[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int key = ka + 4 * q;
+          w[q] = *reinterpret_cast<const uint2*>(Vt + key * 64 + 8 * g8);
+          const uint32_t sb = Vt[kScalePlane + key * 8 + g8];
+          smul[q] = key < nvalid ? uint32_t(scale_multiplier<T>(sb)) : 0u;
+        }
+        const uint32_t sab = smul[0] | (smul[1] << 16);
+        const uint32_t sce = smul[2] | (smul[3] << 16);
+#pragma unroll
+        for (int tq = 0; tq < 4; ++tq) {
+          const uint32_t sel = (tq & 1) ? 0x7632 : 0x5410;
+          const uint32_t wa = (tq < 2) ? w[0].x : w[0].y;
+          const uint32_t wb = (tq < 2) ? w[1].x : w[1].y;
+          const uint32_t wc = (tq < 2) ? w[2].x : w[2].y;
+          const uint32_t we = (tq < 2) ? w[3].x : w[3].y;
+          uint32_t b0[4], b1[4];
+          dequant8<T>(prmt(wa, wb, sel), sab, b0);
+          dequant8<T>(prmt(wc, we, sel), sce, b1);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) Traits<T>::mma(acc[4 * tq + k], pa, b0[k], b1[k]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // ---- merge the 4 warps (shared memory), then the S CTAs of the cluster (DSMEM)
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  float* part = reinterpret_cast<float*>(smem);            // [warp][h][d]
+  float* pm = part + kWarps * kGroup * kHeadDim;           // [warp][h]
+  float* pl = pm + kWarps * kGroup;                        // [warp][h]
+  float* cta_o = pl + kWarps * kGroup;                     // [h][d]
+  float* cta_m = cta_o + kGroup * kHeadDim;                // [h]
+  float* cta_l = cta_m + kGroup;                           // [h]
+#pragma unroll
+  for (int jd = 0; jd < 16; ++jd) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int h = g8 + 8 * (e >> 1);
+      const int d = 16 * (2 * tig + (e & 1)) + jd;
+      part[(warp * kGroup + h) * kHeadDim + d] = acc[jd][e];
+    }
+  }
+  if (tig == 0) {
+    pm[warp * kGroup + g8] = m0;
+    pm[warp * kGroup + g8 + 8] = m1;
+    pl[warp * kGroup + g8] = l0;
+    pl[warp * kGroup + g8 + 8] = l1;
+  }
+  __syncthreads();
+  const int d = tid;  // kThreads == kHeadDim
+#pragma unroll 4
+  for (int h = 0; h < kGroup; ++h) {
+    float mw = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mw = fmaxf(mw, pm[w * kGroup + h]);
+    const float mu = mw == -INFINITY ? 0.f : mw;
+    float L = 0.f, O = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = fast_exp2(pm[w * kGroup + h] - mu);
+      L += pl[w * kGroup + h] * f;
+      O += part[(w * kGroup + h) * kHeadDim + d] * f;
+    }
+    cta_o[h * kHeadDim + d] = O;
+    if (d == 0) {
+      cta_m[h] = mw;
+      cta_l[h] = L;
+    }
+  }
+
+  const float vsc = (*p.v_scale) * Traits<T>::kComp;
+  uint16_t* out = static_cast<uint16_t*>(p.out) + ((t * Hq + int64_t(g) * kGroup) * kHeadDim);
+  if (S == 1) {
+    __syncthreads();
+    for (int h = 0; h < kGroup; ++h) {
+      const float L = cta_l[h];
+      const float o = L == 0.f ? 0.f : cta_o[h * kHeadDim + d] / L * vsc;
+      out[h * kHeadDim + d] = Traits<T>::from_float(o);
+    }
+  } else {
+    cluster.sync();
+    for (int h = rank; h < kGroup; h += S) {
+      float mw = -INFINITY;
+      for (int q = 0; q < S; ++q) mw = fmaxf(mw, cluster.map_shared_rank(cta_m, q)[h]);
+      const float mu = mw == -INFINITY ? 0.f : mw;
+      float L = 0.f, O = 0.f;
+      for (int q = 0; q < S; ++q) {
+        const float f = fast_exp2(cluster.map_shared_rank(cta_m, q)[h] - mu);
+        L += cluster.map_shared_rank(cta_l, q)[h] * f;
+        O += cluster.map_shared_rank(cta_o, q)[h * kHeadDim + d] * f;
+      }
+      const float o = L == 0.f ? 0.f : O / L * vsc;
+      out[h * kHeadDim + d] = Traits<T>::from_float(o);
+    }
+    cluster.sync();
+  }
+}
+
+template <typename T>
+cudaError_t launch_typed(const AttentionParams& p, int splits, cudaStream_t stream) {
+  auto kernel = sparse_attention_kernel<T>;
+  // Function attributes once per device (not stream work; also fine inside graph capture).
+  static bool configured[64] = {false};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev < 0 || dev >= 64 || !configured[dev]) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (err != cudaSuccess) return err;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (err != cudaSuccess) return err;
+    if (dev >= 0 && dev < 64) configured[dev] = true;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(p.num_tokens * p.num_kv_heads * splits), 1, 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(splits);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+int num_sms() {
+  static int cached[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
+  if (cached[dev] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0)
+      n = 132;
+    cached[dev] = n;
+  }
+  return cached[dev];
+}
+
+}  // namespace
+
+const char* attention_unsupported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                  int64_t topk_blocks, int64_t block_size) {
+  const bool ok_g = num_kv_heads > 0 && num_heads == num_kv_heads * kGroup;
+  const bool ok = ok_g && head_dim == kHeadDim && block_size == kBlockSize && topk_blocks >= 1 &&
+                  topk_blocks <= kMaxTopk;
+  return ok ? ""
+            : "the CUDA kernels need num_heads == 16 * num_kv_heads (G = 16), head_dim == 128, "
+              "block_size == 128 and 1 <= topk_blocks <= 64";
+}
+
+int choose_splits(int64_t pairs, int topk) {
+  // Enough CTAs to fill the machine (3 CTAs / SM resident), never more splits than top-k slots.
+  const int64_t target = int64_t(num_sms()) * 3 * 2;
+  int s = 1;
+  while (s < kMaxSplits && s < topk && pairs * s < target) s *= 2;
+  return s;
+}
+
+cudaError_t launch_sparse_attention(const AttentionParams& p, cudaStream_t stream) {
+  if (p.num_tokens <= 0 || p.num_kv_heads <= 0) return cudaSuccess;
+  if (p.topk < 0 || p.topk > kMaxTopk) return cudaErrorInvalidValue;
+  int splits = p.splits > 0 ? p.splits : choose_splits(p.num_tokens * p.num_kv_heads, p.topk);
+  if (splits > kMaxSplits || (splits & (splits - 1)) != 0) return cudaErrorInvalidValue;
+  if (p.num_tokens * p.num_kv_heads * splits > int64_t(0x7FFFFFFF)) return cudaErrorInvalidValue;
+  switch (p.dtype) {
+    case DType::kBF16: return launch_typed<__nv_bfloat16>(p, splits, stream);
+    case DType::kF16: return launch_typed<__half>(p, splits, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace cuda
+}  // namespace m3sparse

@@ -1,0 +1,137 @@
+// Device helpers of the CUDA backend: exact NVFP4 -> bf16/f16 dequantization in registers,
+// mma.sync wrappers, cp.async. sm_90 (nothing here needs sm_90a).
+//
+// Dequantization (SPEC §2.1: x̂ = e2m1(c) · e4m3(sf) · g, the product exact in bf16 and fp16):
+// an E2M1 code c = s e1 e0 m placed in a 16-bit float with its magnitude bits at the bottom of
+// the exponent field is, bit for bit, e2m1(c) · 2^-126 (bf16) or e2m1(c) · 2^-14 (fp16) — the
+// code 0.5 lands on a subnormal, which bf16x2/f16x2 `mul.rn` (no .ftz) handles exactly. One
+// packed multiply by the block scale pre-multiplied by 2^118 (bf16) or 2^7 (fp16) then gives
+// e2m1 · sf · 2^-8 (bf16) or · 2^-7 (fp16): every such product has at most 5 significant bits and
+// lies in the normal (bf16) or representable (fp16, multiples of 2^-17) range, so it is exact.
+// The power of two (kComp) and the global scale g are applied in fp32 after the mma.
+// A NaN block scale (0x7F) gives NaN, as SPEC §2.2 step 4 intends.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "m3sparse/nvfp4.h"
+
+namespace m3sparse {
+namespace cuda {
+
+template <int A>
+__device__ __forceinline__ uint32_t shift_left(uint32_t x) {
+  if constexpr (A >= 0) return x << A;
+  else return x >> (-A);
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <typename T>
+struct Traits;
+
+template <>
+struct Traits<__nv_bfloat16> {
+  static constexpr int kMagShift = 6;              // E2M1 magnitude bits -> bf16 bits 6..8
+  static constexpr uint32_t kMagMask = 0x01C001C0u;
+  static constexpr float kScaleBias = 0x1p118f;    // S' = sf · 2^118 (< 2^127)
+  static constexpr float kComp = 256.0f;           // dequantized value = product · 2^8
+  __device__ __forceinline__ static uint16_t from_float(float x) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  }
+  __device__ __forceinline__ static float to_float(uint16_t h) {
+    return __bfloat162float(__ushort_as_bfloat16(h));
+  }
+  __device__ __forceinline__ static uint32_t mul2(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+  }
+  __device__ __forceinline__ static uint32_t pack2(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  __device__ __forceinline__ static void mma(float* c, const uint32_t* a, uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <>
+struct Traits<__half> {
+  static constexpr int kMagShift = 9;              // E2M1 magnitude bits -> f16 bits 9..11
+  static constexpr uint32_t kMagMask = 0x0E000E00u;
+  static constexpr float kScaleBias = 128.0f;      // S' = sf · 2^7 (<= 57344)
+  static constexpr float kComp = 128.0f;
+  __device__ __forceinline__ static uint16_t from_float(float x) {
+    return __half_as_ushort(__float2half_rn(x));
+  }
+  __device__ __forceinline__ static float to_float(uint16_t h) {
+    return __half2float(__ushort_as_half(h));
+  }
+  __device__ __forceinline__ static uint32_t mul2(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+  }
+  __device__ __forceinline__ static uint32_t pack2(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  __device__ __forceinline__ static void mma(float* c, const uint32_t* a, uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// The packed-multiplier of one E4M3 scale byte (see the file comment), as a 16-bit float.
+template <typename T>
+__device__ __forceinline__ uint16_t scale_multiplier(uint32_t sf_byte) {
+  return Traits<T>::from_float(e4m3_to_float(uint8_t(sf_byte)) * Traits<T>::kScaleBias);
+}
+
+// 8 E2M1 codes in a word (nibble k = element k) -> 4 packed pairs; pair k holds
+// (element k, element k + 4), each times the packed multiplier `s2` (lo half for element k).
+template <typename T>
+__device__ __forceinline__ void dequant8(uint32_t w, uint32_t s2, uint32_t* out) {
+  constexpr int S = Traits<T>::kMagShift;
+  constexpr uint32_t M = Traits<T>::kMagMask;
+  out[0] = Traits<T>::mul2((shift_left<S>(w) & M) | ((w << 12) & 0x80008000u), s2);
+  out[1] = Traits<T>::mul2((shift_left<S - 4>(w) & M) | ((w << 8) & 0x80008000u), s2);
+  out[2] = Traits<T>::mul2((shift_left<S - 8>(w) & M) | ((w << 4) & 0x80008000u), s2);
+  out[3] = Traits<T>::mul2((shift_left<S - 12>(w) & M) | (w & 0x80008000u), s2);
+}
+
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
+  uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gmem_src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+}  // namespace cuda
+}  // namespace m3sparse

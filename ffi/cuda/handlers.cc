@@ -1,0 +1,234 @@
+// XLA FFI handlers of the CUDA backend (docs/ffi_targets.md): m3sparse_<op>_cuda.
+// Every handler takes the stream as ffi::PlatformStream<cudaStream_t>, launches only kernels
+// (no allocation, no synchronization, no host reads of device data), and is registered
+// command-buffer compatible. Data scalars (k_scale, v_scale, layer) stay on the device.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "m3sparse/ffi_checks.h"
+#include "m3sparse_cuda.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace m3sparse {
+namespace cuda {
+
+cudaError_t launch_query_token_positions(const int32_t* cu_seqlens_q, const int32_t* context_lens,
+                                         int64_t num_requests, int32_t* query_req_id,
+                                         int32_t* query_abs_pos, int64_t num_tokens,
+                                         cudaStream_t stream);
+
+namespace {
+
+ffi::Error cuda_error(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("m3sparse (CUDA) ") + what + ": " +
+                              cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+}
+
+bool dtype_of(ffi::DataType t, DType* out) {
+  switch (t) {
+    case ffi::DataType::BF16: *out = DType::kBF16; return true;
+    case ffi::DataType::F16: *out = DType::kF16; return true;
+    case ffi::DataType::F32: *out = DType::kF32; return true;
+    default: return false;
+  }
+}
+
+// Shared by decode and prefill: shapes of q, cache, topk, block_table, out.
+ffi::Error attention_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& kv_cache,
+                            const ffi::Buffer<ffi::S32>& topk,
+                            const ffi::Buffer<ffi::S32>& block_table, const ffi::AnyBuffer& out,
+                            int64_t layout, AttentionParams* p) {
+  auto qd = q.dimensions();
+  if (qd.size() != 3) return invalid("q must be [T, Hq, D]");
+  const int64_t T = qd[0], Hq = qd[1], D = qd[2];
+  if (!dtype_of(q.element_type(), &p->dtype) || p->dtype == DType::kF32)
+    return invalid("the CUDA kernels take q as bfloat16 or float16");
+  if (out.element_type() != q.element_type() || out.element_count() != q.element_count())
+    return invalid("out must have q's shape and dtype");
+  ffi::Error e = decode_cache_geometry(kv_cache, layout, D, &p->geom);
+  if (e.failure()) return e;
+  auto td = topk.dimensions();
+  if (td.size() != 3 || td[1] != T) return invalid("topk_indices must be [Hkv, T, K]");
+  const int64_t Hkv = td[0], K = td[2];
+  if (p->geom.num_slots != 2 * Hkv) return invalid("kv_cache axis of head slots must be 2*Hkv");
+  const char* why = attention_unsupported(Hq, Hkv, D, K, p->geom.block_size);
+  if (why[0] != '\0') return invalid(why);
+  auto bd = block_table.dimensions();
+  if (bd.size() != 2) return invalid("block_table must be [R, M]");
+  p->q = q.untyped_data();
+  p->out = out.untyped_data();
+  p->kv_cache = static_cast<const uint8_t*>(kv_cache.untyped_data());
+  p->topk_indices = topk.typed_data();
+  p->block_table = block_table.typed_data();
+  p->num_tokens = T;
+  p->num_kv_heads = int32_t(Hkv);
+  p->topk = int32_t(K);
+  p->num_requests = int32_t(bd[0]);
+  p->max_blocks = int32_t(bd[1]);
+  p->splits = 0;
+  return ffi::Error::Success();
+}
+
+ffi::Error SparseDecode(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
+                        ffi::Buffer<ffi::S32> topk, ffi::Buffer<ffi::S32> block_table,
+                        ffi::Buffer<ffi::S32> seq_lens, ffi::BufferR0<ffi::F32> k_scale,
+                        ffi::BufferR0<ffi::F32> v_scale, ffi::BufferR0<ffi::S32> layer,
+                        ffi::Result<ffi::AnyBuffer> out, float scale, int64_t decode_query_len,
+                        int64_t layout) {
+  AttentionParams p = {};
+  ffi::Error e = attention_params(q, kv_cache, topk, block_table, *out, layout, &p);
+  if (e.failure()) return e;
+  if (decode_query_len < 1) return invalid("decode_query_len must be >= 1");
+  if (int64_t(seq_lens.element_count()) != p.num_requests)
+    return invalid("seq_lens must be [R] with R = block_table rows");
+  if (p.num_tokens != int64_t(p.num_requests) * decode_query_len)
+    return invalid("T must equal R * decode_query_len");
+  p.seq_lens = seq_lens.typed_data();
+  p.k_scale = k_scale.typed_data();
+  p.v_scale = v_scale.typed_data();
+  p.layer = layer.typed_data();
+  p.decode_query_len = int32_t(decode_query_len);
+  p.is_prefill = 0;
+  p.scale = scale;
+  return cuda_error(launch_sparse_attention(p, stream), "sparse_decode launch");
+}
+
+ffi::Error SparsePrefill(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
+                         ffi::Buffer<ffi::S32> topk, ffi::Buffer<ffi::S32> block_table,
+                         ffi::Buffer<ffi::S32> query_req_id, ffi::Buffer<ffi::S32> query_abs_pos,
+                         ffi::BufferR0<ffi::F32> k_scale, ffi::BufferR0<ffi::F32> v_scale,
+                         ffi::BufferR0<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out,
+                         float scale, int64_t layout) {
+  AttentionParams p = {};
+  ffi::Error e = attention_params(q, kv_cache, topk, block_table, *out, layout, &p);
+  if (e.failure()) return e;
+  if (int64_t(query_req_id.element_count()) != p.num_tokens ||
+      int64_t(query_abs_pos.element_count()) != p.num_tokens)
+    return invalid("query_req_id and query_abs_pos must be [T]");
+  p.query_req_id = query_req_id.typed_data();
+  p.query_abs_pos = query_abs_pos.typed_data();
+  p.k_scale = k_scale.typed_data();
+  p.v_scale = v_scale.typed_data();
+  p.layer = layer.typed_data();
+  p.decode_query_len = 1;
+  p.is_prefill = 1;
+  p.scale = scale;
+  return cuda_error(launch_sparse_attention(p, stream), "sparse_prefill launch");
+}
+
+ffi::Error PackKvPages(cudaStream_t stream, ffi::AnyBuffer kv_cache, ffi::AnyBuffer key,
+                       ffi::AnyBuffer value, ffi::Buffer<ffi::S32> slot_mapping,
+                       ffi::BufferR0<ffi::F32> k_scale, ffi::BufferR0<ffi::F32> v_scale,
+                       ffi::BufferR0<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> kv_out,
+                       int64_t layout) {
+  PackParams p = {};
+  auto kd = key.dimensions();
+  if (kd.size() != 3) return invalid("key must be [T, Hkv, D]");
+  const int64_t T = kd[0], Hkv = kd[1], D = kd[2];
+  if (!dtype_of(key.element_type(), &p.dtype)) return invalid("key must be f32, bf16 or f16");
+  if (value.element_type() != key.element_type() || value.element_count() != key.element_count())
+    return invalid("value must have key's shape and dtype");
+  ffi::Error e = decode_cache_geometry(kv_cache, layout, D, &p.geom);
+  if (e.failure()) return e;
+  if (p.geom.num_slots != 2 * Hkv) return invalid("kv_cache axis of head slots must be 2*Hkv");
+  if (int64_t(slot_mapping.element_count()) != T) return invalid("slot_mapping must be [T]");
+  if (kv_out->size_bytes() != kv_cache.size_bytes()) return invalid("result must alias kv_cache");
+  uint8_t* dst = static_cast<uint8_t*>(kv_out->untyped_data());
+  if (dst != kv_cache.untyped_data()) {
+    // Not donated: XLA gave a separate result buffer; start it from the operand.
+    cudaError_t err = cudaMemcpyAsync(dst, kv_cache.untyped_data(), kv_cache.size_bytes(),
+                                      cudaMemcpyDeviceToDevice, stream);
+    if (err != cudaSuccess) return cuda_error(err, "pack_kv_pages copy");
+  }
+  p.kv_cache = dst;
+  p.key = key.untyped_data();
+  p.value = value.untyped_data();
+  p.slot_mapping = slot_mapping.typed_data();
+  p.k_scale = k_scale.typed_data();
+  p.v_scale = v_scale.typed_data();
+  p.layer = layer.typed_data();
+  p.num_tokens = T;
+  p.num_kv_heads = int32_t(Hkv);
+  return cuda_error(launch_pack_kv_pages(p, stream), "pack_kv_pages launch");
+}
+
+ffi::Error QueryTokenPositions(cudaStream_t stream, ffi::Buffer<ffi::S32> cu_seqlens_q,
+                               ffi::Buffer<ffi::S32> context_lens,
+                               ffi::Result<ffi::Buffer<ffi::S32>> req_id,
+                               ffi::Result<ffi::Buffer<ffi::S32>> abs_pos) {
+  const int64_t R = context_lens.element_count();
+  if (int64_t(cu_seqlens_q.element_count()) != R + 1) return invalid("cu_seqlens_q must be [R + 1]");
+  if (abs_pos->element_count() != req_id->element_count())
+    return invalid("query_req_id and query_abs_pos must have the same length");
+  return cuda_error(launch_query_token_positions(cu_seqlens_q.typed_data(),
+                                                 context_lens.typed_data(), R,
+                                                 req_id->typed_data(), abs_pos->typed_data(),
+                                                 int64_t(req_id->element_count()), stream),
+                    "query_token_positions launch");
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace m3sparse
+
+namespace xffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_sparse_decode_cuda, m3sparse::cuda::SparseDecode,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::AnyBuffer>()               // q
+                                  .Arg<xffi::AnyBuffer>()               // kv_cache
+                                  .Arg<xffi::Buffer<xffi::S32>>()       // topk_indices
+                                  .Arg<xffi::Buffer<xffi::S32>>()       // block_table
+                                  .Arg<xffi::Buffer<xffi::S32>>()       // seq_lens
+                                  .Arg<xffi::BufferR0<xffi::F32>>()     // k_scale
+                                  .Arg<xffi::BufferR0<xffi::F32>>()     // v_scale
+                                  .Arg<xffi::BufferR0<xffi::S32>>()     // layer
+                                  .Ret<xffi::AnyBuffer>()               // out
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("decode_query_len")
+                                  .Attr<int64_t>("layout"),
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_sparse_prefill_cuda, m3sparse::cuda::SparsePrefill,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::AnyBuffer>()               // q
+                                  .Arg<xffi::AnyBuffer>()               // kv_cache
+                                  .Arg<xffi::Buffer<xffi::S32>>()       // topk_indices
+                                  .Arg<xffi::Buffer<xffi::S32>>()       // block_table
+                                  .Arg<xffi::Buffer<xffi::S32>>()       // query_req_id
+                                  .Arg<xffi::Buffer<xffi::S32>>()       // query_abs_pos
+                                  .Arg<xffi::BufferR0<xffi::F32>>()     // k_scale
+                                  .Arg<xffi::BufferR0<xffi::F32>>()     // v_scale
+                                  .Arg<xffi::BufferR0<xffi::S32>>()     // layer
+                                  .Ret<xffi::AnyBuffer>()               // out
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("layout"),
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_pack_kv_pages_cuda, m3sparse::cuda::PackKvPages,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::AnyBuffer>()               // kv_cache
+                                  .Arg<xffi::AnyBuffer>()               // key
+                                  .Arg<xffi::AnyBuffer>()               // value
+                                  .Arg<xffi::Buffer<xffi::S32>>()       // slot_mapping
+                                  .Arg<xffi::BufferR0<xffi::F32>>()     // k_scale
+                                  .Arg<xffi::BufferR0<xffi::F32>>()     // v_scale
+                                  .Arg<xffi::BufferR0<xffi::S32>>()     // layer
+                                  .Ret<xffi::AnyBuffer>()               // kv_cache (aliased)
+                                  .Attr<int64_t>("layout"),
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_query_token_positions_cuda,
+                              m3sparse::cuda::QueryTokenPositions,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::Buffer<xffi::S32>>()       // cu_seqlens_q
+                                  .Arg<xffi::Buffer<xffi::S32>>()       // context_lens
+                                  .Ret<xffi::Buffer<xffi::S32>>()       // query_req_id
+                                  .Ret<xffi::Buffer<xffi::S32>>(),      // query_abs_pos
+                              {xffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,77 @@
+// CUDA (sm_90) backend of jax_m3sparse: host-side launch API shared by the XLA FFI handlers
+// (handlers.cc) and the standalone device harness (tests/cuda/harness.cu).
+//
+// Every pointer is a device pointer; scalars that are data (k_scale, v_scale, layer) stay on the
+// device and are read by the kernels, so a captured command buffer never goes stale.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "m3sparse/cache.h"
+
+namespace m3sparse {
+namespace cuda {
+
+// Geometry the attention kernels are built for (SPEC §1); pack handles any D % 16 == 0, N.
+constexpr int kHeadDim = 128;      // D
+constexpr int kBlockSize = 128;    // N
+constexpr int kGroup = 16;         // G = Hq / Hkv: the 16 rows of an mma tile
+constexpr int kMaxTopk = 64;       // K (topk_blocks) upper bound of the attention kernels
+
+enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+struct AttentionParams {
+  const void* q;                  // [T, Hkv*G, D] bf16/f16
+  void* out;                      // [T, Hkv*G, D] q's dtype
+  const uint8_t* kv_cache;        // base of the (possibly multi-layer) cache
+  const int32_t* topk_indices;    // [Hkv, T, K]
+  const int32_t* block_table;     // [R, M]
+  const int32_t* seq_lens;        // decode: [R]
+  const int32_t* query_req_id;    // prefill: [T]
+  const int32_t* query_abs_pos;   // prefill: [T]
+  const float* k_scale;           // [] device scalar
+  const float* v_scale;           // [] device scalar
+  const int32_t* layer;           // [] device scalar
+  CacheGeometry geom;
+  int64_t num_tokens;             // T
+  int32_t num_kv_heads;           // Hkv
+  int32_t topk;                   // K
+  int32_t num_requests;           // R
+  int32_t max_blocks;             // M (block_table width)
+  int32_t decode_query_len;       // dql (decode only)
+  int32_t is_prefill;             // 0: positions from seq_lens (SPEC §5.3); 1: §5.4
+  float scale;                    // softmax scale
+  DType dtype;                    // of q / out
+  int32_t splits;                 // CTAs per (token, KV head); 0 = choose (power of 2, <= 16)
+};
+
+struct PackParams {
+  uint8_t* kv_cache;
+  const void* key;                // [T, Hkv, D]
+  const void* value;              // [T, Hkv, D]
+  const int32_t* slot_mapping;    // [T]
+  const float* k_scale;
+  const float* v_scale;
+  const int32_t* layer;
+  CacheGeometry geom;
+  int64_t num_tokens;
+  int32_t num_kv_heads;
+  DType dtype;
+};
+
+// One sentence naming every unmet requirement of the attention kernels, or "" when supported.
+// Mirrors jax_m3sparse.spec.unsupported_reason(..., platform="cuda").
+const char* attention_unsupported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                  int64_t topk_blocks, int64_t block_size);
+
+// Launches (asynchronously on `stream`); returns the launch's error code.
+cudaError_t launch_sparse_attention(const AttentionParams& p, cudaStream_t stream);
+cudaError_t launch_pack_kv_pages(const PackParams& p, cudaStream_t stream);
+
+// The splits the launcher would choose for this many (token, KV head) pairs.
+int choose_splits(int64_t pairs, int topk);
+
+}  // namespace cuda
+}  // namespace m3sparse

@@ -1,0 +1,126 @@
+// pack_kv_pages for CUDA (SPEC §2.2, §3.2–§3.4): one pass, one thread per 16-element group of
+// one token's K or V head vector. Quantization is m3sparse::nvfp4_quantize_group (nvfp4.h), the
+// same function the CPU backend runs, so the bytes are identical (fp32, round-to-nearest-even;
+// this file is compiled without fast-math and nothing in it can contract into an FMA).
+// slot < 0, slot >= P·N, or a layer outside [0, L) writes nothing; offsets are 64-bit.
+#include <cstdint>
+#include <cstring>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "m3sparse/cache.h"
+#include "m3sparse/nvfp4.h"
+#include "m3sparse_cuda.h"
+
+namespace m3sparse {
+namespace cuda {
+namespace {
+
+template <typename T>
+__device__ __forceinline__ void load16(const T* src, float* x);
+
+template <>
+__device__ __forceinline__ void load16<float>(const float* src, float* x) {
+  const float4* s = reinterpret_cast<const float4*>(src);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float4 v = s[i];
+    x[4 * i] = v.x;
+    x[4 * i + 1] = v.y;
+    x[4 * i + 2] = v.z;
+    x[4 * i + 3] = v.w;
+  }
+}
+
+template <>
+__device__ __forceinline__ void load16<__nv_bfloat16>(const __nv_bfloat16* src, float* x) {
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint4 v = s[i];
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      x[8 * i + 2 * k] = bf16_to_float(uint16_t(w[k] & 0xFFFFu));
+      x[8 * i + 2 * k + 1] = bf16_to_float(uint16_t(w[k] >> 16));
+    }
+  }
+}
+
+template <>
+__device__ __forceinline__ void load16<__half>(const __half* src, float* x) {
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint4 v = s[i];
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      x[8 * i + 2 * k] = __half2float(__ushort_as_half(uint16_t(w[k] & 0xFFFFu)));
+      x[8 * i + 2 * k + 1] = __half2float(__ushort_as_half(uint16_t(w[k] >> 16)));
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) pack_kernel(const PackParams p) {
+  const CacheGeometry geom = p.geom;
+  const int64_t gpv = geom.head_dim / kNvfp4Group;  // groups per head vector
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t total = p.num_tokens * p.num_kv_heads * 2 * gpv;
+  if (idx >= total) return;
+  const int64_t grp = idx % gpv;
+  int64_t rest = idx / gpv;
+  const int64_t h = rest % p.num_kv_heads;
+  rest /= p.num_kv_heads;
+  const int side = int(rest & 1);  // 0 = K, 1 = V
+  const int64_t t = rest >> 1;
+
+  const int64_t layer = *p.layer;
+  const int64_t slot = p.slot_mapping[t];
+  if (!geom.valid_layer(layer) || slot < 0 || slot >= geom.num_pages * geom.block_size) return;
+  const int64_t page = slot / geom.block_size;
+  const int64_t o = slot % geom.block_size;
+
+  const T* src = static_cast<const T*>(side ? p.value : p.key) +
+                 ((t * p.num_kv_heads + h) * geom.head_dim + grp * kNvfp4Group);
+  float x[kNvfp4Group];
+  load16<T>(src, x);
+  const float r = nvfp4_inverse_scale(side ? *p.v_scale : *p.k_scale);
+  uint8_t data[kNvfp4Group / 2];
+  uint8_t sf;
+  nvfp4_quantize_group(x, r, data, &sf);
+
+  uint8_t* tile = p.kv_cache + geom.tile_offset(layer, page, 2 * h + side);
+  uint2 packed;
+  memcpy(&packed, data, sizeof(packed));
+  *reinterpret_cast<uint2*>(tile + geom.token_data_offset(o) + grp * (kNvfp4Group / 2)) = packed;
+  tile[geom.token_scale_offset(o) + grp] = sf;
+}
+
+template <typename T>
+cudaError_t launch_typed(const PackParams& p, cudaStream_t stream) {
+  const int64_t total = p.num_tokens * p.num_kv_heads * 2 * (p.geom.head_dim / kNvfp4Group);
+  const int threads = 256;
+  const int64_t blocks = (total + threads - 1) / threads;
+  if (blocks > int64_t(0x7FFFFFFF)) return cudaErrorInvalidValue;
+  pack_kernel<T><<<unsigned(blocks), threads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_pack_kv_pages(const PackParams& p, cudaStream_t stream) {
+  if (p.num_tokens <= 0 || p.num_kv_heads <= 0) return cudaSuccess;
+  if (p.geom.head_dim % 32 != 0) return cudaErrorInvalidValue;  // 16-byte loads, 8-byte stores
+  switch (p.dtype) {
+    case DType::kF32: return launch_typed<float>(p, stream);
+    case DType::kBF16: return launch_typed<__nv_bfloat16>(p, stream);
+    case DType::kF16: return launch_typed<__half>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace cuda
+}  // namespace m3sparse

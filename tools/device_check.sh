@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One device call for the CUDA backend (H200, kind nvidia-h200): builds the standalone harness
+# and the Python modules, runs correctness (harness + tests/cuda through the public API), then
+# the timings. Logs go to $OUT (the device tool brings them back) or ./out.
+#   tools/device_check.sh [quick]        # quick: smaller benchmark set
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/out}
+mkdir -p "$OUT"
+MODE=${1:-full}
+B=/tmp/m3build
+mkdir -p "$B"
+export PYTHONUNBUFFERED=1
+date -u
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv
+nvcc --version | tail -1
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -1
+
+# Python modules (_m3sparse_cpu, _m3sparse_cuda) in the background: CPU-only work.
+(
+  cmake -S ffi -B "$B/cmake" -G Ninja -DM3SPARSE_ENABLE_CUDA=ON -DM3SPARSE_NATIVE=OFF \
+    -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/cmake.log" 2>&1 &&
+    cmake --build "$B/cmake" -j 12 >>"$OUT/cmake.log" 2>&1 &&
+    cp "$B"/cmake/_m3sparse_cpu*.so "$B"/cmake/cuda/_m3sparse_cuda*.so jax_m3sparse/ &&
+    echo "modules built" >>"$OUT/cmake.log"
+) &
+CMAKE_PID=$!
+
+# Standalone harness.
+FLAGS="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda"
+nvcc $FLAGS -Xptxas -v -c ffi/cuda/attention.cu -o "$B/attention.o" >"$OUT/ptxas.log" 2>&1 &
+P1=$!
+nvcc $FLAGS -c ffi/cuda/pack.cu -o "$B/pack.o" &
+P2=$!
+nvcc $FLAGS -c tests/cuda/harness.cu -o "$B/harness.o" &
+P3=$!
+wait $P1 $P2 $P3
+nvcc $FLAGS "$B/attention.o" "$B/pack.o" "$B/harness.o" -o "$B/harness" || { echo "harness build failed"; exit 1; }
+grep -E "registers|spill" "$OUT/ptxas.log" | sort | uniq -c
+
+echo "=== harness correctness"
+"$B/harness" --no-bench 2>&1 | tee "$OUT/harness_tests.log"
+
+wait $CMAKE_PID
+tail -3 "$OUT/cmake.log"
+if ls jax_m3sparse/_m3sparse_cuda*.so >/dev/null 2>&1; then
+  echo "=== pytest tests/cuda (public API on the GPU)"
+  PYTHONPATH=$ROOT timeout 400 python3 -m pytest -q tests/cuda -p no:cacheprovider 2>&1 |
+    tee "$OUT/pytest.log" | tail -25
+else
+  echo "module build failed; see cmake.log"; tail -30 "$OUT/cmake.log"
+fi
+
+echo "=== harness timings"
+if [ "$MODE" = quick ]; then
+  "$B/harness" --bench-only --quick 2>&1 | tee "$OUT/harness_bench.log" | grep -v "^  splits"
+else
+  "$B/harness" --bench-only 2>&1 | tee "$OUT/harness_bench.log"
+fi
+if [ -f jax_m3sparse/bench/cuda.py ] && ls jax_m3sparse/_m3sparse_cuda*.so >/dev/null 2>&1; then
+  echo "=== python -m jax_m3sparse.bench.cuda"
+  PYTHONPATH=$ROOT timeout 200 python3 -c "import sys; from jax_m3sparse.bench.cuda import main; sys.exit(main(['--quick'] if '$MODE' == 'quick' else []))" 2>&1 | tee "$OUT/bench_cuda.log" | tail -20
+fi
+date -u
