@@ -114,6 +114,27 @@ def stage_v_half(compute, lds_base, vt_base, v_rsrc, hb, lane16, quad, limit):
             lds_store(lds_base, vt_base + d * VT_ROW_BYTES + (4 * lane16) * 2, col, compute, 8)
 
 
+def load_vec8(rsrc, byte_off, io, compute):
+    """8 consecutive q values (16 bytes for bf16/f16, two 16-byte loads for f32) as vector<8 x compute>."""
+    if io is fx.Float32:
+        lo = load_dwords(rsrc, byte_off, 4).bitcast(fx.Float32)
+        hi = load_dwords(rsrc, byte_off + 16, 4).bitcast(fx.Float32)
+        return fx.Vector.from_elements([lo[i] for i in range(4)] + [hi[i] for i in range(4)],
+                                       dtype=fx.Float32).to(compute)
+    raw = load_dwords(rsrc, byte_off, 4).bitcast(io)
+    return raw if io is compute else raw.to(fx.Float32).to(compute)
+
+
+def store_vec8(rsrc, byte_off, vals, io):
+    """Store 8 fp32 results as io (one 16-byte store, or two for f32)."""
+    if io is fx.Float32:
+        bits = vals.bitcast(fx.Int32)
+        store_dwords(rsrc, byte_off, fx.Vector.from_elements([bits[i] for i in range(4)], dtype=fx.Int32))
+        store_dwords(rsrc, byte_off + 16, fx.Vector.from_elements([bits[i] for i in range(4, 8)], dtype=fx.Int32))
+    else:
+        store_dwords(rsrc, byte_off, vals.to(io).bitcast(fx.Int32))
+
+
 def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_base):
     """Attention of one token's 16 query heads of KV head `kv_head` over its selected blocks.
 
@@ -136,12 +157,12 @@ def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_bas
     topk_rsrc = buffer_rsrc(ops.topk_indices, fx.Int64(ops.num_kv_heads) * fx.Int64(ops.num_tokens) * (TOPK * 4))
 
     # ---- Q in registers: head g·16 + lane16, d = 32·quad + 8·c + i (four 16-byte loads) --------
-    q_rsrc = buffer_rsrc(ops.q, fx.Int64(ops.num_tokens) * fx.Int64(num_heads) * (HEAD_DIM * 2))
-    q_row = ((token * num_heads + kv_head * GROUP_HEADS + lane16) * HEAD_DIM + quad * D_PER_QUAD) * 2
+    io_bytes = io.width // 8
+    q_rsrc = buffer_rsrc(ops.q, fx.Int64(ops.num_tokens) * fx.Int64(num_heads) * (HEAD_DIM * io_bytes))
+    q_row = ((token * num_heads + kv_head * GROUP_HEADS + lane16) * HEAD_DIM + quad * D_PER_QUAD) * io_bytes
     q_ops = []
     for c in range_constexpr(4):
-        raw = load_dwords(q_rsrc, q_row + 16 * c, 4).bitcast(io)
-        q_ops.append(raw if io is compute else raw.to(fx.Float32).to(compute))
+        q_ops.append(load_vec8(q_rsrc, q_row + 8 * io_bytes * c, io, compute))
 
     # ---- running state of this wave: max m and partial sum l of head lane16, O^T accumulators --
     m_run = fx.Float32(NEG_INF)
@@ -250,9 +271,9 @@ def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_bas
     inv = attended_any.select(v_scale / l_all, fx.Float32(0.0))      # v_scale in the epilogue
     o_all = o_all * fx.Vector.from_elements([inv] * 8, dtype=fx.Float32)
     o_all = attended_any.select(o_all, fx.Vector.filled(8, 0.0, fx.Float32))
-    out_rsrc = buffer_rsrc(ops.out, fx.Int64(ops.num_tokens) * fx.Int64(num_heads) * (HEAD_DIM * 2))
-    out_off = ((token * num_heads + kv_head * GROUP_HEADS + head) * HEAD_DIM + d0) * 2
-    store_dwords(out_rsrc, out_off, o_all.to(io).bitcast(fx.Int32))
+    out_rsrc = buffer_rsrc(ops.out, fx.Int64(ops.num_tokens) * fx.Int64(num_heads) * (HEAD_DIM * io_bytes))
+    out_off = ((token * num_heads + kv_head * GROUP_HEADS + head) * HEAD_DIM + d0) * io_bytes
+    store_vec8(out_rsrc, out_off, o_all, io)
 
 
 def shared_storage():

@@ -33,11 +33,14 @@ HERE = Path(__file__).resolve().parent
 KERNELS = {
     "pack_kv_pages_bf16": ("pack_kv_pages", "compile_pack_kv_pages", {"dtype": "bf16"}),
     "pack_kv_pages_f16": ("pack_kv_pages", "compile_pack_kv_pages", {"dtype": "f16"}),
+    "pack_kv_pages_f32": ("pack_kv_pages", "compile_pack_kv_pages", {"dtype": "f32"}),
     "query_token_positions": ("query_token_positions", "compile_query_token_positions", {}),
     "sparse_decode_bf16": ("sparse_decode", "compile_sparse_decode", {"dtype": "bf16"}),
     "sparse_decode_f16": ("sparse_decode", "compile_sparse_decode", {"dtype": "f16"}),
+    "sparse_decode_f32": ("sparse_decode", "compile_sparse_decode", {"dtype": "f32"}),
     "sparse_prefill_bf16": ("sparse_prefill", "compile_sparse_prefill", {"dtype": "bf16"}),
     "sparse_prefill_f16": ("sparse_prefill", "compile_sparse_prefill", {"dtype": "f16"}),
+    "sparse_prefill_f32": ("sparse_prefill", "compile_sparse_prefill", {"dtype": "f32"}),
 }
 
 LLD_CANDIDATES = ("/usr/lib/llvm-22/bin/ld.lld", "/usr/lib/llvm-21/bin/ld.lld", "/usr/lib/llvm-20/bin/ld.lld",

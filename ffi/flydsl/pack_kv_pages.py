@@ -1,13 +1,13 @@
 """NVFP4 page packing for gfx950 (SPEC §2.2, §2.3, §3): quantize new K/V tokens, write the page map.
 
-Entry point of the compiled module (one per input dtype, `pack_kv_pages_bf16`, `pack_kv_pages_f16`):
+Entry point of the compiled module (one per input dtype, `pack_kv_pages_bf16`, `pack_kv_pages_f16`, `pack_kv_pages_f32`):
 
     launch(kv_cache, key, value, slot_mapping, k_scale, v_scale, layer,
            num_tokens, num_kv_heads, num_pages, num_layers, page_stride, layer_stride, stream)
 
 Operands (device pointers; the FFI handler in ffi/rocm/ passes the XLA buffers):
 * ``kv_cache``      uint8, the whole cache buffer (4-D one layer, or 5-D LBHNC / BLHNC, SPEC §3.3)
-* ``key``/``value`` bf16 or f16 [T, Hkv, D], D = 128, contiguous
+* ``key``/``value`` bf16, f16 or f32 [T, Hkv, D], D = 128, contiguous
 * ``slot_mapping``  int32 [T], slot = page·N + offset (SPEC §3.4)
 * ``k_scale``/``v_scale`` float32 [] global dequantization multipliers g (SPEC §2.1)
 * ``layer``         int32 [] layer index (0 for a 4-D cache)
@@ -20,7 +20,7 @@ Scalars: T, Hkv, P, L (int32) and the 64-bit strides in bytes (SPEC §3.3):
 Thread mapping. One 64-lane workgroup per (4 tokens, KV head, side); grid = (ceil(T/4), Hkv, 2),
 side 0 = K (slot 2h), side 1 = V (slot 2h+1), SPEC §3.1. Inside the workgroup lane l handles
 token 4·blockIdx.x + l // 16 and the 8 consecutive elements e = 8·(l % 16) … +7 of that head
-vector: one 16-byte buffer load of the input. Two neighbouring lanes hold one NVFP4 group of 16
+vector: one 16-byte buffer load of the input (two for f32). Two neighbouring lanes hold one NVFP4 group of 16
 (SPEC §2.1): group s = (l % 16) // 2. The group max and the NaN flag are combined across the pair
 with one xor-shuffle. Each lane writes its 8 codes as one 32-bit word at data byte 4·(l % 16) of
 the token (element 2j in the low nibble of byte j, SPEC §2.3); the even lane of a pair writes the
@@ -43,8 +43,10 @@ import functools
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl.expr import arith
+from flydsl.expr import const_expr
 from flydsl.expr import math as fmath
+
+from common import buffer_rsrc, load_dwords
 
 # Geometry (SPEC §1, §2.3, §3.2), fixed for the gfx950 kernels.
 HEAD_DIM = 128                      # D
@@ -56,7 +58,7 @@ TILE_BYTES = BLOCK_SIZE * (DATA_BYTES + SCALE_BYTES)   # 9216 bytes per (page, s
 SCALE_PLANE = BLOCK_SIZE * DATA_BYTES                  # 8192: start of the scale plane
 
 WAVE = 64
-ELEMS_PER_LANE = 8                  # one 16-byte load of bf16/f16
+ELEMS_PER_LANE = 8                  # one 16-byte load of bf16/f16 (two of f32)
 LANES_PER_VECTOR = HEAD_DIM // ELEMS_PER_LANE          # 16
 TOKENS_PER_GROUP = WAVE // LANES_PER_VECTOR            # 4 tokens per workgroup
 
@@ -69,7 +71,7 @@ F32_EXP_MASK = 0x7F800000
 F32_ABS_MASK = 0x7FFFFFFF
 F32_QNAN = 0x7FC00000
 
-DTYPES = {"bf16": fx.BFloat16, "f16": fx.Float16}
+DTYPES = {"bf16": fx.BFloat16, "f16": fx.Float16, "f32": fx.Float32}
 
 
 def _is_nan(x):
@@ -126,8 +128,9 @@ def e2m1_code(y):
 
 @functools.lru_cache(maxsize=None)
 def compile_pack_kv_pages(dtype: str = "bf16"):
-    """Build the launcher for one input dtype ("bf16" or "f16")."""
+    """Build the launcher for one input dtype ("bf16", "f16" or "f32")."""
     elem = DTYPES[dtype]
+    ELEM_BYTES = elem.width // 8
 
     @flyc.kernel
     def pack_kv_pages_kernel(
@@ -152,13 +155,14 @@ def compile_pack_kv_pages(dtype: str = "bf16"):
         token_safe = token_ok.select(token, 0)
 
         # 1. Load 8 input elements (one 16-byte buffer load) and convert to fp32 exactly.
-        src_buf = fx.rocdl.make_buffer_tensor(src.view(fx.make_layout(1 << 30, 1)))
-        src_div = fx.logical_divide(src_buf, fx.make_layout(ELEMS_PER_LANE, 1))
+        src_rsrc = buffer_rsrc(src, fx.Int64(num_tokens) * fx.Int64(num_kv_heads) * (HEAD_DIM * ELEM_BYTES))
         chunk = (token_safe * num_kv_heads + head) * LANES_PER_VECTOR + part
-        copy16 = fx.make_copy_atom(fx.rocdl.BufferCopy128b(), 16)
-        regs = fx.make_rmem_tensor(ELEMS_PER_LANE, elem)
-        fx.copy(copy16, fx.slice(src_div, (None, chunk)), regs)
-        x = fx.memref_load_vec(regs).to(fx.Float32)
+        if const_expr(elem is fx.Float32):      # 32 bytes: two 16-byte buffer loads
+            lo = load_dwords(src_rsrc, chunk * 32, 4).bitcast(fx.Float32)
+            hi = load_dwords(src_rsrc, chunk * 32 + 16, 4).bitcast(fx.Float32)
+            x = fx.Vector.from_elements([lo[i] for i in range(4)] + [hi[i] for i in range(4)], dtype=fx.Float32)
+        else:                                   # 16 bytes: one buffer_load_dwordx4
+            x = load_dwords(src_rsrc, chunk * 16, 4).bitcast(elem).to(fx.Float32)
 
         # 2. r = 1/g (SPEC §2.2 step 1), the layer (SPEC §3.3) and the slot (SPEC §3.4).
         g = fx.Float32(global_scale.load())

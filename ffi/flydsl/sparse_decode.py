@@ -66,13 +66,13 @@ import flydsl.expr as fx
 
 from attention_core import COMPUTE_DTYPES, THREADS, Operands, attend, shared_storage
 
-IO_DTYPES = {"bf16": fx.BFloat16, "f16": fx.Float16}
+IO_DTYPES = {"bf16": fx.BFloat16, "f16": fx.Float16, "f32": fx.Float32}
 COMPUTE = "bf16"            # SPEC §5.5: the gfx950 decode computes the products in bf16
 
 
 @functools.lru_cache(maxsize=None)
 def compile_sparse_decode(dtype: str = "bf16"):
-    """Launcher for q/out dtype `dtype` ("bf16" or "f16"); products in bf16."""
+    """Launcher for q/out dtype `dtype` ("bf16", "f16" or "f32"); products in bf16."""
     io = IO_DTYPES[dtype]
     compute = COMPUTE_DTYPES[COMPUTE]
     SharedStorage = shared_storage()

@@ -34,13 +34,13 @@ import flydsl.expr as fx
 
 from attention_core import COMPUTE_DTYPES, THREADS, Operands, attend, shared_storage
 
-IO_DTYPES = {"bf16": fx.BFloat16, "f16": fx.Float16}
+IO_DTYPES = {"bf16": fx.BFloat16, "f16": fx.Float16, "f32": fx.Float32}
 COMPUTE = "f16"             # SPEC §5.5: the gfx950 prefill computes the products in fp16
 
 
 @functools.lru_cache(maxsize=None)
 def compile_sparse_prefill(dtype: str = "f16"):
-    """Launcher for q/out dtype `dtype` ("bf16" or "f16"); products in fp16."""
+    """Launcher for q/out dtype `dtype` ("bf16", "f16" or "f32"); products in fp16."""
     io = IO_DTYPES[dtype]
     compute = COMPUTE_DTYPES[COMPUTE]
     SharedStorage = shared_storage()

@@ -32,7 +32,24 @@ std::string dims_text(ffi::AnyBuffer::Dimensions dims) {
   return s + "]";
 }
 
-bool is_half(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::F16; }
+bool is_float(ffi::DataType t) {
+  return t == ffi::DataType::BF16 || t == ffi::DataType::F16 || t == ffi::DataType::F32;
+}
+int64_t float_bytes(ffi::DataType t) { return t == ffi::DataType::F32 ? 4 : 2; }
+
+// One compiled variant per io dtype (export.py: NAME_bf16 / NAME_f16 / NAME_f32).
+template <typename Call>
+struct Variant {
+  KernelModule kernel;
+  Call call;
+};
+#define M3SPARSE_VARIANTS(NAME, T)                                                         \
+  (T == ffi::DataType::BF16   ? Variant<decltype(&NAME##_bf16_call)>{                     \
+                                  M3SPARSE_KERNEL_MODULE(NAME##_bf16), NAME##_bf16_call} \
+   : T == ffi::DataType::F16 ? Variant<decltype(&NAME##_bf16_call)>{                      \
+                                  M3SPARSE_KERNEL_MODULE(NAME##_f16), NAME##_f16_call}   \
+                             : Variant<decltype(&NAME##_bf16_call)>{                      \
+                                  M3SPARSE_KERNEL_MODULE(NAME##_f32), NAME##_f32_call})
 
 // Cache geometry (SPEC §3) restricted to what the gfx950 kernels are compiled for.
 ffi::Error cache_geometry(const char* target, const ffi::AnyBuffer& cache, int64_t layout,
@@ -73,13 +90,13 @@ ffi::Error PackKvPages(hipStream_t stream, int32_t device, ffi::AnyBuffer cache,
                                    dims_text(kd));
   if (value.element_type() != key.element_type() || dims_text(value.dimensions()) != dims_text(kd))
     return refuse(kPackTarget, "value must have key's dtype and shape");
-  if (!is_half(key.element_type()))
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      std::string(kPackTarget) + ": the gfx950 pack kernel takes bf16 or f16 K/V");
+  if (!is_float(key.element_type()))
+    return refuse(kPackTarget, "key and value must be float32, bfloat16 or float16");
   const int64_t tokens = kd[0];
-  if (slot_mapping.element_count() != tokens)
+  if (int64_t(slot_mapping.element_count()) != tokens)
     return refuse(kPackTarget, "slot_mapping must be [T=" + std::to_string(tokens) + "]");
-  if (!fits_i32(tokens * hkv * kHeadDim * 2)) return refuse(kPackTarget, "key is larger than 2 GiB");
+  if (!fits_i32(tokens * hkv * kHeadDim * float_bytes(key.element_type())))
+    return refuse(kPackTarget, "key is larger than 2 GiB");
   if (cache_out->untyped_data() != cache.untyped_data()) {
     // Not aliased (the caller did not donate the cache): start from a copy, as XLA expects.
     hipError_t err = hipMemcpyAsync(cache_out->untyped_data(), cache.untyped_data(),
@@ -92,17 +109,14 @@ ffi::Error PackKvPages(hipStream_t stream, int32_t device, ffi::AnyBuffer cache,
   if (tokens == 0) return ffi::Error::Success();
   int64_t page_stride, layer_stride;
   strides(geo, &page_stride, &layer_stride);
-  const bool bf16 = key.element_type() == ffi::DataType::BF16;
-  const KernelModule kernel =
-      bf16 ? M3SPARSE_KERNEL_MODULE(pack_kv_pages_bf16) : M3SPARSE_KERNEL_MODULE(pack_kv_pages_f16);
-  if (auto e = prepare_launch(kPackTarget, kernel, device); e.failure()) return e;
-  auto call = bf16 ? pack_kv_pages_bf16_call : pack_kv_pages_f16_call;
-  int32_t st = call(cache_out->untyped_data(), key.untyped_data(), value.untyped_data(),
+  const auto v = M3SPARSE_VARIANTS(pack_kv_pages, key.element_type());
+  if (auto e = prepare_launch(kPackTarget, v.kernel, device); e.failure()) return e;
+  int32_t st = v.call(cache_out->untyped_data(), key.untyped_data(), value.untyped_data(),
                     slot_mapping.typed_data(), k_scale.typed_data(), v_scale.typed_data(),
                     layer.typed_data(), int32_t(tokens), int32_t(hkv), int32_t(geo.num_pages),
                     int32_t(geo.num_layers), page_stride, layer_stride,
                     int32_t((tokens + kPackTokensPerGroup - 1) / kPackTokensPerGroup), stream);
-  return launch_status(kPackTarget, kernel, st);
+  return launch_status(kPackTarget, v.kernel, st);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -114,11 +128,11 @@ ffi::Error QueryTokenPositions(hipStream_t stream, int32_t device, ffi::Buffer<f
                                ffi::Buffer<ffi::S32> context_lens,
                                ffi::Result<ffi::Buffer<ffi::S32>> query_req_id,
                                ffi::Result<ffi::Buffer<ffi::S32>> query_abs_pos) {
-  const int64_t requests = context_lens.element_count();
-  if (cu_seqlens_q.element_count() != requests + 1)
+  const int64_t requests = int64_t(context_lens.element_count());
+  if (int64_t(cu_seqlens_q.element_count()) != requests + 1)
     return refuse(kPositionsTarget, "cu_seqlens_q must be [R+1] with context_lens [R]");
-  const int64_t tokens = query_req_id->element_count();
-  if (query_abs_pos->element_count() != tokens)
+  const int64_t tokens = int64_t(query_req_id->element_count());
+  if (int64_t(query_abs_pos->element_count()) != tokens)
     return refuse(kPositionsTarget, "query_req_id and query_abs_pos must have the same size");
   if (!fits_i32((requests + 1) * 4) || !fits_i32(tokens * 4))
     return refuse(kPositionsTarget, "too many requests or tokens for int32 indexing");
@@ -153,9 +167,8 @@ ffi::Error attend_shape(const char* target, const ffi::AnyBuffer& q, const ffi::
   if (qd[1] != kGroup * s->hkv)
     return refuse(target, "gfx950 kernels need G = Hq/Hkv = 16, got Hq=" + std::to_string(qd[1]) +
                               ", Hkv=" + std::to_string(s->hkv));
-  if (!is_half(q.element_type()))
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      std::string(target) + ": the gfx950 kernels take bf16 or f16 q");
+  if (!is_float(q.element_type()))
+    return refuse(target, "q must be float32, bfloat16 or float16");
   if (out.element_type() != q.element_type() || dims_text(out.dimensions()) != dims_text(qd))
     return refuse(target, "out must have q's dtype and shape");
   s->tokens = qd[0];
@@ -166,7 +179,7 @@ ffi::Error attend_shape(const char* target, const ffi::AnyBuffer& q, const ffi::
   if (bd.size() != 2) return refuse(target, "block_table must be [R, M]");
   s->requests = bd[0];
   s->max_blocks = bd[1];
-  if (!fits_i32(s->tokens * qd[1] * kHeadDim * 2) || !fits_i32(s->hkv * s->tokens * kTopk * 4) ||
+  if (!fits_i32(s->tokens * qd[1] * kHeadDim * float_bytes(q.element_type())) || !fits_i32(s->hkv * s->tokens * kTopk * 4) ||
       !fits_i32(s->requests * s->max_blocks * 4) || !fits_i32(s->max_blocks * kBlockSize))
     return refuse(target, "an operand is too large for the kernels' 32-bit indexing");
   strides(s->geo, &s->page_stride, &s->layer_stride);
@@ -188,21 +201,18 @@ ffi::Error SparseDecode(hipStream_t stream, int32_t device, ffi::AnyBuffer q, ff
   if (auto e = attend_shape(kDecodeTarget, q, cache, topk, block_table, *out, layout, &s); e.failure())
     return e;
   if (decode_query_len < 1 || s.tokens != s.requests * decode_query_len ||
-      seq_lens.element_count() != s.requests)
+      int64_t(seq_lens.element_count()) != s.requests)
     return refuse(kDecodeTarget, "decode needs T = R·decode_query_len and seq_lens [R]");
   if (s.tokens == 0) return ffi::Error::Success();
-  const bool bf16 = q.element_type() == ffi::DataType::BF16;
-  const KernelModule kernel =
-      bf16 ? M3SPARSE_KERNEL_MODULE(sparse_decode_bf16) : M3SPARSE_KERNEL_MODULE(sparse_decode_f16);
-  if (auto e = prepare_launch(kDecodeTarget, kernel, device); e.failure()) return e;
-  auto call = bf16 ? sparse_decode_bf16_call : sparse_decode_f16_call;
-  int32_t st = call(q.untyped_data(), cache.untyped_data(), topk.typed_data(), block_table.typed_data(),
+  const auto v = M3SPARSE_VARIANTS(sparse_decode, q.element_type());
+  if (auto e = prepare_launch(kDecodeTarget, v.kernel, device); e.failure()) return e;
+  int32_t st = v.call(q.untyped_data(), cache.untyped_data(), topk.typed_data(), block_table.typed_data(),
                     seq_lens.typed_data(), k_scale.typed_data(), v_scale.typed_data(),
                     layer.typed_data(), out->untyped_data(), int32_t(s.tokens), int32_t(s.hkv),
                     int32_t(s.requests), int32_t(s.max_blocks), int32_t(s.geo.num_pages),
                     int32_t(s.geo.num_layers), s.page_stride, s.layer_stride,
                     int32_t(decode_query_len), scale, stream);
-  return launch_status(kDecodeTarget, kernel, st);
+  return launch_status(kDecodeTarget, v.kernel, st);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -219,21 +229,18 @@ ffi::Error SparsePrefill(hipStream_t stream, int32_t device, ffi::AnyBuffer q, f
   AttendShape s;
   if (auto e = attend_shape(kPrefillTarget, q, cache, topk, block_table, *out, layout, &s); e.failure())
     return e;
-  if (query_req_id.element_count() != s.tokens || query_abs_pos.element_count() != s.tokens)
+  if (int64_t(query_req_id.element_count()) != s.tokens || int64_t(query_abs_pos.element_count()) != s.tokens)
     return refuse(kPrefillTarget, "query_req_id and query_abs_pos must be [T]");
   if (s.tokens == 0) return ffi::Error::Success();
-  const bool bf16 = q.element_type() == ffi::DataType::BF16;
-  const KernelModule kernel =
-      bf16 ? M3SPARSE_KERNEL_MODULE(sparse_prefill_bf16) : M3SPARSE_KERNEL_MODULE(sparse_prefill_f16);
-  if (auto e = prepare_launch(kPrefillTarget, kernel, device); e.failure()) return e;
-  auto call = bf16 ? sparse_prefill_bf16_call : sparse_prefill_f16_call;
-  int32_t st = call(q.untyped_data(), cache.untyped_data(), topk.typed_data(), block_table.typed_data(),
+  const auto v = M3SPARSE_VARIANTS(sparse_prefill, q.element_type());
+  if (auto e = prepare_launch(kPrefillTarget, v.kernel, device); e.failure()) return e;
+  int32_t st = v.call(q.untyped_data(), cache.untyped_data(), topk.typed_data(), block_table.typed_data(),
                     query_req_id.typed_data(), query_abs_pos.typed_data(), k_scale.typed_data(),
                     v_scale.typed_data(), layer.typed_data(), out->untyped_data(), int32_t(s.tokens),
                     int32_t(s.hkv), int32_t(s.requests), int32_t(s.max_blocks),
                     int32_t(s.geo.num_pages), int32_t(s.geo.num_layers), s.page_stride,
                     s.layer_stride, scale, stream);
-  return launch_status(kPrefillTarget, kernel, st);
+  return launch_status(kPrefillTarget, v.kernel, st);
 }
 
 }  // namespace

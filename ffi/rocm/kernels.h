@@ -12,11 +12,14 @@
 extern "C" {
 #include "pack_kv_pages_bf16.h"
 #include "pack_kv_pages_f16.h"
+#include "pack_kv_pages_f32.h"
 #include "query_token_positions.h"
 #include "sparse_decode_bf16.h"
 #include "sparse_decode_f16.h"
+#include "sparse_decode_f32.h"
 #include "sparse_prefill_bf16.h"
 #include "sparse_prefill_f16.h"
+#include "sparse_prefill_f32.h"
 }
 
 namespace m3sparse::rocm {
