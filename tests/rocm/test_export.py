@@ -1,0 +1,158 @@
+"""Static checks of the gfx950 FlyDSL kernels (issue 4): what export.py writes, the ISA each kernel
+is meant to use, and its resources. CPU-only: the code objects are compiled, never run."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import elf_tools
+
+# Instructions each kernel family must contain (the reason is in each kernel's docstring).
+EXPECTED = {
+    "pack_kv_pages": [
+        "buffer_load_dwordx4",          # 16-byte input loads
+        "v_div_fixup_f32",              # IEEE fp32 division (SPEC §2.2: 1/g, x·r / sf)
+        "v_rndne_f32",                  # E4M3 subnormal rounding, ties to even
+        "global_store_dword",           # 64-bit addressed page writes (SPEC §3.3)
+    ],
+    "sparse_decode": [
+        "v_mfma_f32_16x16x32_bf16",     # QK and PV in bf16 (SPEC §5.5)
+        "v_cvt_scalef32_pk_f32_fp4",    # E2M1 -> fp32, unit scale
+        "v_cvt_pk_f32_fp8",             # E4M3 block scales -> fp32, exact
+        "v_pk_mul_f32",                 # the exact block-scale multiply
+        "v_cvt_pk_bf16_f32",            # exact products -> bf16 MFMA operands
+        "buffer_load_dwordx4",          # 16-byte K/V/Q loads
+        "v_exp_f32",                    # fast exp2, no device-library call
+        "ds_read_b64",                  # V^T operands from LDS
+    ],
+    "sparse_prefill": [
+        "v_mfma_f32_16x16x32_f16",      # QK and PV in fp16 (SPEC §5.5)
+        "v_cvt_scalef32_pk_f16_fp4",    # E2M1 -> fp16, unit scale
+        "v_cvt_pk_f32_fp8",
+        "v_pk_mul_f16",                 # the exact block-scale multiply in fp16
+        "buffer_load_dwordx4",
+        "v_exp_f32",
+        "ds_read_b64",
+    ],
+    "query_token_positions": ["buffer_load_dword", "buffer_store_dword"],
+}
+FORBIDDEN = {
+    "sparse_decode": ["v_mfma_f32_16x16x32_f16"],
+    "sparse_prefill": ["v_mfma_f32_16x16x32_bf16"],
+}
+# 4 selected blocks per wave, each 8 QK tiles × 4 MFMAs + 4 PV steps × 8 d-tiles.
+ATTENTION_MFMAS = 4 * (8 * 4 + 4 * 8)
+
+
+def family(name: str) -> str:
+    return re.sub(r"_(bf16|f16|f32)$", "", name)
+
+
+def test_every_kernel_exported(exported):
+    assert {"pack_kv_pages_bf16", "sparse_decode_bf16", "sparse_prefill_f16",
+            "query_token_positions"} <= set(exported.names)
+    for name in exported.names:
+        for ext in (".o", ".h", ".json"):
+            assert (exported.out / f"{name}{ext}").is_file(), f"{name}{ext} missing"
+        header = (exported.out / f"{name}.h").read_text()
+        assert f"{name}__module_load" in header and f"{name}_call(" in header
+
+
+def test_metadata_says_gfx950(exported):
+    for name in exported.names:
+        meta = exported[name].meta
+        assert meta["arch"] == "gfx950", name
+        assert meta["m3sparse"]["e_flags"] == elf_tools.GFX950_E_FLAGS, name
+        assert meta["symbol"] == name
+
+
+def test_code_object_elf_flags_gfx950(exported):
+    for name in exported.names:
+        co = exported[name].code_object
+        assert co[:4] == b"\x7fELF", name
+        flags = elf_tools.elf_e_flags(co)
+        assert flags & elf_tools.EF_AMDGPU_MACH_MASK == elf_tools.EF_AMDGPU_MACH_GFX950, (name, hex(flags))
+        assert flags == elf_tools.GFX950_E_FLAGS, (name, hex(flags))
+        assert "amdgcn-amd-amdhsa--gfx950" in exported[name].notes or "gfx950" in exported[name].notes
+
+
+@pytest.mark.parametrize("fam", sorted(EXPECTED))
+def test_expected_instructions(exported, fam):
+    names = [n for n in exported.names if family(n) == fam]
+    assert names, f"no exported kernel of family {fam}"
+    for name in names:
+        k = exported[name]
+        for mnemonic in EXPECTED[fam]:
+            assert k.count(mnemonic) > 0, f"{name}: no {mnemonic}"
+        for mnemonic in FORBIDDEN.get(fam, []):
+            assert k.count(mnemonic) == 0, f"{name}: unexpected {mnemonic}"
+
+
+def test_attention_mfma_counts(exported):
+    for name in exported.names:
+        fam = family(name)
+        if fam == "sparse_decode":
+            assert exported[name].count("v_mfma_f32_16x16x32_bf16") == ATTENTION_MFMAS, name
+        if fam == "sparse_prefill":
+            assert exported[name].count("v_mfma_f32_16x16x32_f16") == ATTENTION_MFMAS, name
+
+
+def test_pack_divisions_are_ieee(exported):
+    """Every fp32 division of SPEC §2.2 stays a division (no reciprocal rewrite): per GPU kernel
+    1/g, a/6 and the 8 element divisions x·r/sf = 10 v_div_fixup_f32."""
+    for name in exported.names:
+        if family(name) != "pack_kv_pages":
+            continue
+        k = exported[name]
+        kernels = len(k.resources)
+        assert kernels == 2, name  # K and V launches
+        assert k.count("v_div_fixup_f32") == 10 * kernels, name
+        assert k.count("v_rcp_iflag_f32") == 0
+
+
+def test_no_device_library_calls(exported):
+    for name in exported.names:
+        k = exported[name]
+        assert "__ocml_" not in k.asm and "__ockl_" not in k.asm, name
+        assert b"__ocml_" not in k.code_object and b"__ockl_" not in k.code_object, name
+        assert k.count("s_swappc_b64") == 0 and k.count("s_setpc_b64") == 0, f"{name}: has a call"
+
+
+def test_ieee_denormals_for_bit_exact_pack(exported):
+    """SPEC §2.2 is fp32 with denormals; the pack kernel's descriptors must not flush them."""
+    for name in exported.names:
+        if family(name) == "pack_kv_pages":
+            kd = exported[name].descriptors
+            modes = re.findall(r"\.amdhsa_float_denorm_mode_32 (\d)", kd)
+            assert modes and all(m == "3" for m in modes), (name, modes)
+
+
+def test_resources(exported):
+    for name in exported.names:
+        for gpu_kernel, res in exported[name].resources.items():
+            where = f"{name}/{gpu_kernel}"
+            assert res["vgpr_spills"] == 0 and res["sgpr_spills"] == 0, where
+            assert res["scratch_bytes"] == 0, where
+            assert res["wavefront_size"] == 64, where
+            waves = elf_tools.waves_per_simd(res["vgpr"], res["agpr"], res["lds_bytes"],
+                                             res["max_flat_workgroup_size"])
+            if family(name) in ("sparse_decode", "sparse_prefill"):
+                assert waves >= 2, f"{where}: {res} allows {waves} waves/SIMD"
+                assert res["lds_bytes"] <= 80 * 1024, where
+            else:
+                assert waves >= 4, where
+
+
+def test_export_is_deterministic(exported, tmp_path):
+    """Re-exporting one kernel gives the same bytes (FlyDSL's AOT output is reproducible)."""
+    import subprocess
+    import sys
+
+    from conftest import EXPORT
+
+    subprocess.run([sys.executable, str(EXPORT), "--arch", "gfx950", "--out", str(tmp_path),
+                    "--only", "query_token_positions"], check=True, capture_output=True)
+    assert (tmp_path / "query_token_positions.o").read_bytes() == \
+        (exported.out / "query_token_positions.o").read_bytes()
