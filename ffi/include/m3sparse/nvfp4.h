@@ -55,11 +55,15 @@ M3_HD uint8_t e4m3_from_clamped(float v) {
 }
 
 // E2M1 code of y, ties to even, saturating to ±6; −0 and tiny negatives give +0 (SPEC §2.2 step 3).
+// The magnitude index counts the thresholds |y| passes: `>` at the ties that round down to
+// the even code (0.25, 1.25, 2.5, 5), `>=` at those that round up to it (0.75, 1.75, 3.5).
+// Branch-free, so loops over elements vectorize.
 M3_HD uint8_t e2m1_from_float(float y) {
   float a = fabsf(y);
-  uint8_t m = a <= 0.25f ? 0 : a < 0.75f ? 1 : a <= 1.25f ? 2 : a < 1.75f ? 3
-            : a <= 2.5f ? 4 : a < 3.5f ? 5 : a <= 5.0f ? 6 : 7;
-  return (m != 0 && (float_bits(y) >> 31)) ? uint8_t(m | 8u) : m;
+  unsigned m = unsigned(a > 0.25f) + unsigned(a >= 0.75f) + unsigned(a > 1.25f) +
+               unsigned(a >= 1.75f) + unsigned(a > 2.5f) + unsigned(a >= 3.5f) + unsigned(a > 5.0f);
+  unsigned sign = (m != 0u) & (float_bits(y) >> 31);
+  return uint8_t(m | (sign << 3));
 }
 
 // r = 1/g, or NaN when g cannot be inverted to a finite positive number (SPEC §2.2 step 1, 5):
@@ -74,23 +78,23 @@ M3_HD void nvfp4_quantize_group(const float* x, float r, uint8_t* data, uint8_t*
   float amax = 0.0f;
   bool nan = is_nan(r);
   for (int i = 0; i < kNvfp4Group; ++i) {
-    nan = nan || is_nan(x[i]);
-    amax = fmaxf(amax, fabsf(x[i]));
+    float a = fabsf(x[i]);
+    nan |= is_nan(x[i]);
+    amax = a > amax ? a : amax;  // NaN groups are handled below, so no fmaxf semantics needed
   }
   if (nan) {
     *scale = kScaleNaN;
     for (int j = 0; j < kNvfp4Group / 2; ++j) data[j] = 0;
     return;
   }
-  float s = (amax / kE2M1Max) * r;
-  uint8_t sf = e4m3_from_clamped(fminf(fmaxf(s, kScaleFloor), kE4M3Max));
+  float s = (amax / kE2M1Max) * r;                    // not NaN: amax and r are not
+  s = s < kScaleFloor ? kScaleFloor : (s > kE4M3Max ? kE4M3Max : s);
+  uint8_t sf = e4m3_from_clamped(s);
   float sf_value = e4m3_to_float(sf);
   *scale = sf;
-  for (int j = 0; j < kNvfp4Group / 2; ++j) {
-    uint8_t lo = e2m1_from_float((x[2 * j] * r) / sf_value);
-    uint8_t hi = e2m1_from_float((x[2 * j + 1] * r) / sf_value);
-    data[j] = uint8_t(lo | (hi << 4));
-  }
+  uint8_t codes[kNvfp4Group];
+  for (int i = 0; i < kNvfp4Group; ++i) codes[i] = e2m1_from_float((x[i] * r) / sf_value);
+  for (int j = 0; j < kNvfp4Group / 2; ++j) data[j] = uint8_t(codes[2 * j] | (codes[2 * j + 1] << 4));
 }
 
 }  // namespace m3sparse

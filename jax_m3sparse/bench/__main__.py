@@ -1,0 +1,35 @@
+"""``python -m jax_m3sparse.bench {pack,decode,prefill,gfx950-static} [--platform P] [--quick]``
+
+Prints tables (speed is measured here, never in tests). ``--platform`` picks the JAX backend
+(cpu, cuda, rocm); ``gfx950-static`` needs no device (FlyDSL's AOT export, see BUILD.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m jax_m3sparse.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["pack", "decode", "prefill", "gfx950-static", "all"])
+    parser.add_argument("--platform", default=None, help="JAX platform (default: JAX's default)")
+    parser.add_argument("--quick", action="store_true", help="smallest shapes only (a smoke run)")
+    args, rest = parser.parse_known_args(argv)
+    if args.what == "gfx950-static":
+        from jax_m3sparse.bench import gfx950_static  # noqa: PLC0415 (needs flydsl)
+        return gfx950_static.main(rest)
+    import jax  # noqa: PLC0415
+
+    from jax_m3sparse.bench import timing  # noqa: PLC0415
+    device = jax.devices(args.platform)[0]
+    todo = ["pack", "decode", "prefill"] if args.what == "all" else [args.what]
+    for what in todo:
+        getattr(timing, f"bench_{what}")(device, quick=args.quick)
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Timing tables for pack, decode and prefill: our op vs the pure-XLA reference, on any
+JAX platform, against the device's measured copy bandwidth."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import jax_m3sparse as m3
+from jax_m3sparse import reference
+
+D, N, K = 128, 128, 16
+TILE = N * (D // 2 + D // 16)       # bytes of one (page, slot) tile
+TOKEN_BYTES = D // 2 + D // 16      # bytes of one token's head vector
+
+
+def median_time(fn, args, iters, donate_first=False):
+    """Median wall time (s) of fn(*args) over ``iters`` runs after one warm-up."""
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(iters):
+        if donate_first:
+            args = (out, *args[1:])
+        t0 = time.perf_counter()
+        out = fn(*args)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device, nbytes=256 << 20):
+    """Bytes read + written per second by a jitted elementwise pass over ``nbytes``."""
+    x = jax.device_put(jnp.zeros(nbytes // 4, jnp.float32), device)
+    # Donated, so the pass writes over its input instead of faulting in fresh pages.
+    t = median_time(jax.jit(lambda a: a + 1.0, donate_argnums=0), (x,), 5, donate_first=True)
+    return 2 * nbytes / t
+
+
+def fill_cache(rng, shape, device):
+    """Random NVFP4 bytes with every scale byte finite (bytes < 0x70)."""
+    raw = np.frombuffer(rng.bytes(int(np.prod(shape))), np.uint8).reshape(shape) & 0x6F
+    return jax.device_put(raw, device)
+
+
+def decode_case(rng, T, Hkv, G, seq, dql, device):
+    """A decode batch of T rows (R = T / dql requests), each request with its own pages."""
+    R = T // dql
+    blocks = -(-seq // N)
+    P = R * blocks
+    cache = fill_cache(rng, m3.KVCacheSpec(Hkv).cache_shape(P), device)
+    block_table = rng.permutation(P).astype(np.int32).reshape(R, blocks)
+    topk = np.stack([rng.choice(blocks, K, replace=False) for _ in range(Hkv * T)])
+    q = rng.standard_normal((T, Hkv * G, D)).astype(np.float32)
+    args = (jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(topk.reshape(Hkv, T, K), jnp.int32),
+            jnp.asarray(block_table), jnp.full((R,), seq, jnp.int32))
+    return [jax.device_put(a, device) for a in args]
+
+
+def row(name, ours, ref, nbytes, copy_bw, flops=None):
+    cells = [name, f"{ours * 1e6:10.1f}", f"{ref * 1e6:12.1f}", f"{ref / ours:7.1f}x",
+             f"{nbytes / ours / 1e9:8.2f}", f"{100 * nbytes / ours / copy_bw:6.1f}%"]
+    if flops is not None:
+        cells.append(f"{flops / ours / 1e12:8.3f}")
+    return " | ".join(cells)
+
+
+def header(first, flops=False):
+    cols = [first, "ours (µs)", "XLA ref (µs)", "ratio", "GB/s", "% copy"]
+    if flops:
+        cols.append("TFLOP/s")
+    return " | ".join(cols)
+
+
+def bench_decode(device, quick=False, seq=32768, Hkv=4, G=16):
+    rng = np.random.default_rng(0)
+    copy_bw = copy_bandwidth(device)
+    print(f"decode on {device.platform} ({device.device_kind}); copy bandwidth "
+          f"{copy_bw / 1e9:.1f} GB/s; Hkv={Hkv} G={G} seq={seq} top-{K}x{N}")
+    print(header("T (dql)"))
+    shapes = [(1, 1), (32, 1), (128, 1)] if device.platform == "cpu" else \
+        [(1, 1), (8, 1), (32, 1), (128, 1), (512, 1), (128, 4)]
+    for T, dql in tqdm(shapes[:2] if quick else shapes, desc="decode", leave=False):
+        args = decode_case(rng, T, Hkv, G, seq, dql, device)
+        ours = jax.jit(lambda *a: m3.sparse_decode(*a, 1.0, 1.0, decode_query_len=dql))
+        ref = jax.jit(lambda *a: reference.sparse_decode(*a, 1.0, 1.0, decode_query_len=dql))
+        iters = 3 if device.platform == "cpu" else 50
+        t_ours = median_time(ours, args, iters)
+        t_ref = median_time(ref, args, max(1, iters // 3))
+        nbytes = T * Hkv * K * N * TOKEN_BYTES * 2
+        print(row(f"{T} ({dql})", t_ours, t_ref, nbytes, copy_bw))
+
+
+def bench_prefill(device, quick=False, Hkv=4, G=16):
+    rng = np.random.default_rng(1)
+    copy_bw = copy_bandwidth(device)
+    context = 8192
+    sizes = [2048] if device.platform == "cpu" else [2048, 8192]
+    print(f"prefill on {device.platform} ({device.device_kind}); context {context}; Hkv={Hkv} "
+          f"G={G}; flops = 4·G·D per attended key per token and KV head")
+    print(header("tokens", flops=True))
+    for T in (sizes[:1] if quick else sizes):
+        T = 256 if quick else T
+        kv_len = context + T
+        blocks = -(-kv_len // N)
+        cache = fill_cache(rng, m3.KVCacheSpec(Hkv).cache_shape(blocks), device)
+        bt = jnp.asarray(rng.permutation(blocks).astype(np.int32)[None])
+        pos = np.arange(context, kv_len, dtype=np.int32)
+        topk = np.stack([rng.choice(p // N + 1, K, replace=False) for p in np.tile(pos, Hkv)])
+        q = jnp.asarray(rng.standard_normal((T, Hkv * G, D)), jnp.bfloat16)
+        args = [jax.device_put(a, device) for a in (
+            q, cache, jnp.asarray(topk.reshape(Hkv, T, K), jnp.int32), bt,
+            jnp.zeros(T, jnp.int32), jnp.asarray(pos))]
+        ours = jax.jit(lambda *a: m3.sparse_prefill(*a, 1.0, 1.0))
+        ref = jax.jit(lambda *a: reference.sparse_prefill(*a, 1.0, 1.0))
+        iters = 1 if device.platform == "cpu" else 20
+        t_ours = median_time(ours, args, iters)
+        t_ref = median_time(ref, args, iters)
+        nbytes = T * Hkv * K * N * TOKEN_BYTES * 2
+        flops = 4 * G * D * K * N * T * Hkv
+        print(row(str(T), t_ours, t_ref, nbytes, copy_bw, flops))
+
+
+def bench_pack(device, quick=False, Hkv=4):
+    rng = np.random.default_rng(2)
+    copy_bw = copy_bandwidth(device)
+    print(f"pack on {device.platform} ({device.device_kind}); copy bandwidth "
+          f"{copy_bw / 1e9:.1f} GB/s; Hkv={Hkv}; GB/s counts bf16 K/V read + NVFP4 bytes written")
+    print(header("T"))
+    sizes = [128, 4096] if device.platform == "cpu" else [4096, 65536]
+    for T in (sizes[:1] if quick else sizes):
+        P = 2 * -(-T // N)
+        cache = jax.device_put(jnp.zeros(m3.KVCacheSpec(Hkv).cache_shape(P), jnp.uint8), device)
+        k = jnp.asarray(rng.standard_normal((T, Hkv, D)), jnp.bfloat16)
+        slots = jnp.asarray(rng.choice(P * N, T, replace=False).astype(np.int32))
+        args = [cache] + [jax.device_put(a, device) for a in (k, -k, slots)]
+        ours = jax.jit(lambda c, *a: m3.pack_kv_pages(c, *a, 1.0, 1.0), donate_argnums=0)
+        ref = jax.jit(lambda c, *a: reference.pack_kv_pages(c, *a, 1.0, 1.0), donate_argnums=0)
+        iters = 20 if T <= 4096 else 10
+        t_ours = median_time(ours, args, iters, donate_first=True)
+        args[0] = jax.device_put(jnp.zeros_like(args[0]), device)
+        t_ref = median_time(ref, args, iters, donate_first=True)
+        nbytes = T * Hkv * 2 * (2 * D + TOKEN_BYTES)
+        print(row(str(T), t_ours, t_ref, nbytes, copy_bw))
