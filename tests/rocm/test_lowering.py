@@ -1,0 +1,91 @@
+"""The public ops lower on platform "rocm" to the custom calls the HIP handlers serve
+(docs/ffi_targets.md): target name, operand count and types, attributes, cache aliasing.
+No GPU and no ROCm plugin needed (lowering for a platform does not need its device)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+m3 = pytest.importorskip("jax_m3sparse")
+
+T, HKV, G, D, K, P, R, M, L = 4, 2, 16, 128, 16, 8, 2, 6, 3
+
+
+def spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def lowered(fn, *args, donate=()):
+    return jax.jit(fn, donate_argnums=donate).trace(*args).lower(lowering_platforms=("rocm",)).as_text()
+
+
+def custom_calls(text):
+    return [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+
+
+def operand_count(line):
+    inner = re.search(r"custom_call @\w+\(([^)]*)\)", line).group(1)
+    return len([a for a in inner.split(",") if a.strip()])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("five_d", [False, True])
+def test_sparse_decode_lowers_to_rocm_target(dtype, five_d):
+    cache = spec((L, P, 2 * HKV, 128, 72) if five_d else (P, 2 * HKV, 128, 72), jnp.uint8)
+    args = (spec((T, HKV * G, D), dtype), cache, spec((HKV, T, K), jnp.int32), spec((R, M), jnp.int32),
+            spec((R,), jnp.int32), spec((), jnp.float32), spec((), jnp.float32))
+    layer = spec((), jnp.int32) if five_d else None
+
+    def fn(q, c, topk, bt, sl, ks, vs, *rest):
+        return m3.sparse_decode(q, c, topk, bt, sl, ks, vs, decode_query_len=2,
+                                layer=rest[0] if rest else None, layout="BLHNC" if five_d else "LBHNC")
+
+    text = lowered(fn, *args, *([layer] if five_d else []))
+    calls = custom_calls(text)
+    assert len(calls) == 1 and "@m3sparse_sparse_decode_rocm" in calls[0]
+    assert operand_count(calls[0]) == 8
+    assert "decode_query_len = 2 : i64" in calls[0]
+    assert re.search(r"layout = %d : i64" % (1 if five_d else 0), calls[0])
+    assert re.search(r"scale = [0-9.e-]+ : f32", calls[0])
+
+
+def test_sparse_prefill_lowers_to_rocm_target():
+    args = (spec((T, HKV * G, D), jnp.float16), spec((P, 2 * HKV, 128, 72), jnp.uint8),
+            spec((HKV, T, K), jnp.int32), spec((R, M), jnp.int32), spec((T,), jnp.int32),
+            spec((T,), jnp.int32), spec((), jnp.float32), spec((), jnp.float32))
+    calls = custom_calls(lowered(lambda *a: m3.sparse_prefill(*a), *args))
+    assert len(calls) == 1 and "@m3sparse_sparse_prefill_rocm" in calls[0]
+    assert operand_count(calls[0]) == 9
+
+
+def test_pack_lowers_with_cache_aliasing():
+    args = (spec((P, 2 * HKV, 128, 72), jnp.uint8), spec((T, HKV, D), jnp.bfloat16),
+            spec((T, HKV, D), jnp.bfloat16), spec((T,), jnp.int32), spec((), jnp.float32),
+            spec((), jnp.float32))
+    text = lowered(lambda *a: m3.pack_kv_pages(*a), *args, donate=(0,))
+    calls = custom_calls(text)
+    assert len(calls) == 1 and "@m3sparse_pack_kv_pages_rocm" in calls[0]
+    assert operand_count(calls[0]) == 7
+    assert "output_operand_aliases" in calls[0]
+
+
+def test_positions_lowers_to_rocm_target():
+    args = (spec((R + 1,), jnp.int32), spec((R,), jnp.int32))
+    calls = custom_calls(lowered(lambda cu, ctx: m3.query_token_positions(cu, ctx, 16), *args))
+    assert len(calls) == 1 and "@m3sparse_query_token_positions_rocm" in calls[0]
+
+
+def test_export_for_rocm_serializes():
+    args = (spec((T, HKV * G, D), jnp.bfloat16), spec((P, 2 * HKV, 128, 72), jnp.uint8),
+            spec((HKV, T, K), jnp.int32), spec((R, M), jnp.int32), spec((R,), jnp.int32),
+            spec((), jnp.float32), spec((), jnp.float32))
+    exp = jax.export.export(jax.jit(lambda *a: m3.sparse_decode(*a, decode_query_len=2)), platforms=["rocm"],
+                            disabled_checks=m3.export_disabled_checks())(*args)
+    assert exp.platforms == ("rocm",)
+    assert "m3sparse_sparse_decode_rocm" in exp.mlir_module()
+    assert len(exp.serialize()) > 0
