@@ -3,7 +3,7 @@
 The Python side only schedules: it owns the page allocator and the per-request state, builds
 numpy arrays for one step (decode requests first, prefill chunks after, padded to a few shape
 buckets) and reads back logits. All model work is the one jitted step; each padded shape is
-compiled once (ahead of time, through ``lower().compile()``), never per step.
+compiled once (jit's cache; a jax.monitoring hook counts compilations), never per step.
 """
 
 from __future__ import annotations
@@ -97,6 +97,21 @@ def propose_drafts(tokens: list[int], n: int, max_ngram: int = 3) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- engine
+class _CompileCounter:
+    """Counts XLA backend compilations (a jax.monitoring hook), to prove one per shape."""
+
+    def __init__(self):
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+
+_COMPILES = _CompileCounter()
+
+
 @dataclasses.dataclass
 class EngineConfig:
     num_pages: int = 64
@@ -123,7 +138,7 @@ class Engine:
         self.caches = allocate_caches(cfg, ecfg.num_pages, ecfg.compare)
         self.allocator = PageAllocator(ecfg.num_pages)
         self.max_blocks = -(-ecfg.max_seq_len // cfg.block_size)
-        self.compiled: dict[tuple, object] = {}
+        self.compiles: dict[tuple, int] = {}     # padded batch shapes -> XLA compilations
         self.compile_seconds = 0.0
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -204,26 +219,28 @@ class Engine:
                      block_table=table)
         return batch, decoding, prefill, drafts
 
-    def _compiled_step(self, batch):
+    def _run_step(self, batch):
+        """Calls the jitted step; a call that compiles is timed as compilation, not as work."""
         key = tuple((k, v.shape) for k, v in sorted(batch.items()))
-        if key not in self.compiled:
-            t0 = time.perf_counter()
-            self.compiled[key] = forward_step.lower(
-                self.params, self.caches, batch, cfg=self.cfg,
-                num_decode_requests=self.ecfg.max_running,
-                decode_query_len=self.ecfg.decode_query_len, compare=self.ecfg.compare).compile()
-            self.compile_seconds += time.perf_counter() - t0
-        return self.compiled[key]
+        before = _COMPILES.count
+        t0 = time.perf_counter()
+        self.caches, out = forward_step(
+            self.params, self.caches, batch, cfg=self.cfg,
+            num_decode_requests=self.ecfg.max_running,
+            decode_query_len=self.ecfg.decode_query_len, compare=self.ecfg.compare)
+        out = jax.device_get(out)
+        seconds = time.perf_counter() - t0
+        compiled = _COMPILES.count - before
+        if compiled:
+            self.compiles[key] = self.compiles.get(key, 0) + compiled
+            self.compile_seconds += seconds
+        return out, seconds, bool(compiled)
 
     def step(self) -> int:
         """Admits, runs one jitted step, samples; returns the number of tokens processed."""
         self._admit()
         batch, decoding, prefill, drafts = self._build_batch()
-        fn = self._compiled_step(batch)
-        t0 = time.perf_counter()
-        self.caches, out = fn(self.params, self.caches, batch)
-        out = jax.device_get(out)
-        seconds = time.perf_counter() - t0
+        out, seconds, compiled = self._run_step(batch)
         logits, ref = out["logits"], out.get("ref_logits")
         dql = self.ecfg.decode_query_len
         emitted_decode = 0
@@ -253,7 +270,7 @@ class Engine:
             if not r.prefilling:             # the prompt's last token gives the first new one
                 self._log(r, logits[t - 1], None if ref is None else ref[t - 1])
                 r.tokens.append(int(logits[t - 1].argmax()))
-        self.stats.record_step(seconds, prefill_tokens, emitted_decode, len(decoding),
+        self.stats.record_step(None if compiled else seconds, prefill_tokens, emitted_decode, len(decoding),
                                out.get("attn_stats"),
                                None if ref is None else (logits[step_rows], ref[step_rows]))
         for r in [r for r in self.running if r.done]:
@@ -291,8 +308,11 @@ class RunStats:
 
     def record_step(self, seconds, prefill_tokens, decode_tokens, num_decoding, attn_stats,
                     logit_pairs):
-        # Mixed steps count toward prefill (their time is dominated by the chunk).
-        if prefill_tokens:
+        # Mixed steps count toward prefill (their time is dominated by the chunk); steps that
+        # compiled (seconds None) count toward neither.
+        if seconds is None:
+            pass
+        elif prefill_tokens:
             self.prefill_tokens += prefill_tokens
             self.prefill_seconds += seconds
         else:

@@ -1,0 +1,97 @@
+"""The end-of-run summary (throughput, pages, NVFP4-vs-bf16 accuracy) and the optional plot."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .engine import Engine, cosine
+
+# What a healthy run shows (random weights, defaults; tests/test_example.py checks them).
+BOUNDS = dict(attn_cos_min=0.98, attn_rel_f_max=0.2, logit_cos_min=0.98, agreement_min=0.8)
+
+
+def summarize(engine: Engine, wall_seconds: float) -> dict:
+    """Numbers of the run: throughput, pages, and the served-vs-reference agreement."""
+    s, a = engine.stats, engine.allocator
+    out = dict(
+        requests=len(engine.finished),
+        prefill_tokens=s.prefill_tokens,
+        prefill_tok_s=s.prefill_tokens / max(s.prefill_seconds, 1e-9),
+        decode_tokens=s.decode_tokens,
+        decode_tok_s=s.decode_tokens / max(s.decode_seconds, 1e-9),
+        generated_tokens=sum(len(r.generated) for r in engine.finished),
+        compile_s=engine.compile_seconds,
+        compiled_shapes=len(engine.compiles),
+        wall_s=wall_seconds,
+        pages_total=a.num_pages,
+        pages_peak=a.peak_in_use,
+        pages_allocated=a.total_allocations,
+        pages_free_at_end=a.num_free(),
+    )
+    drafted = sum(r.drafted for r in engine.finished)
+    if drafted:
+        out["spec_acceptance"] = sum(r.accepted for r in engine.finished) / drafted
+    if engine.ecfg.compare:
+        cos, rel = s.per_layer()
+        served = [x for r in engine.finished for x in r.logits]
+        ref = [x for r in engine.finished for x in r.ref_logits]
+        out.update(
+            attn_cos=cos, attn_rel_f=rel,
+            logit_cos=float(np.mean([cosine(x, y) for x, y in zip(served, ref)])),
+            logit_cos_min=float(np.min([cosine(x, y) for x, y in zip(served, ref)])),
+            agreement=float(np.mean([x.argmax() == y.argmax() for x, y in zip(served, ref)])))
+    return out
+
+
+def format_summary(s: dict, cfg) -> str:
+    lines = [
+        f"requests {s['requests']}, generated tokens {s['generated_tokens']}, wall {s['wall_s']:.1f} s "
+        f""
+        f"(of which {s['compile_s']:.1f} s in {s['compiled_shapes']} steps that compiled a new padded "
+        f"shape; excluded from tokens/s)",
+        f"prefill: {s['prefill_tokens']} tokens, {s['prefill_tok_s']:.0f} tokens/s "
+        f"(steps with a prefill chunk)",
+        f"decode:  {s['decode_tokens']} tokens, {s['decode_tok_s']:.1f} tokens/s (decode-only steps)",
+        f"pages:   peak {s['pages_peak']} of {s['pages_total']} in use, {s['pages_allocated']} "
+        f"handed out over the run, {s['pages_free_at_end']} free at the end",
+    ]
+    if "spec_acceptance" in s:
+        lines.append(f"speculative: {100 * s['spec_acceptance']:.0f}% of prompt-lookup drafts accepted")
+    if "attn_cos" in s:
+        lines.append("accuracy of the NVFP4 sparse path vs the same model with a bf16 cache and the "
+                     "same selections:")
+        for layer, (c, r) in enumerate(zip(s["attn_cos"], s["attn_rel_f"])):
+            kind = "dense " if layer < cfg.num_dense_layers else "sparse"
+            lines.append(f"  layer {layer} ({kind}) attention output: cosine {c:.5f}, rel-F {r:.4f}")
+        lines.append(f"  final logits: cosine mean {s['logit_cos']:.5f} (min {s['logit_cos_min']:.5f}); "
+                     f"greedy-token agreement {100 * s['agreement']:.1f}%")
+    return "\n".join(lines)
+
+
+def plot(engine: Engine, summary: dict, path: str) -> None:
+    """Per-layer attention agreement and per-decode-step logit agreement, one PNG."""
+    import matplotlib  # noqa: PLC0415 (optional dependency)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    layers = np.arange(len(summary["attn_cos"]))
+    ax1.bar(layers - 0.2, 1 - np.array(summary["attn_cos"]), 0.4, label="1 − cosine")
+    ax1.bar(layers + 0.2, summary["attn_rel_f"], 0.4, label="rel-F error")
+    ax1.set_xlabel("layer (first dense, then sparse)")
+    ax1.set_title("attention output: NVFP4 sparse vs bf16 cache")
+    ax1.set_yscale("log")
+    ax1.legend()
+    steps = engine.stats.decode_steps
+    x = np.arange(len(steps))
+    ax2.plot(x, [1 - d["logit_cos"] for d in steps], label="1 − final-logit cosine")
+    ax2.plot(x, [1 - d["agree"] for d in steps], label="greedy disagreement", alpha=0.6)
+    for layer in layers:
+        ax2.plot(x, [1 - d["attn_cos"][layer] for d in steps], lw=0.8, ls=":",
+                 label=f"1 − attn cosine, layer {layer}")
+    ax2.set_xlabel("decode step")
+    ax2.set_yscale("symlog", linthresh=1e-5)
+    ax2.set_title("per decode step")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,186 @@
+"""The MiniMax M3 example (examples/minimax_m3): engine smoke test, select_blocks, checkpoints.
+
+Tiny sizes (D = 128 as in M3, everything else shrunk; top-2 blocks so that 3-5 block prompts
+really skip blocks). The jitted step's padded shapes are shared by every engine of a module
+(jit's cache), so the batched and the one-request runs compile each shape once.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+
+from minimax_m3 import report, text  # noqa: E402
+from minimax_m3.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from minimax_m3.config import ModelConfig  # noqa: E402
+from minimax_m3.engine import Engine, EngineConfig, cosine, propose_drafts  # noqa: E402
+from minimax_m3.model import init_params  # noqa: E402
+
+from jax_m3sparse.select import select_blocks  # noqa: E402
+
+CFG = ModelConfig(hidden_size=128, num_layers=3, num_dense_layers=1, num_heads=4,
+                  num_kv_heads=1, intermediate_size=256, index_head_dim=64, topk_blocks=2)
+ECFG = EngineConfig(num_pages=9, max_running=2, chunk_size=256, max_seq_len=768,
+                    spec_tokens=2, compare=True)
+LICENSES = pathlib.Path("/usr/share/common-licenses")
+
+
+def _prompts():
+    """Real text of 3 lengths (2, 4 and 5 blocks); the third waits for freed pages."""
+    files = [("BSD", 200), ("Apache-2.0", 470), ("GPL-3", 600)]
+    out = []
+    for name, n in files:
+        path = LICENSES / name
+        data = path.read_bytes() if path.exists() else bytes(range(32, 127)) * 10
+        out.append(list(data[:n]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def batched(params):
+    """The batched run, stepped by hand to check page ownership after every step."""
+    engine = Engine(params, CFG, ECFG)
+    for rid, p in enumerate(_prompts()):
+        engine.add_request(rid, p, max_new_tokens=5)
+    steps = 0
+    while engine.waiting or engine.running:
+        engine.step()
+        steps += 1
+        live = [p for r in engine.running for p in r.pages]
+        assert len(live) == len(set(live)), "a page is shared between live requests"
+        assert set(live) == set(engine.allocator.owner)
+    return engine, steps
+
+
+def test_batched_matches_unbatched(params, batched):
+    engine, _ = batched
+    for r in engine.finished:
+        alone = Engine(params, CFG, ECFG)
+        alone.add_request(r.rid, r.prompt, max_new_tokens=5)
+        (a,) = alone.run()
+        assert a.generated == r.generated, f"request {r.rid}: tokens differ"
+        assert len(a.logits) == len(r.logits) == 5
+        for step, (x, y) in enumerate(zip(r.logits, a.logits)):
+            assert cosine(x, y) >= 0.9999, f"request {r.rid} step {step}: {cosine(x, y)}"
+
+
+def test_pages_returned_and_reused(batched):
+    engine, _ = batched
+    alloc = engine.allocator
+    assert alloc.num_free() == alloc.num_pages and not alloc.owner
+    assert alloc.total_allocations > alloc.num_pages     # the third request reused freed pages
+    assert sorted(alloc.free_pages) == list(range(alloc.num_pages))
+
+
+def test_compiles_once_per_shape(batched):
+    engine, steps = batched
+    assert engine.compiles, "nothing compiled?"
+    assert all(n == 1 for n in engine.compiles.values()), engine.compiles
+    assert len(engine.compiles) <= len(ECFG.prefill_buckets()) < steps
+
+
+def test_accuracy_within_documented_bounds(batched):
+    engine, _ = batched
+    s = report.summarize(engine, 1.0)
+    b = report.BOUNDS
+    assert min(s["attn_cos"]) >= b["attn_cos_min"], s["attn_cos"]
+    assert max(s["attn_rel_f"]) <= b["attn_rel_f_max"], s["attn_rel_f"]
+    assert s["logit_cos"] >= b["logit_cos_min"], s["logit_cos"]
+    assert s["agreement"] >= b["agreement_min"], s["agreement"]
+    assert s["generated_tokens"] == 15
+    assert "prefill" in report.format_summary(s, CFG)
+
+
+def test_checkpoint_roundtrip(params, tmp_path):
+    path = str(tmp_path / "tiny.safetensors")
+    save_checkpoint(path, params, CFG)
+    loaded = load_checkpoint(path, CFG)
+    flat_a = jax.tree_util.tree_leaves_with_path(params)
+    flat_b = dict(jax.tree_util.tree_leaves_with_path(loaded))
+    assert len(flat_a) == len(flat_b)
+    for key, a in flat_a:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(flat_b[key]), err_msg=str(key))
+
+
+def test_checkpoint_bf16_and_errors(params, tmp_path):
+    from safetensors.numpy import save_file
+    from minimax_m3.checkpoint import hf_tensors
+    import ml_dtypes
+    tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in hf_tensors(params, CFG).items()}
+    good = str(tmp_path / "bf16.safetensors")
+    save_file(tensors, good)
+    loaded = load_checkpoint(good, CFG)
+    np.testing.assert_allclose(np.asarray(loaded["lm_head"]), np.asarray(params["lm_head"]),
+                               rtol=1e-2, atol=1e-2)
+    del tensors["model.layers.1.self_attn.indexer.k_proj.weight"]
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:7]
+    tensors["extra.weight"] = np.zeros(3, np.float32)
+    bad = str(tmp_path / "bad.safetensors")
+    save_file(tensors, bad)
+    with pytest.raises(ValueError) as e:
+        load_checkpoint(bad, CFG)
+    msg = str(e.value)
+    assert "missing model.layers.1.self_attn.indexer.k_proj.weight" in msg
+    assert "model.layers.0.mlp.up_proj.weight: expected shape" in msg
+    assert "unexpected extra.weight" in msg
+
+
+def _select_bruteforce(iq, kc, table, req, pos, K, N):
+    Hkv, T = iq.shape[1], iq.shape[0]
+    out = np.full((Hkv, T, K), -1, np.int32)
+    for t in range(T):
+        if req[t] < 0:
+            continue
+        local = pos[t] // N
+        for g in range(Hkv):
+            scores = []
+            for b in range(local):
+                keys = kc[table[req[t], b]].astype(np.float32)          # [N, Di]
+                scores.append((keys @ iq[t, g].astype(np.float32)).max())
+            order = sorted(range(local), key=lambda b: (-scores[b], b))
+            ids = [local, *order][:K]
+            out[g, t, :len(ids)] = ids
+    return out
+
+
+def test_select_blocks_bruteforce():
+    rng = np.random.default_rng(1)
+    P, N, Di, Hkv, K, M = 10, 128, 32, 2, 3, 6
+    kc = rng.normal(size=(P, N, Di)).astype(np.float32)
+    table = np.array([[3, 7, 1, 9, 0, -1], [2, 5, 8, 4, 6, -1]], np.int32)
+    req = np.array([0, 0, 1, 1, -1, 0], np.int32)
+    pos = np.array([5, 700, 130, 520, 3, 383], np.int32)
+    iq = rng.normal(size=(len(req), Hkv, Di)).astype(np.float32)
+    got = np.asarray(select_blocks(iq, kc, table, req, pos, topk_blocks=K))
+    want = _select_bruteforce(iq, kc, table, req, pos, K, N)
+    np.testing.assert_array_equal(got, want)
+    # The local block's own score only counts tokens p <= pos: a huge key after pos is ignored.
+    kc2 = kc.copy()
+    kc2[table[0, 5 // N], 6:] = 1e6
+    np.testing.assert_array_equal(np.asarray(select_blocks(iq, kc2, table, req, pos,
+                                                           topk_blocks=K))[:, 0], got[:, 0])
+    assert jax.jit(select_blocks, static_argnames="topk_blocks")(
+        jnp.asarray(iq), kc, table, req, pos, topk_blocks=K).shape == (Hkv, len(req), K)
+
+
+def test_propose_drafts():
+    assert propose_drafts([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]
+    assert propose_drafts([5, 6, 7], 3) == [7, 7, 7]
+    assert propose_drafts([4, 8, 4], 2) == [8, 4]
+
+
+def test_text_roundtrip():
+    s = "naïve text\n"
+    assert text.decode(text.encode(s)) == s
