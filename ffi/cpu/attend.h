@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <memory>
 #include <vector>
 
@@ -76,24 +78,34 @@ inline float fast_exp2(float x) {
 }
 
 // Dequantizes tokens [0, n) of a (page, slot) tile (without the global scale).
-// transposed: dst[d * stride + j]; else dst[j * stride + d].
+// transposed: dst[d * stride + j] (the K tile, for the QK micro-kernel), walking tokens in
+// the inner loop so the stores stay contiguous; else dst[j * stride + d] (the V tile).
 inline void dequantize_tile(const CacheGeometry& geo, const uint8_t* tile, int64_t n, float* dst,
                             int64_t stride, bool transposed) {
   const Nvfp4Tables& tb = nvfp4_tables();
   const int64_t D = geo.head_dim;
-  for (int64_t j = 0; j < n; ++j) {
-    const uint8_t* data = tile + geo.token_data_offset(j);
-    const uint8_t* scales = tile + geo.token_scale_offset(j);
+  const uint8_t* data = tile + geo.token_data_offset(0);
+  const uint8_t* scales = tile + geo.token_scale_offset(0);
+  const int64_t row = geo.data_bytes(), srow = geo.scale_bytes();
+  if (transposed) {
     for (int64_t d = 0; d < D; d += 2) {
-      float s = tb.scale[scales[d / kNvfp4Group]];
-      const float* v = &tb.pair[2 * data[d / 2]];
-      if (transposed) {
-        dst[d * stride + j] = v[0] * s;
-        dst[(d + 1) * stride + j] = v[1] * s;
-      } else {
-        dst[j * stride + d] = v[0] * s;
-        dst[j * stride + d + 1] = v[1] * s;
+      float* lo = dst + d * stride;
+      float* hi = lo + stride;
+      for (int64_t j = 0; j < n; ++j) {
+        const float s = tb.scale[scales[j * srow + d / kNvfp4Group]];
+        const float* v = &tb.pair[2 * data[j * row + d / 2]];
+        lo[j] = v[0] * s;
+        hi[j] = v[1] * s;
       }
+    }
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t d = 0; d < D; d += 2) {
+      const float s = tb.scale[scales[j * srow + d / kNvfp4Group]];
+      const float* v = &tb.pair[2 * data[j * row + d / 2]];
+      dst[j * stride + d] = v[0] * s;
+      dst[j * stride + d + 1] = v[1] * s;
     }
   }
 }
@@ -112,7 +124,58 @@ inline int64_t selected_page(const AttendArgs& a, int64_t r, int64_t b, int64_t 
   return a.geo.valid_page(page) ? page : -1;
 }
 
+// 8-lane float vectors (GCC/Clang vector extensions: AVX2 registers where the CPU has them,
+// pairs of SSE registers otherwise). Register-blocked so each loaded K/V vector feeds many FMAs.
+typedef float v8f __attribute__((vector_size(32)));
+inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof(v)); return v; }
+inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+
+// s[i][j0..j0+8) = q_i · k_j for H heads from i0; kt is the transposed tile [D][N].
+template <int H>
+inline void qk_tile(const float* q, const float* kt, float* s, int64_t D, int64_t N, int64_t i0,
+                    int64_t j0) {
+  v8f acc[H] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const v8f k = load8(kt + d * N + j0);
+    for (int h = 0; h < H; ++h) acc[h] += q[(i0 + h) * D + d] * k;
+  }
+  for (int h = 0; h < H; ++h) store8(s + (i0 + h) * N + j0, acc[h]);
+}
+
+// acc[i][d0..d0+16) += Σ_j p[i][j] · v[j][d0..d0+16) for H heads from i0, over n keys.
+template <int H>
+inline void pv_tile(const float* p, const float* v, float* acc, int64_t D, int64_t N, int64_t n,
+                    int64_t i0, int64_t d0) {
+  v8f lo[H], hi[H];
+  for (int h = 0; h < H; ++h) {
+    lo[h] = load8(acc + (i0 + h) * D + d0);
+    hi[h] = load8(acc + (i0 + h) * D + d0 + 8);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const v8f vl = load8(v + j * D + d0), vh = load8(v + j * D + d0 + 8);
+    for (int h = 0; h < H; ++h) {
+      const float pj = p[(i0 + h) * N + j];
+      lo[h] += pj * vl;
+      hi[h] += pj * vh;
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    store8(acc + (i0 + h) * D + d0, lo[h]);
+    store8(acc + (i0 + h) * D + d0 + 8, hi[h]);
+  }
+}
+
+// Runs tile(H, i0) over heads [0, G) in blocks of 8, then 4, then 1.
+template <typename Tile>
+inline void over_heads(int64_t G, Tile tile) {
+  int64_t i = 0;
+  for (; i + 8 <= G; i += 8) tile(std::integral_constant<int, 8>(), i);
+  for (; i + 4 <= G; i += 4) tile(std::integral_constant<int, 4>(), i);
+  for (; i < G; ++i) tile(std::integral_constant<int, 1>(), i);
+}
+
 // Folds one selected block (n attended keys) into the running softmax of G heads.
+// Scores of lanes j >= n (stale tile columns) are computed but never read.
 inline void attend_block(const AttendArgs& a, AttendScratch& w, int64_t G, int64_t g, int64_t page,
                          int64_t n) {
   const int64_t D = a.geo.head_dim, N = a.geo.block_size;
@@ -120,15 +183,12 @@ inline void attend_block(const AttendArgs& a, AttendScratch& w, int64_t G, int64
   const uint8_t* v_tile = a.cache + a.geo.tile_offset(a.layer, page, 2 * g + 1);
   dequantize_tile(a.geo, k_tile, n, w.kt.data(), N, /*transposed=*/true);
   dequantize_tile(a.geo, v_tile, n, w.v.data(), D, /*transposed=*/false);
+  for (int64_t j0 = 0; j0 < n; j0 += 8)
+    over_heads(G, [&](auto H, int64_t i0) {
+      qk_tile<decltype(H)::value>(w.q.data(), w.kt.data(), w.s.data(), D, N, i0, j0);
+    });
   for (int64_t i = 0; i < G; ++i) {
     float* s = &w.s[i * N];
-    const float* q = &w.q[i * D];
-    std::fill(s, s + n, 0.0f);
-    for (int64_t d = 0; d < D; ++d) {
-      const float qd = q[d];
-      const float* kt = &w.kt[d * N];
-      for (int64_t j = 0; j < n; ++j) s[j] += qd * kt[j];
-    }
     float block_max = -INFINITY;
     for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, s[j]);
     const float m_new = std::max(w.m[i], block_max);
@@ -142,12 +202,11 @@ inline void attend_block(const AttendArgs& a, AttendScratch& w, int64_t G, int64
     w.l[i] = w.l[i] * alpha + sum;
     float* acc = &w.acc[i * D];
     for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
-    for (int64_t j = 0; j < n; ++j) {
-      const float p = s[j];
-      const float* v = &w.v[j * D];
-      for (int64_t d = 0; d < D; ++d) acc[d] += p * v[d];
-    }
   }
+  for (int64_t d0 = 0; d0 < D; d0 += 16)
+    over_heads(G, [&](auto H, int64_t i0) {
+      pv_tile<decltype(H)::value>(w.s.data(), w.v.data(), w.acc.data(), D, N, n, i0, d0);
+    });
 }
 
 inline void attend_item(const AttendArgs& a, AttendScratch& w, int64_t t, int64_t g) {
