@@ -70,7 +70,10 @@ def available() -> list[str]:
 
 
 def export_one(name: str, out: Path, arch: str) -> dict:
-    import flydsl.compiler as flyc
+    try:
+        import flydsl.compiler as flyc
+    except ImportError as e:
+        raise SystemExit(f"export.py: FlyDSL is not importable ({e}); pip install flydsl==0.5.0 torch") from e
 
     mod_name, factory, kwargs = KERNELS[name]
     mod = importlib.import_module(mod_name)
