@@ -17,6 +17,26 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --
 nvcc --version | tail -1
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -1
 
+if [ "$MODE" = profile ]; then
+  FLAGS="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda -lineinfo"
+  nvcc $FLAGS -c ffi/cuda/attention.cu -o "$B/attention.o" &
+  nvcc $FLAGS -c ffi/cuda/pack.cu -o "$B/pack.o" &
+  nvcc $FLAGS -c tests/cuda/harness.cu -o "$B/harness.o" &
+  wait
+  nvcc $FLAGS "$B/attention.o" "$B/pack.o" "$B/harness.o" -o "$B/harness" || exit 1
+  cuobjdump -sass "$B/attention.o" > "$OUT/attention.sass"
+  awk '/Function : .*nv_bfloat16/{f=1;next} /Function :/{f=0} f' "$OUT/attention.sass" |
+    grep -oE '^ +/\*[0-9a-f]{4}\*/ +[A-Z0-9_.]+' | awk '{print $2}' | sed 's/\..*//' |
+    sort | uniq -c | sort -rn | head -30
+  "$B/harness" --profile | grep TABLE
+  timeout 300 ncu --clock-control none -k regex:sparse_attention --launch-skip 4 --launch-count 1 \
+    --section SpeedOfLight --section SchedulerStats --section WarpStateStats \
+    --section InstructionStats --section Occupancy --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis "$B/harness" --profile > "$OUT/ncu.txt" 2>&1
+  grep -vE "^\s*$|----" "$OUT/ncu.txt" | tail -120
+  exit 0
+fi
+
 # Python modules (_m3sparse_cpu, _m3sparse_cuda) in the background: CPU-only work.
 (
   cmake -S ffi -B "$B/cmake" -G Ninja -DM3SPARSE_ENABLE_CUDA=ON -DM3SPARSE_NATIVE=OFF \

@@ -20,6 +20,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "device_utils.cuh"
 #include "m3sparse_cuda.h"
@@ -32,27 +33,40 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kStages = 4;
 constexpr int kTileBytes = kBlockSize * (kHeadDim / 2 + kHeadDim / 16);  // 9216
 constexpr int kScalePlane = kBlockSize * kHeadDim / 2;                     // 8192
 constexpr int kStageBytes = 2 * kTileBytes;                                // K tile, V tile
-constexpr int kSmemBytes = kStages * kStageBytes;                          // 73728
 constexpr int kMaxSplits = 16;
 constexpr float kLog2e = 1.4426950408889634f;
+// Merge scratch (reuses the stage ring): 4 warp partials + one CTA partial.
+constexpr int kMergeBytes =
+    (kWarps * kGroup * kHeadDim + 2 * kWarps * kGroup + kGroup * kHeadDim + 2 * kGroup) * 4;
+
+// Launch variants: (CTAs per SM, cp.async stages). Variant 1 trades prefetch depth for a
+// fourth resident CTA (16 warps / SM); both were timed on the H200 (BENCHMARKS.md).
+template <int kMinBlocks, int kStages>
+struct Variant {
+  static constexpr int kBlocks = kMinBlocks;
+  static constexpr int kNumStages = kStages;
+  static constexpr int kSmemBytes =
+      kStages * kStageBytes > kMergeBytes ? kStages * kStageBytes : kMergeBytes;
+};
+using Variant0 = Variant<3, 3>;
+using Variant1 = Variant<4, 2>;
 
 static_assert(kHeadDim == 128 && kBlockSize == 128 && kGroup == 16, "kernel geometry");
-// Merge scratch (reuses the stage ring): 4 warp partials + one CTA partial.
-static_assert((kWarps * kGroup * kHeadDim + 2 * kWarps * kGroup + kGroup * kHeadDim + 2 * kGroup) *
-                      4 <= kSmemBytes,
-              "merge scratch fits");
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads, 3) sparse_attention_kernel(const AttentionParams p) {
+template <typename T, typename V>
+__global__ void __launch_bounds__(kThreads, V::kBlocks)
+    sparse_attention_kernel(const AttentionParams p) {
+  constexpr int kStages = V::kNumStages;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int64_t s_slot_off[kMaxTopk];
   __shared__ int s_slot_n[kMaxTopk];
   __shared__ int64_t s_off[kMaxTopk];
   __shared__ int s_nvalid[kMaxTopk];
+  __shared__ uint16_t s_mul[256];  // E4M3 byte -> packed multiplier (device_utils.cuh)
+  __shared__ uint4 s_q[8][32];     // Q A-fragments per k-step and lane (all warps share them)
 
   cg::cluster_group cluster = cg::this_cluster();
   const int S = int(cluster.num_blocks());
@@ -90,6 +104,9 @@ __global__ void __launch_bounds__(kThreads, 3) sparse_attention_kernel(const Att
   live = live && geom.valid_layer(layer);
   const int64_t vis = (live && pos >= 0) ? pos + 1 : 0;
 
+  s_mul[tid] = scale_multiplier<T>(tid);
+  s_mul[tid + 128] = scale_multiplier<T>(tid + 128);
+
   // ---- validity of every top-k slot before any load (SPEC §5.2)
   if (tid < K) {
     int nv = 0;
@@ -115,18 +132,13 @@ __global__ void __launch_bounds__(kThreads, 3) sparse_attention_kernel(const Att
     s_off[idx] = s_slot_off[tid];
     s_nvalid[idx] = s_slot_n[tid];
   }
-  int count = 0;
-  for (int k = 0; k < K; ++k) count += s_slot_n[k] > 0;
-  __syncthreads();
-  const int nmine = count > rank ? (count - rank + S - 1) / S : 0;
-
   // ---- Q fragments (A operand), d permuted to match the K fragments below:
   // register j = 4W + k of lane (g8, tig) holds d = 32·tig + 8W + k (lo) and d + 4 (hi).
+  // Warp 0 builds them once; every warp reads one 16-byte vector per k-step.
   const int Hq = Hkv * kGroup;
-  const uint16_t* qbase =
-      static_cast<const uint16_t*>(p.q) + ((t * Hq + int64_t(g) * kGroup) * kHeadDim);
-  uint32_t qa[8][4];
-  {
+  if (warp == 0) {
+    const uint16_t* qbase =
+        static_cast<const uint16_t*>(p.q) + ((t * Hq + int64_t(g) * kGroup) * kHeadDim);
     uint32_t row[2][16];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -142,13 +154,13 @@ __global__ void __launch_bounds__(kThreads, 3) sparse_attention_kernel(const Att
       }
     }
 #pragma unroll
-    for (int s = 0; s < 8; ++s) {
-      qa[s][0] = row[0][2 * s];
-      qa[s][1] = row[1][2 * s];
-      qa[s][2] = row[0][2 * s + 1];
-      qa[s][3] = row[1][2 * s + 1];
-    }
+    for (int s = 0; s < 8; ++s)
+      s_q[s][lane] = make_uint4(row[0][2 * s], row[1][2 * s], row[0][2 * s + 1], row[1][2 * s + 1]);
   }
+  int count = 0;
+  for (int k = 0; k < K; ++k) count += s_slot_n[k] > 0;
+  __syncthreads();
+  const int nmine = count > rank ? (count - rank + S - 1) / S : 0;
 
   const float zc = p.scale * (*p.k_scale) * Traits<T>::kComp * kLog2e;
 
@@ -161,8 +173,12 @@ __global__ void __launch_bounds__(kThreads, 3) sparse_attention_kernel(const Att
   auto issue = [&](int j) {
     const uint8_t* src = cache + s_off[rank + j * S];
     uint8_t* dst = smem + (j % kStages) * kStageBytes;
+    static_assert(kStageBytes % (16 * kThreads) == 0, "whole cp.async rounds");
 #pragma unroll
-    for (int c = tid; c < kStageBytes / 16; c += kThreads) cp_async16(dst + 16 * c, src + 16 * c);
+    for (int i = 0; i < kStageBytes / (16 * kThreads); ++i) {
+      const int c = tid + i * kThreads;
+      cp_async16(dst + 16 * c, src + 16 * c);
+    }
   };
 
 #pragma unroll
@@ -182,68 +198,86 @@ __global__ void __launch_bounds__(kThreads, 3) sparse_attention_kernel(const Att
     const uint8_t* Vt = Kt + kTileBytes;
     const int nvalid = s_nvalid[rank + j * S];
 
-    if (kb < nvalid) {
+    auto process = [&](auto masked_tag) {
+      constexpr bool kMasked = decltype(masked_tag)::value;
       // ---- S = Q·Kᵀ over 4 n-tiles of 8 keys; column c of n-tile v is key kb+8v+4(c&1)+(c>>1)
       float sc[4][4];
+      // two n-tiles at a time: independent mma chains interleave
 #pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        sc[v][0] = sc[v][1] = sc[v][2] = sc[v][3] = 0.f;
-        const int key = kb + 8 * v + 4 * (g8 & 1) + (g8 >> 1);
-        const uint4 kd = *reinterpret_cast<const uint4*>(Kt + key * 64 + 16 * tig);
-        const uint32_t sfb = *reinterpret_cast<const uint16_t*>(Kt + kScalePlane + key * 8 + 2 * tig);
-        const uint32_t s0 = scale_multiplier<T>(sfb & 0xFF);
-        const uint32_t s1 = scale_multiplier<T>(sfb >> 8);
-        const uint32_t s0x2 = s0 | (s0 << 16);
-        const uint32_t s1x2 = s1 | (s1 << 16);
-        uint32_t b[16];
-        dequant8<T>(kd.x, s0x2, b + 0);
-        dequant8<T>(kd.y, s0x2, b + 4);
-        dequant8<T>(kd.z, s1x2, b + 8);
-        dequant8<T>(kd.w, s1x2, b + 12);
+      for (int vp = 0; vp < 4; vp += 2) {
+        uint32_t b[2][16];
 #pragma unroll
-        for (int s = 0; s < 8; ++s) Traits<T>::mma(sc[v], qa[s], b[2 * s], b[2 * s + 1]);
+        for (int u = 0; u < 2; ++u) {
+          const int v = vp + u;
+          sc[v][0] = sc[v][1] = sc[v][2] = sc[v][3] = 0.f;
+          const int key = kb + 8 * v + 4 * (g8 & 1) + (g8 >> 1);
+          const uint4 kd = *reinterpret_cast<const uint4*>(Kt + key * 64 + 16 * tig);
+          const uint32_t sfb =
+              *reinterpret_cast<const uint16_t*>(Kt + kScalePlane + key * 8 + 2 * tig);
+          const uint32_t s0 = s_mul[sfb & 0xFF];
+          const uint32_t s1 = s_mul[sfb >> 8];
+          const uint32_t s0x2 = s0 | (s0 << 16);
+          const uint32_t s1x2 = s1 | (s1 << 16);
+          dequant8<T>(kd.x, s0x2, b[u] + 0);
+          dequant8<T>(kd.y, s0x2, b[u] + 4);
+          dequant8<T>(kd.z, s1x2, b[u] + 8);
+          dequant8<T>(kd.w, s1x2, b[u] + 12);
+        }
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          const uint4 qv = s_q[s][lane];
+          const uint32_t qa[4] = {qv.x, qv.y, qv.z, qv.w};
+          Traits<T>::mma(sc[vp], qa, b[0][2 * s], b[0][2 * s + 1]);
+          Traits<T>::mma(sc[vp + 1], qa, b[1][2 * s], b[1][2 * s + 1]);
+        }
       }
 
-      // ---- mask (select), base-2 online softmax
+      // ---- mask (select; partial blocks only), base-2 online softmax
       float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = kb + 8 * v + 4 * (e & 1) + tig;
-          sc[v][e] = key < nvalid ? sc[v][e] * zc : -INFINITY;
+          if constexpr (kMasked) {
+            const int key = kb + 8 * v + 4 * (e & 1) + tig;
+            sc[v][e] = key < nvalid ? sc[v][e] * zc : -INFINITY;
+          } else {
+            sc[v][e] *= zc;
+          }
         }
         mx0 = fmaxf(mx0, fmaxf(sc[v][0], sc[v][1]));
         mx1 = fmaxf(mx1, fmaxf(sc[v][2], sc[v][3]));
       }
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
       const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
       const float mu0 = mn0 == -INFINITY ? 0.f : mn0;
       const float mu1 = mn1 == -INFINITY ? 0.f : mn1;
-      const float al0 = fast_exp2(m0 - mu0), al1 = fast_exp2(m1 - mu1);
-      m0 = mn0;
-      m1 = mn1;
-      float ps0 = 0.f, ps1 = 0.f;
+      if (__any_sync(0xffffffffu, mn0 != m0 || mn1 != m1)) {
+        // rescale only when some row's running max moved (exp2(0) == 1 otherwise)
+        const float al0 = fast_exp2(m0 - mu0), al1 = fast_exp2(m1 - mu1);
+        l0 *= al0;
+        l1 *= al1;
+#pragma unroll
+        for (int jd = 0; jd < 16; ++jd) {
+          acc[jd][0] *= al0;
+          acc[jd][1] *= al0;
+          acc[jd][2] *= al1;
+          acc[jd][3] *= al1;
+        }
+        m0 = mn0;
+        m1 = mn1;
+      }
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
         sc[v][0] = fast_exp2(sc[v][0] - mu0);
         sc[v][1] = fast_exp2(sc[v][1] - mu0);
         sc[v][2] = fast_exp2(sc[v][2] - mu1);
         sc[v][3] = fast_exp2(sc[v][3] - mu1);
-        ps0 += sc[v][0] + sc[v][1];
-        ps1 += sc[v][2] + sc[v][3];
-      }
-      l0 = l0 * al0 + ps0;
-      l1 = l1 * al1 + ps1;
-#pragma unroll
-      for (int jd = 0; jd < 16; ++jd) {
-        acc[jd][0] *= al0;
-        acc[jd][1] *= al0;
-        acc[jd][2] *= al1;
-        acc[jd][3] *= al1;
+        l0 += sc[v][0] + sc[v][1];
+        l1 += sc[v][2] + sc[v][3];
       }
 
       // ---- O += P·V: k-step i covers n-tiles 2i, 2i+1; lane (g8, tig) supplies keys
@@ -262,8 +296,10 @@ __global__ void __launch_bounds__(kThreads, 3) sparse_attention_kernel(const Att
         for (int q = 0; q < 4; ++q) {
           const int key = ka + 4 * q;
           w[q] = *reinterpret_cast<const uint2*>(Vt + key * 64 + 8 * g8);
-          const uint32_t sb = Vt[kScalePlane + key * 8 + g8];
-          smul[q] = key < nvalid ? uint32_t(scale_multiplier<T>(sb)) : 0u;
+          const uint32_t sm = s_mul[Vt[kScalePlane + key * 8 + g8]];
+          // masked keys: multiplier 0 (codes are finite), so garbage never meets P·V
+          if constexpr (kMasked) smul[q] = key < nvalid ? sm : 0u;
+          else smul[q] = sm;
         }
         const uint32_t sab = smul[0] | (smul[1] << 16);
         const uint32_t sce = smul[2] | (smul[3] << 16);
@@ -281,7 +317,9 @@ __global__ void __launch_bounds__(kThreads, 3) sparse_attention_kernel(const Att
           for (int k = 0; k < 4; ++k) Traits<T>::mma(acc[4 * tq + k], pa, b0[k], b1[k]);
         }
       }
-    }
+    };
+    if (kb + 32 <= nvalid) process(std::false_type{});
+    else if (kb < nvalid) process(std::true_type{});
     __syncthreads();
   }
   cp_async_wait<0>();
@@ -363,16 +401,18 @@ __global__ void __launch_bounds__(kThreads, 3) sparse_attention_kernel(const Att
   }
 }
 
-template <typename T>
+int num_sms();
+
+template <typename T, typename V>
 cudaError_t launch_typed(const AttentionParams& p, int splits, cudaStream_t stream) {
-  auto kernel = sparse_attention_kernel<T>;
+  auto kernel = sparse_attention_kernel<T, V>;
   // Function attributes once per device (not stream work; also fine inside graph capture).
   static bool configured[64] = {false};
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   if (dev < 0 || dev >= 64 || !configured[dev]) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, V::kSmemBytes);
     if (err != cudaSuccess) return err;
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (err != cudaSuccess) return err;
@@ -381,7 +421,7 @@ cudaError_t launch_typed(const AttentionParams& p, int splits, cudaStream_t stre
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(p.num_tokens * p.num_kv_heads * splits), 1, 1);
   cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.dynamicSmemBytes = V::kSmemBytes;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -391,6 +431,16 @@ cudaError_t launch_typed(const AttentionParams& p, int splits, cudaStream_t stre
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+// variant 1: Variant0; 2: Variant1; 0 (auto): Variant1 once there are two CTAs per SM to run,
+// Variant0 below that (timed on the H200, BENCHMARKS.md).
+template <typename T>
+cudaError_t launch_variant(const AttentionParams& p, int splits, cudaStream_t stream) {
+  int v = p.variant;
+  if (v == 0) v = p.num_tokens * p.num_kv_heads * splits >= 2 * int64_t(num_sms()) ? 2 : 1;
+  if (v == 1) return launch_typed<T, Variant0>(p, splits, stream);
+  return launch_typed<T, Variant1>(p, splits, stream);
 }
 
 int num_sms() {
@@ -420,7 +470,9 @@ const char* attention_unsupported(int64_t num_heads, int64_t num_kv_heads, int64
 
 int choose_splits(int64_t pairs, int topk) {
   // Enough CTAs to fill the machine (3 CTAs / SM resident), never more splits than top-k slots.
-  const int64_t target = int64_t(num_sms()) * 3 * 2;
+  // Timed on the H200 (BENCHMARKS.md): about half a CTA per SM is the sweet spot for small T;
+  // more splits only add merge work once the machine is full.
+  const int64_t target = int64_t(num_sms()) / 2;
   int s = 1;
   while (s < kMaxSplits && s < topk && pairs * s < target) s *= 2;
   return s;
@@ -433,8 +485,8 @@ cudaError_t launch_sparse_attention(const AttentionParams& p, cudaStream_t strea
   if (splits > kMaxSplits || (splits & (splits - 1)) != 0) return cudaErrorInvalidValue;
   if (p.num_tokens * p.num_kv_heads * splits > int64_t(0x7FFFFFFF)) return cudaErrorInvalidValue;
   switch (p.dtype) {
-    case DType::kBF16: return launch_typed<__nv_bfloat16>(p, splits, stream);
-    case DType::kF16: return launch_typed<__half>(p, splits, stream);
+    case DType::kBF16: return launch_variant<__nv_bfloat16>(p, splits, stream);
+    case DType::kF16: return launch_variant<__half>(p, splits, stream);
     default: return cudaErrorInvalidValue;
   }
 }

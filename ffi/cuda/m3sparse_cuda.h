@@ -45,6 +45,7 @@ struct AttentionParams {
   float scale;                    // softmax scale
   DType dtype;                    // of q / out
   int32_t splits;                 // CTAs per (token, KV head); 0 = choose (power of 2, <= 16)
+  int32_t variant;                // launch variant (attention.cu): 0 auto, 1, 2
 };
 
 struct PackParams {
@@ -69,6 +70,13 @@ const char* attention_unsupported(int64_t num_heads, int64_t num_kv_heads, int64
 // Launches (asynchronously on `stream`); returns the launch's error code.
 cudaError_t launch_sparse_attention(const AttentionParams& p, cudaStream_t stream);
 cudaError_t launch_pack_kv_pages(const PackParams& p, cudaStream_t stream);
+
+#ifdef __CUDACC__
+// Test hook (pack.cu): quantizes n groups of 16 floats with the kernel's fast path (mode 1) or
+// nvfp4.h's reference path (mode 0); <<<ceil(n/256), 256>>>.
+__global__ void quantize_groups_kernel(const float* x, float r, uint8_t* data, uint8_t* scale,
+                                       int64_t n, int mode);
+#endif
 
 // The splits the launcher would choose for this many (token, KV head) pairs.
 int choose_splits(int64_t pairs, int topk);

@@ -63,6 +63,64 @@ __device__ __forceinline__ void load16<__half>(const __half* src, float* x) {
   }
 }
 
+}  // namespace
+
+// nvfp4_quantize_group (nvfp4.h) with the 16 divisions (x·r)/sf replaced by Markstein's
+// correctly rounded division: rc = RN(1/sf) once per group, then per element
+// q = RN(a·rc), e = a − q·sf (exact, FMA), y = RN(q + e·rc) = RN(a/sf). Every quotient that can
+// reach an E2M1 rounding threshold is a normal number (|a| >= 2^-11, sf in [2^-9, 448]), where the
+// theorem holds; ±Inf inputs keep q (= ±Inf, as the division gives). Bit-identity with the
+// division path is checked exhaustively near every threshold for every scale byte in
+// tests/cuda/harness.cu ("pack division") and on random data against the host.
+__device__ __forceinline__ void quantize_group_fast(const float* x, float r, uint8_t* data,
+                                                    uint8_t* scale) {
+  float amax = 0.0f;
+  bool nan = is_nan(r);
+#pragma unroll
+  for (int i = 0; i < kNvfp4Group; ++i) {
+    nan = nan || is_nan(x[i]);
+    amax = fmaxf(amax, fabsf(x[i]));
+  }
+  if (nan) {
+    *scale = kScaleNaN;
+#pragma unroll
+    for (int j = 0; j < kNvfp4Group / 2; ++j) data[j] = 0;
+    return;
+  }
+  const float s = __fmul_rn(__fdiv_rn(amax, kE2M1Max), r);
+  const uint8_t sf = e4m3_from_clamped(fminf(fmaxf(s, kScaleFloor), kE4M3Max));
+  const float sfv = e4m3_to_float(sf);
+  const float rc = __frcp_rn(sfv);
+  *scale = sf;
+#pragma unroll
+  for (int j = 0; j < kNvfp4Group / 2; ++j) {
+    uint8_t c[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float a = __fmul_rn(x[2 * j + h], r);
+      const float q = __fmul_rn(a, rc);
+      const float e = __fmaf_rn(-q, sfv, a);
+      const float y = isinf(q) ? q : __fmaf_rn(e, rc, q);
+      c[h] = e2m1_from_float(y);
+    }
+    data[j] = uint8_t(c[0] | (c[1] << 4));
+  }
+}
+
+// Test hook: fast (mode 1) or reference nvfp4.h (mode 0) quantization of n groups.
+__global__ void quantize_groups_kernel(const float* x, float r, uint8_t* data, uint8_t* scale,
+                                       int64_t n, int mode) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float v[kNvfp4Group];
+#pragma unroll
+  for (int k = 0; k < kNvfp4Group; ++k) v[k] = x[i * kNvfp4Group + k];
+  if (mode) quantize_group_fast(v, r, data + i * 8, scale + i);
+  else nvfp4_quantize_group(v, r, data + i * 8, scale + i);
+}
+
+namespace {
+
 template <typename T>
 __global__ void __launch_bounds__(256) pack_kernel(const PackParams p) {
   const CacheGeometry geom = p.geom;
@@ -90,7 +148,7 @@ __global__ void __launch_bounds__(256) pack_kernel(const PackParams p) {
   const float r = nvfp4_inverse_scale(side ? *p.v_scale : *p.k_scale);
   uint8_t data[kNvfp4Group / 2];
   uint8_t sf;
-  nvfp4_quantize_group(x, r, data, &sf);
+  quantize_group_fast(x, r, data, &sf);
 
   uint8_t* tile = p.kv_cache + geom.tile_offset(layer, page, 2 * h + side);
   uint2 packed;

@@ -36,6 +36,7 @@ using namespace m3sparse::cuda;
   } while (0)
 
 static int g_failures = 0;
+static int g_variant = 0;
 static void report(bool ok, const char* what) {
   printf("%-6s %s\n", ok ? "PASS" : "FAIL", what);
   if (!ok) ++g_failures;
@@ -252,6 +253,7 @@ static std::vector<uint16_t> run_case(const HostCase& c, int splits) {
   std::vector<void*> owned;
   AttentionParams p = upload_case(c, owned);
   p.splits = splits;
+  p.variant = g_variant;
   CK(cudaMemset(p.out, 0xFF, std::max<size_t>(2, c.q.size() * 2)));  // poison
   CK(launch_sparse_attention(p, 0));
   CK(cudaDeviceSynchronize());
@@ -396,9 +398,9 @@ static void test_attention(std::mt19937& rng, const char* name, bool prefill, in
                     m.cosine >= 0.99;
     char msg[256];
     snprintf(msg, sizeof msg,
-             "%s splits=%d T=%d Hkv=%d K=%d: rel-F %.5f cosine %.6f (nan %ld, unwritten %ld, "
+             "%s v%d splits=%d T=%d Hkv=%d K=%d: rel-F %.5f cosine %.6f (nan %ld, unwritten %ld, "
              "nonzero-empty %ld of %ld empty rows)",
-             name, s, c.T, Hkv, K, m.relf, m.cosine, m.nan, m.unwritten, m.nonzero_empty, nempty);
+             name, g_variant, s, c.T, Hkv, K, m.relf, m.cosine, m.nan, m.unwritten, m.nonzero_empty, nempty);
     report(ok, msg);
   }
 }
@@ -497,6 +499,71 @@ static void test_pack(std::mt19937& rng, DType dt, int layers, int layout, int l
   char msg[200];
   snprintf(msg, sizeof msg, "pack %s: %zu cache bytes, %ld differ from nvfp4.h on the host", name,
            got.size(), diff);
+  report(diff == 0, msg);
+}
+
+// The pack kernel's division-free quantization against nvfp4.h's division path, on the device:
+// every scale byte, quotients within ±40 ulp of every E2M1 rounding threshold, and random
+// groups with random global scales (including ±Inf, zeros, ties).
+static void test_pack_division(std::mt19937& rng) {
+  std::vector<float> x;
+  std::vector<float> rs;
+  const float taus[] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  std::vector<float> elems;
+  for (int sf = 1; sf < 0x7F; ++sf) {
+    const float sfv = e4m3_to_float(uint8_t(sf));
+    elems.clear();
+    for (float tau : taus)
+      for (int k = -40; k <= 40; ++k) {
+        const float a = std::nextafter(tau * sfv, k < 0 ? 0.f : 1e30f);
+        float v = tau * sfv;
+        for (int i = 0; i < std::abs(k); ++i) v = std::nextafter(v, k < 0 ? 0.f : 1e30f);
+        (void)a;
+        elems.push_back((k & 1) ? -v : v);
+      }
+    for (size_t i = 0; i < elems.size(); i += 15) {
+      x.push_back(6.0f * sfv);  // amax: scale byte == sf with r = 1
+      for (size_t j = 0; j < 15; ++j) x.push_back(i + j < elems.size() ? elems[i + j] : 0.f);
+    }
+  }
+  const size_t n_thr = x.size() / 16;
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_int_distribution<int> u(0, 999);
+  const size_t n_rand = 200000;
+  std::vector<float> xr(n_rand * 16);
+  for (auto& v : xr) {
+    v = nd(rng) * std::exp2(float(u(rng) % 60 - 30));
+    const int sp = u(rng);
+    if (sp < 2) v = (sp & 1) ? INFINITY : -INFINITY;
+    else if (sp < 20) v = 0.f;
+    else if (sp < 60) v = 0.25f * float(u(rng) % 40 - 20) * std::exp2(float(u(rng) % 20 - 10));
+  }
+  long diff = 0;
+  for (int pass = 0; pass < 4; ++pass) {
+    const std::vector<float>& in = pass == 0 ? x : xr;
+    const float r = pass == 0 ? 1.0f : pass == 1 ? 1.0f / 0.37f : pass == 2 ? 2.7f : 1.0f / 3e-3f;
+    const size_t n = in.size() / 16;
+    float* dx = dev_upload(in);
+    uint8_t *dd, *ds;
+    CK(cudaMalloc(&dd, n * 8 * 2));
+    CK(cudaMalloc(&ds, n * 2));
+    quantize_groups_kernel<<<unsigned((n + 255) / 256), 256>>>(dx, r, dd, ds, int64_t(n), 0);
+    quantize_groups_kernel<<<unsigned((n + 255) / 256), 256>>>(dx, r, dd + n * 8, ds + n,
+                                                                 int64_t(n), 1);
+    CK(cudaGetLastError());
+    std::vector<uint8_t> hd(n * 16), hs(n * 2);
+    CK(cudaMemcpy(hd.data(), dd, hd.size(), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hs.data(), ds, hs.size(), cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n * 8; ++i) diff += hd[i] != hd[n * 8 + i];
+    for (size_t i = 0; i < n; ++i) diff += hs[i] != hs[n + i];
+    CK(cudaFree(dx));
+    CK(cudaFree(dd));
+    CK(cudaFree(ds));
+  }
+  char msg[200];
+  snprintf(msg, sizeof msg,
+           "pack division: fast path == nvfp4.h on %zu threshold groups + 3 x %zu random groups "
+           "(%ld bytes differ)", n_thr, n_rand, diff);
   report(diff == 0, msg);
 }
 
@@ -654,10 +721,12 @@ static void bench_decode(std::mt19937& rng, const BenchDecode& b, double copy_tb
   printf("decode T=%-4d dql=%d Hkv=%d K=%d seq=%lld  bytes %.1f MB  variants %d  auto splits %d\n",
          T, dql, Hkv, K, (long long)b.seq, bytes / 1e6, nv, autos);
   double best = 1e30;
+  for (int var : {0, 1, 2})
   for (int s : {0, 1, 2, 4, 8, 16}) {
-    if (s > K) continue;
+    if (s > K || (var == 0 && s != 0)) continue;
     AttentionParams ps = p;
     ps.splits = s;
+    ps.variant = var;
     auto launch = [&](int v, cudaStream_t st) {
       AttentionParams pv = ps;
       pv.block_table = bt_d + size_t(v) * R * M;
@@ -665,11 +734,11 @@ static void bench_decode(std::mt19937& rng, const BenchDecode& b, double copy_tb
     };
     const double us = time_graph(launch, nv);
     const double tbs = bytes / (us * 1e-6) / 1e12;
-    best = s == 0 ? us : best;
-    printf("  splits %-4s %9.2f us  %6.3f TB/s  %5.1f%% of copy\n",
+    if (s == 0 && var == 0) best = us;
+    printf("  v%d splits %-4s %9.2f us  %6.3f TB/s  %5.1f%% of copy\n", var,
            s == 0 ? "auto" : std::to_string(s).c_str(), us, tbs, 100.0 * tbs / copy_tbs);
   }
-  printf("TABLE decode T=%d dql=%d: %.2f us, %.3f TB/s, %.1f%% of copy (auto splits %d)\n", T, dql,
+  printf("TABLE decode T=%d dql=%d: %.2f us, %.3f TB/s, %.1f%% of copy (auto: splits %d)\n", T, dql,
          best, bytes / (best * 1e-6) / 1e12, 100.0 * bytes / (best * 1e-6) / 1e12 / copy_tbs,
          autos);
   if (check) {
@@ -780,10 +849,14 @@ static void bench_prefill(std::mt19937& rng, int T, int ctx, double copy_tbs) {
   p.is_prefill = 1;
   p.scale = 1.0f / std::sqrt(128.f);
   p.dtype = DType::kBF16;
-  auto launch = [&](int, cudaStream_t st) { CK(launch_sparse_attention(p, st)); };
-  const double us = time_graph(launch, 1, 5, 5);
-  printf("TABLE prefill T=%d ctx=%d Hkv=%d K=%d: %.1f us, %.1f effective TFLOP/s (%.3g GFLOP)\n", T,
-         ctx, Hkv, K, us, flops / (us * 1e-6) / 1e12, flops / 1e9);
+  for (int var : {1, 2, 0}) {
+    p.variant = var;
+    auto launch = [&](int, cudaStream_t st) { CK(launch_sparse_attention(p, st)); };
+    const double us = time_graph(launch, 1, 5, 5);
+    printf("%s prefill T=%d ctx=%d Hkv=%d K=%d (v%d): %.1f us, %.1f effective TFLOP/s (%.3g GFLOP)\n",
+           var == 0 ? "TABLE" : "     ", T, ctx, Hkv, K, var, us, flops / (us * 1e-6) / 1e12,
+           flops / 1e9);
+  }
   for (void* d : owned) CK(cudaFree(d));
 }
 
@@ -828,11 +901,12 @@ static void bench_pack(std::mt19937& rng, int T, double copy_tbs) {
 }
 
 int main(int argc, char** argv) {
-  bool quick = false, bench = true, tests = true;
+  bool quick = false, bench = true, tests = true, profile = false;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--quick")) quick = true;
     if (!strcmp(argv[i], "--no-bench")) bench = false;
     if (!strcmp(argv[i], "--bench-only")) tests = false;
+    if (!strcmp(argv[i], "--profile")) profile = true, tests = false, quick = true;
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -845,6 +919,7 @@ int main(int argc, char** argv) {
   test_dequant<__half>("f16", false);
 
   const std::vector<int> all_splits = {0, 1, 2, 4, 8, 16};
+  for (g_variant = 1; g_variant <= 2; ++g_variant) {
   test_attention(rng, "decode bf16 dql=1", false, 2, 6, 1, 16, 1, 0, 0, false, all_splits);
   test_attention(rng, "decode bf16 dql=2", false, 2, 5, 2, 16, 1, 0, 0, false, {0, 1, 4});
   test_attention(rng, "decode f16 dql=1", false, 1, 4, 1, 16, 1, 0, 0, true, {0, 1, 16});
@@ -854,6 +929,9 @@ int main(int argc, char** argv) {
   test_attention(rng, "decode bf16 layer out of range", false, 1, 3, 1, 16, 2, 0, 5, false, {0, 2});
   test_attention(rng, "prefill bf16", true, 2, 4, 1, 16, 1, 0, 0, false, {0, 1, 2});
   test_attention(rng, "prefill f16 BLHNC layer 1", true, 1, 4, 1, 16, 2, 1, 1, true, {0, 1});
+  }
+  g_variant = 0;
+  test_pack_division(rng);
   test_pack(rng, DType::kBF16, 1, 0, 0, "bf16 4-D");
   test_pack(rng, DType::kF16, 1, 0, 0, "f16 4-D");
   test_pack(rng, DType::kF32, 1, 0, 0, "f32 4-D");
@@ -872,6 +950,11 @@ int main(int argc, char** argv) {
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
     const int64_t seq = 32768;
+    if (profile) {  // one shape for ncu: decode T=128 (auto splits), prefill 2048
+      bench_decode(rng, BenchDecode{128, 1, 4, 16, seq}, copy, false);
+      bench_prefill(rng, 2048, 8192, copy);
+      return 0;
+    }
     for (int T : {1, 8, 32, 128, 512}) {
       if (quick && T == 512) continue;
       bench_decode(rng, BenchDecode{T, 1, 4, 16, seq}, copy, T == 128 || T == 1);

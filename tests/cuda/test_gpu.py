@@ -172,14 +172,14 @@ def test_pack_bit_exact_vs_cpu_and_oracle(rng, dtype):
 
 def test_pack_then_decode_in_scan_over_layers(rng):
     """Traced layer inside lax.scan, 5-D BLHNC cache donated through the loop."""
-    Hkv, L, P, K = 1, 3, 8, 4
+    Hkv, L, P, K = 1, 3, 8, 16
     cache = jnp.zeros((P, L, 2 * Hkv, 128, 72), jnp.uint8)
     T = 256
     key = jnp.asarray(rng.standard_normal((L, T, Hkv, 128)), jnp.bfloat16)
     value = jnp.asarray(rng.standard_normal((L, T, Hkv, 128)), jnp.bfloat16)
     slots = jnp.arange(T, dtype=jnp.int32)
     q = jnp.asarray(rng.standard_normal((1, 16 * Hkv, 128)), jnp.bfloat16)
-    topk = jnp.asarray([[[0, 1, -1, 3]]], jnp.int32)
+    topk = jnp.asarray([[[0, 1, -1, 3] + [-1] * 12]], jnp.int32)
     bt = jnp.asarray([[0, 1, 2, 3]], jnp.int32)
     seq = jnp.asarray([T], jnp.int32)
 
