@@ -22,12 +22,19 @@ LANE = np.arange(64)
 LANE16, QUAD = LANE % 16, LANE // 16
 
 
-def e4m3(b):
-    b = np.asarray(b, np.int64)
+def _e4m3_values(b):
     exp, man = (b >> 3) & 15, b & 7
     v = np.where(exp == 0, man * 2.0 ** -9, (1 + man / 8) * 2.0 ** (exp - 7))
     v = np.where((exp == 15) & (man == 7), np.nan, v)
     return np.where(b & 0x80, -v, v)
+
+
+E4M3 = _e4m3_values(np.arange(256))
+E2M1_PAIRS = np.stack([E2M1[np.arange(256) & 15], E2M1[np.arange(256) >> 4]], axis=1)  # [byte] -> (lo, hi)
+
+
+def e4m3(b):
+    return E4M3[np.asarray(b, np.int64)]
 
 
 _M, _K = np.meshgrid(np.arange(16), np.arange(32), indexing="ij")        # A[m][k]
@@ -47,10 +54,7 @@ def mfma(a, b, c):
 
 def dequant_dword(word_bytes, scale):
     """4 data bytes -> 8 values (element 2j low nibble of byte j) times the block scale."""
-    vals = []
-    for byte in word_bytes:
-        vals += [E2M1[byte & 15], E2M1[byte >> 4]]
-    return np.asarray(vals) * scale
+    return E2M1_PAIRS[np.asarray(word_bytes, np.int64)].reshape(-1) * scale
 
 
 def attend_replay(cache, q, topk, table, token, kv_head, req, vis, row_ok, layer, L, P, page_stride, layer_stride,
