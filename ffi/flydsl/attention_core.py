@@ -135,11 +135,45 @@ def store_vec8(rsrc, byte_off, vals, io):
         store_dwords(rsrc, byte_off, vals.to(io).bitcast(fx.Int32))
 
 
-def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_base):
+# A split's partial result in the workspace (split decode): O[16 heads][128 d] f32 (not yet divided
+# by l), then (m, l) per head. One record per (token, KV head, split).
+PARTIAL_O_BYTES = GROUP_HEADS * HEAD_DIM * 4   # 8192
+PARTIAL_BYTES = PARTIAL_O_BYTES + GROUP_HEADS * 8
+
+
+def lse_combine(ms, ls, os_):
+    """Merge partial softmax states (m_u, l_u, O_u) (base 2): weights 2^(m_u - max m), where a part
+    that attended nothing (m_u = -inf) weighs exactly 0. Returns (m, l, O)."""
+    m_all = ms[0]
+    for m_u in ms[1:]:
+        m_all = fx.maxnumf(m_all, m_u)
+    l_all = fx.Float32(0.0)
+    o_all = fx.Vector.filled(8, 0.0, fx.Float32)
+    for m_u, l_u, o_u in zip(ms, ls, os_):
+        w_u = (m_u == NEG_INF).select(fx.Float32(0.0), exp2_fast(m_u - m_all))
+        l_all = l_all + l_u * w_u
+        o_all = o_all + o_u * fx.Vector.from_elements([w_u] * 8, dtype=fx.Float32)
+    return m_all, l_all, o_all
+
+
+def finish(o_all, l_all, v_scale):
+    """O / l · v_scale; exact zeros where nothing was attended (l = 0, SPEC §5.5); an attended NaN
+    keeps l NaN, so it stays visible in the output."""
+    attended_any = l_all != 0.0
+    inv = attended_any.select(v_scale / l_all, fx.Float32(0.0))      # v_scale in the epilogue
+    o_all = o_all * fx.Vector.from_elements([inv] * 8, dtype=fx.Float32)
+    return attended_any.select(o_all, fx.Vector.filled(8, 0.0, fx.Float32))
+
+
+def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_base,
+           slots_per_wave=SLOTS_PER_WAVE, split=None, workspace=None, num_splits=1):
     """Attention of one token's 16 query heads of KV head `kv_head` over its selected blocks.
 
     req: the token's request (row of block_table); vis = pos + 1; row_ok: false for a padding
     token (every slot is then invalid and the output is exact zeros).
+    Without `split`, the workgroup covers all 16 slots (4 per wave) and writes the output.
+    With `split` (an Int32 in [0, num_splits)), it covers slots split·4·slots_per_wave + … and
+    writes its partial (O, m, l) to `workspace` for sparse_decode's merge kernel.
     """
     tid = fx.Int32(fx.thread_idx.x)
     wave = uniform(tid // WAVE)
@@ -169,9 +203,11 @@ def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_bas
     l_run = fx.Float32(0.0)
     o_acc = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range_constexpr(D_TILES)]
 
-    for j in range_constexpr(SLOTS_PER_WAVE):
+    for j in range_constexpr(slots_per_wave):
         # ---- slot validity (SPEC §5.2), wave-uniform -------------------------------------------
-        k_slot = wave * SLOTS_PER_WAVE + j
+        k_slot = wave * slots_per_wave + j
+        if split is not None:
+            k_slot = split * (NUM_WAVES * slots_per_wave) + k_slot
         b = uniform(load_dwords(topk_rsrc, ((kv_head * ops.num_tokens + token) * TOPK + k_slot) * 4, 1))
         b_ok = row_ok & layer_ok & (b >= 0) & (b < ops.max_blocks) & (b * BLOCK_SIZE < vis)
         page = uniform(load_dwords(table_rsrc, b_ok.select(req * ops.max_blocks + b, 0) * 4, 1))
@@ -255,25 +291,21 @@ def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_bas
     d0 = lane16 * 8
     stats = [lds_load(lds_base, MERGE_ML_OFF + (u * GROUP_HEADS + head) * 8, fx.Float32, 2, 8)
              for u in range_constexpr(NUM_WAVES)]
-    m_all = stats[0][0]
-    for u in range_constexpr(1, NUM_WAVES):
-        m_all = fx.maxnumf(m_all, stats[u][0])
-    l_all = fx.Float32(0.0)
-    o_all = fx.Vector.filled(8, 0.0, fx.Float32)
-    for u in range_constexpr(NUM_WAVES):
-        m_u = stats[u][0]
-        w_u = (m_u == NEG_INF).select(fx.Float32(0.0), exp2_fast(m_u - m_all))
-        l_all = l_all + stats[u][1] * w_u
-        o_u = lds_load(lds_base, u * MERGE_O_BYTES + (head * HEAD_DIM + d0) * 4, fx.Float32, 8, 16)
-        o_all = o_all + o_u * fx.Vector.from_elements([w_u] * 8, dtype=fx.Float32)
-    # nothing attended: l = 0 -> exact zeros (SPEC §5.5); an attended NaN keeps l NaN (visible)
-    attended_any = l_all != 0.0
-    inv = attended_any.select(v_scale / l_all, fx.Float32(0.0))      # v_scale in the epilogue
-    o_all = o_all * fx.Vector.from_elements([inv] * 8, dtype=fx.Float32)
-    o_all = attended_any.select(o_all, fx.Vector.filled(8, 0.0, fx.Float32))
-    out_rsrc = buffer_rsrc(ops.out, fx.Int64(ops.num_tokens) * fx.Int64(num_heads) * (HEAD_DIM * io_bytes))
-    out_off = ((token * num_heads + kv_head * GROUP_HEADS + head) * HEAD_DIM + d0) * io_bytes
-    store_vec8(out_rsrc, out_off, o_all, io)
+    parts = [lds_load(lds_base, u * MERGE_O_BYTES + (head * HEAD_DIM + d0) * 4, fx.Float32, 8, 16)
+             for u in range_constexpr(NUM_WAVES)]
+    m_all, l_all, o_all = lse_combine([st[0] for st in stats], [st[1] for st in stats], parts)
+    if split is None:
+        out_rsrc = buffer_rsrc(ops.out, fx.Int64(ops.num_tokens) * fx.Int64(num_heads) * (HEAD_DIM * io_bytes))
+        out_off = ((token * num_heads + kv_head * GROUP_HEADS + head) * HEAD_DIM + d0) * io_bytes
+        store_vec8(out_rsrc, out_off, finish(o_all, l_all, v_scale), io)
+    else:
+        ws_rsrc = buffer_rsrc(workspace, fx.Int64(ops.num_tokens) * fx.Int64(ops.num_kv_heads)
+                              * (num_splits * PARTIAL_BYTES))
+        record = ((token * ops.num_kv_heads + kv_head) * num_splits + split) * PARTIAL_BYTES
+        store_vec8(ws_rsrc, record + (head * HEAD_DIM + d0) * 4, o_all, fx.Float32)
+        # the 16 lanes of a head store the same (m, l) pair
+        ml = fx.Vector.from_elements([m_all, l_all], dtype=fx.Float32).bitcast(fx.Int32)
+        store_dwords(ws_rsrc, record + PARTIAL_O_BYTES + head * 8, ml)
 
 
 def shared_storage():

@@ -28,7 +28,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-# name -> (module in ffi/flydsl, factory, keyword arguments). The handler in ffi/rocm/ calls
+# name -> (module in ffi/flydsl, factory, keyword arguments; placeholders come from the module's
+# `placeholders` or, for a factory compile_X_split, `placeholders_split`). The handler in ffi/rocm/ calls
 # NAME_call with the launcher's arguments in order (see each module's docstring).
 KERNELS = {
     "pack_kv_pages_bf16": ("pack_kv_pages", "compile_pack_kv_pages", {"dtype": "bf16"}),
@@ -38,6 +39,9 @@ KERNELS = {
     "sparse_decode_bf16": ("sparse_decode", "compile_sparse_decode", {"dtype": "bf16"}),
     "sparse_decode_f16": ("sparse_decode", "compile_sparse_decode", {"dtype": "f16"}),
     "sparse_decode_f32": ("sparse_decode", "compile_sparse_decode", {"dtype": "f32"}),
+    "sparse_decode_split_bf16": ("sparse_decode", "compile_sparse_decode_split", {"dtype": "bf16"}),
+    "sparse_decode_split_f16": ("sparse_decode", "compile_sparse_decode_split", {"dtype": "f16"}),
+    "sparse_decode_split_f32": ("sparse_decode", "compile_sparse_decode_split", {"dtype": "f32"}),
     "sparse_prefill_bf16": ("sparse_prefill", "compile_sparse_prefill", {"dtype": "bf16"}),
     "sparse_prefill_f16": ("sparse_prefill", "compile_sparse_prefill", {"dtype": "f16"}),
     "sparse_prefill_f32": ("sparse_prefill", "compile_sparse_prefill", {"dtype": "f32"}),
@@ -78,7 +82,8 @@ def export_one(name: str, out: Path, arch: str) -> dict:
     mod_name, factory, kwargs = KERNELS[name]
     mod = importlib.import_module(mod_name)
     launcher = getattr(mod, factory)(**kwargs)
-    compiled = flyc.compile(launcher, *mod.placeholders(**kwargs))
+    make_placeholders = mod.placeholders_split if factory.endswith("_split") else mod.placeholders
+    compiled = flyc.compile(launcher, *make_placeholders(**kwargs))
     compiled.export_to_c(str(out), name)
 
     import elf_tools

@@ -64,7 +64,13 @@ import functools
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 
-from attention_core import COMPUTE_DTYPES, THREADS, Operands, attend, shared_storage
+from flydsl.expr import range_constexpr
+
+from attention_core import (
+    COMPUTE_DTYPES, NUM_WAVES, PARTIAL_BYTES, PARTIAL_O_BYTES, THREADS, TOPK, Operands, attend,
+    finish, lse_combine, shared_storage, store_vec8,
+)
+from common import GROUP_HEADS, HEAD_DIM, buffer_rsrc, load_dwords
 
 IO_DTYPES = {"bf16": fx.BFloat16, "f16": fx.Float16, "f32": fx.Float32}
 COMPUTE = "bf16"            # SPEC §5.5: the gfx950 decode computes the products in bf16
@@ -118,6 +124,101 @@ def compile_sparse_decode(dtype: str = "bf16"):
         ).launch(grid=(num_tokens, num_kv_heads, 1), block=(THREADS, 1, 1), stream=stream)
 
     return launch
+
+
+# ---- split decode: more workgroups for small batches -------------------------------------------
+NUM_SPLITS = 4                                  # workgroups per (token, KV head)
+SPLIT_SLOTS_PER_WAVE = TOPK // (NUM_SPLITS * NUM_WAVES)   # 1 selected block per wave
+
+
+@functools.lru_cache(maxsize=None)
+def compile_sparse_decode_split(dtype: str = "bf16"):
+    """Launcher of the split decode: grid (T, Hkv, 4) workgroups, each over 4 of the 16 slots (one
+    per wave), writing partial (O, m, l) to `workspace` (float32, T·Hkv·4·8320 bytes, from the
+    handler's scratch allocator); then the merge kernel, grid (T, Hkv), combines the 4 partials
+    (LSE merge, base 2) and writes the output. Same arguments as `compile_sparse_decode` plus
+    `workspace` after `out`. The handler uses it when T·Hkv is small (few workgroups otherwise)."""
+    io = IO_DTYPES[dtype]
+    compute = COMPUTE_DTYPES[COMPUTE]
+    SharedStorage = shared_storage()
+
+    @flyc.kernel(known_block_size=(THREADS, 1, 1))
+    def sparse_decode_split_kernel(
+        q: fx.Pointer, kv_cache: fx.Pointer, topk_indices: fx.Pointer, block_table: fx.Pointer,
+        seq_lens: fx.Pointer, k_scale: fx.Pointer, v_scale: fx.Pointer, layer: fx.Pointer,
+        out: fx.Pointer, workspace: fx.Pointer,
+        num_tokens: fx.Int32, num_kv_heads: fx.Int32, num_requests: fx.Int32, max_blocks: fx.Int32,
+        num_pages: fx.Int32, num_layers: fx.Int32, page_stride: fx.Int64, layer_stride: fx.Int64,
+        decode_query_len: fx.Int32, scale: fx.Float32,
+    ):
+        token = fx.Int32(fx.block_idx.x)
+        kv_head = fx.Int32(fx.block_idx.y)
+        split = fx.Int32(fx.block_idx.z)
+        lds = fx.SharedAllocator().allocate(SharedStorage).peek()
+        lds_base = fx.recast_iter(fx.Uint8, lds.buf.ptr)
+        req = token // decode_query_len                                  # SPEC §5.3
+        seq_len = fx.Int32(seq_lens[req])
+        vis = seq_len - decode_query_len + token % decode_query_len + 1
+        row_ok = vis > 0
+        ops = Operands(q, kv_cache, topk_indices, block_table, k_scale, v_scale, layer, out,
+                       num_tokens, num_kv_heads, num_requests, max_blocks, num_pages, num_layers,
+                       page_stride, layer_stride, scale)
+        attend(ops, compute, io, token, kv_head, req, vis, row_ok, lds_base,
+               slots_per_wave=SPLIT_SLOTS_PER_WAVE, split=split, workspace=workspace, num_splits=NUM_SPLITS)
+
+    @flyc.kernel(known_block_size=(THREADS, 1, 1))
+    def sparse_decode_merge_kernel(
+        workspace: fx.Pointer, v_scale: fx.Pointer, out: fx.Pointer, num_tokens: fx.Int32, num_kv_heads: fx.Int32,
+    ):
+        # thread tid: head tid // 16, d = 8·(tid % 16) .. +7
+        token = fx.Int32(fx.block_idx.x)
+        kv_head = fx.Int32(fx.block_idx.y)
+        tid = fx.Int32(fx.thread_idx.x)
+        head = tid // 16
+        d0 = (tid % 16) * 8
+        ws = buffer_rsrc(workspace, fx.Int64(num_tokens) * fx.Int64(num_kv_heads) * (NUM_SPLITS * PARTIAL_BYTES))
+        first = (token * num_kv_heads + kv_head) * NUM_SPLITS * PARTIAL_BYTES
+        ms, ls, os_ = [], [], []
+        for s in range_constexpr(NUM_SPLITS):
+            record = first + s * PARTIAL_BYTES
+            ml = load_dwords(ws, record + PARTIAL_O_BYTES + head * 8, 2).bitcast(fx.Float32)
+            lo = load_dwords(ws, record + (head * HEAD_DIM + d0) * 4, 4).bitcast(fx.Float32)
+            hi = load_dwords(ws, record + (head * HEAD_DIM + d0) * 4 + 16, 4).bitcast(fx.Float32)
+            ms.append(ml[0])
+            ls.append(ml[1])
+            os_.append(fx.Vector.from_elements([lo[i] for i in range(4)] + [hi[i] for i in range(4)],
+                                               dtype=fx.Float32))
+        _, l_all, o_all = lse_combine(ms, ls, os_)
+        num_heads = num_kv_heads * GROUP_HEADS
+        io_bytes = io.width // 8
+        out_rsrc = buffer_rsrc(out, fx.Int64(num_tokens) * fx.Int64(num_heads) * (HEAD_DIM * io_bytes))
+        out_off = ((token * num_heads + kv_head * GROUP_HEADS + head) * HEAD_DIM + d0) * io_bytes
+        store_vec8(out_rsrc, out_off, finish(o_all, l_all, fx.Float32(v_scale.load())), io)
+
+    @flyc.jit
+    def launch(
+        q: fx.Pointer, kv_cache: fx.Pointer, topk_indices: fx.Pointer, block_table: fx.Pointer,
+        seq_lens: fx.Pointer, k_scale: fx.Pointer, v_scale: fx.Pointer, layer: fx.Pointer, out: fx.Pointer,
+        workspace: fx.Pointer,
+        num_tokens: fx.Int32, num_kv_heads: fx.Int32, num_requests: fx.Int32, max_blocks: fx.Int32,
+        num_pages: fx.Int32, num_layers: fx.Int32, page_stride: fx.Int64, layer_stride: fx.Int64,
+        decode_query_len: fx.Int32, scale: fx.Float32,
+        stream: fx.Stream = fx.Stream(None),
+    ):
+        sparse_decode_split_kernel(
+            q, kv_cache, topk_indices, block_table, seq_lens, k_scale, v_scale, layer, out, workspace,
+            num_tokens, num_kv_heads, num_requests, max_blocks, num_pages, num_layers, page_stride,
+            layer_stride, decode_query_len, scale,
+        ).launch(grid=(num_tokens, num_kv_heads, NUM_SPLITS), block=(THREADS, 1, 1), stream=stream)
+        sparse_decode_merge_kernel(workspace, v_scale, out, num_tokens, num_kv_heads).launch(
+            grid=(num_tokens, num_kv_heads, 1), block=(THREADS, 1, 1), stream=stream)
+
+    return launch
+
+
+def placeholders_split(dtype: str = "bf16"):
+    base = placeholders(dtype)
+    return base[:9] + (flyc.from_c_void_p(fx.Float32, None, assumed_align=16),) + base[9:]
 
 
 def placeholders(dtype: str = "bf16"):

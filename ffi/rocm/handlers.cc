@@ -5,6 +5,7 @@
 // entry point exported by ffi/flydsl/export.py on XLA's stream. Semantics: SPEC §2–§5, §7.
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 
 #include "kernels.h"
@@ -191,7 +192,15 @@ ffi::Error attend_shape(const char* target, const ffi::AnyBuffer& q, const ffi::
 // ---------------------------------------------------------------------------------------------
 constexpr const char* kDecodeTarget = "m3sparse_sparse_decode_rocm";
 
-ffi::Error SparseDecode(hipStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer cache,
+// Split decode (sparse_decode.py, compile_sparse_decode_split): 4 workgroups per (token, KV head)
+// and a merge kernel, for batches too small to fill the GPU with one workgroup per pair
+// (MI355X: 256 CUs). Its partials live in XLA scratch memory: T·Hkv·4 records of 8320 bytes.
+constexpr int64_t kSplitBelowPairs = 256;
+constexpr int64_t kDecodeSplits = 4;
+constexpr int64_t kPartialBytes = 16 * 128 * 4 + 16 * 8;
+
+ffi::Error SparseDecode(hipStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
+                        ffi::AnyBuffer q, ffi::AnyBuffer cache,
                         ffi::Buffer<ffi::S32> topk, ffi::Buffer<ffi::S32> block_table,
                         ffi::Buffer<ffi::S32> seq_lens, ffi::BufferR0<ffi::F32> k_scale,
                         ffi::BufferR0<ffi::F32> v_scale, ffi::BufferR0<ffi::S32> layer,
@@ -204,6 +213,22 @@ ffi::Error SparseDecode(hipStream_t stream, int32_t device, ffi::AnyBuffer q, ff
       int64_t(seq_lens.element_count()) != s.requests)
     return refuse(kDecodeTarget, "decode needs T = R·decode_query_len and seq_lens [R]");
   if (s.tokens == 0) return ffi::Error::Success();
+  if (s.tokens * s.hkv < kSplitBelowPairs) {
+    const int64_t ws_bytes = s.tokens * s.hkv * kDecodeSplits * kPartialBytes;
+    std::optional<void*> workspace = scratch.Allocate(size_t(ws_bytes), 16);
+    if (workspace.has_value()) {
+      const auto sv = M3SPARSE_VARIANTS(sparse_decode_split, q.element_type());
+      if (auto e = prepare_launch(kDecodeTarget, sv.kernel, device); e.failure()) return e;
+      int32_t st = sv.call(q.untyped_data(), cache.untyped_data(), topk.typed_data(),
+                           block_table.typed_data(), seq_lens.typed_data(), k_scale.typed_data(),
+                           v_scale.typed_data(), layer.typed_data(), out->untyped_data(), *workspace,
+                           int32_t(s.tokens), int32_t(s.hkv), int32_t(s.requests), int32_t(s.max_blocks),
+                           int32_t(s.geo.num_pages), int32_t(s.geo.num_layers), s.page_stride,
+                           s.layer_stride, int32_t(decode_query_len), scale, stream);
+      return launch_status(kDecodeTarget, sv.kernel, st);
+    }
+    // No scratch memory: the one-pass kernel below computes the same result.
+  }
   const auto v = M3SPARSE_VARIANTS(sparse_decode, q.element_type());
   if (auto e = prepare_launch(kDecodeTarget, v.kernel, device); e.failure()) return e;
   int32_t st = v.call(q.untyped_data(), cache.untyped_data(), topk.typed_data(), block_table.typed_data(),
@@ -275,6 +300,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_sparse_decode_rocm, m3sparse::rocm::Spars
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<hipStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()               // q
                                   .Arg<ffi::AnyBuffer>()               // kv_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()        // topk_indices

@@ -6,6 +6,7 @@ mapping is under test, not the rounding), with the documented MFMA 16x16x32 oper
 A[m][k] held by lane m + 16·(k // 8) in element k % 8, B[k][n] by lane n + 16·(k // 8) in element
 k % 8, C[m][n] by lane n + 16·(m // 4) in element m % 4. Every offset and loop below is transcribed
 from attention_core.py; the result must equal a dense softmax computed from SPEC §5 directly.
+The split decode (4 partial workgroups + a merge kernel) is replayed the same way.
 A mistake in the schedule (a wrong key/row/column mapping, P ordered differently from V^T, a wrong
 merge index) makes this test fail; the hardware semantics themselves are checked on a gfx950 by
 test_device.py.
@@ -57,8 +58,22 @@ def dequant_dword(word_bytes, scale):
     return E2M1_PAIRS[np.asarray(word_bytes, np.int64)].reshape(-1) * scale
 
 
+def lse_combine(ms, ls, os_):
+    """attention_core.lse_combine: ms, ls [parts], os_ [parts, 8]."""
+    m_all = np.max(ms)
+    w = np.array([0.0 if m == -np.inf else np.exp2(m - m_all) for m in ms])
+    return m_all, np.sum(ls * w), np.sum(os_ * w[:, None], axis=0)
+
+
+def finish(o, l_all, v_scale):
+    return o * (v_scale / l_all) if l_all != 0 else np.zeros_like(o)
+
+
 def attend_replay(cache, q, topk, table, token, kv_head, req, vis, row_ok, layer, L, P, page_stride, layer_stride,
-                  scale, k_scale, v_scale):
+                  scale, k_scale, v_scale, split=None):
+    """attention_core.attend; with `split` (0..3) the split-decode variant: one slot per wave,
+    slots split·4 + wave, returning the partial (m[16], l[16], O[16, 128])."""
+    slots_per_wave = 4 if split is None else 1
     M = table.shape[1]
     flat_table = table.reshape(-1)
     layer_ok = 0 <= layer < L
@@ -72,8 +87,9 @@ def attend_replay(cache, q, topk, table, token, kv_head, req, vis, row_ok, layer
     merge_o = np.zeros((4, G, D)); merge_ml = np.zeros((4, G, 2))
     for wave in range(4):
         m_run = np.full(64, -np.inf); l_run = np.zeros(64); o_acc = [np.zeros((64, 4)) for _ in range(8)]
-        for j in range(4):
-            b = int(topk[kv_head, token, wave * 4 + j])
+        for j in range(slots_per_wave):
+            k_slot = wave * slots_per_wave + j + (0 if split is None else split * 4 * slots_per_wave)
+            b = int(topk[kv_head, token, k_slot])
             b_ok = row_ok and layer_ok and 0 <= b < M and b * N < vis
             idx = req * M + b if b_ok else 0
             page = int(flat_table[idx]) if idx < flat_table.size else 0
@@ -141,15 +157,28 @@ def attend_replay(cache, q, topk, table, token, kv_head, req, vis, row_ok, layer
         for l in range(64):
             merge_ml[wave, LANE16[l]] = (m_run[l], l_run[l])
     out = np.zeros((G, D))
+    part_m, part_l = np.zeros(G), np.zeros(G)
     for wave in range(4):
         for l in range(64):
             head, d0 = wave * 4 + QUAD[l], LANE16[l] * 8
-            m_u = merge_ml[:, head, 0]
-            m_all = np.max(m_u)
-            w = np.where(m_u == -np.inf, 0.0, np.exp2(m_u - m_all) if np.isfinite(m_all) else 0.0)
-            l_all = np.sum(merge_ml[:, head, 1] * w)
-            o = np.sum(merge_o[:, head, d0:d0 + 8] * w[:, None], axis=0)
-            out[head, d0:d0 + 8] = o * (v_scale / l_all) if l_all != 0 else 0.0
+            m_all, l_all, o = lse_combine(merge_ml[:, head, 0], merge_ml[:, head, 1], merge_o[:, head, d0:d0 + 8])
+            if split is None:
+                out[head, d0:d0 + 8] = finish(o, l_all, v_scale)
+            else:
+                out[head, d0:d0 + 8] = o
+                part_m[head], part_l[head] = m_all, l_all
+    return out if split is None else (part_m, part_l, out)
+
+
+def split_decode_replay(**args):
+    """sparse_decode.compile_sparse_decode_split: 4 partial workgroups, then the merge kernel."""
+    parts = [attend_replay(**args, split=s) for s in range(4)]
+    out = np.zeros((G, D))
+    for tid in range(256):
+        head, d0 = tid // 16, (tid % 16) * 8
+        _, l_all, o = lse_combine(np.array([p[0][head] for p in parts]), np.array([p[1][head] for p in parts]),
+                                  np.stack([p[2][head, d0:d0 + 8] for p in parts]))
+        out[head, d0:d0 + 8] = finish(o, l_all, args["v_scale"])
     return out
 
 
@@ -223,9 +252,9 @@ def test_attend_schedule_matches_dense_softmax():
         for token, req, vis, ok in cases:
             for kv_head in range(2):
                 args = dict(prob, token=token, kv_head=kv_head, req=req, vis=vis, row_ok=ok)
-                got = attend_replay(**args)
                 want = dense_oracle(**args)
-                assert not np.isnan(got).any(), (layout, token, kv_head)
-                np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9, err_msg=f"{layout} {token} {kv_head}")
-                if vis <= 0 or not ok:
-                    assert np.all(got == 0)
+                for got in (attend_replay(**args), split_decode_replay(**args)):
+                    assert not np.isnan(got).any(), (layout, token, kv_head)
+                    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9, err_msg=f"{layout} {token} {kv_head}")
+                    if vis <= 0 or not ok:
+                        assert np.all(got == 0)

@@ -38,8 +38,10 @@ EXPECTED = {
     ],
     "query_token_positions": ["buffer_load_dword", "buffer_store_dword"],
 }
+EXPECTED["sparse_decode_split"] = EXPECTED["sparse_decode"]
 FORBIDDEN = {
     "sparse_decode": ["v_mfma_f32_16x16x32_f16"],
+    "sparse_decode_split": ["v_mfma_f32_16x16x32_f16"],
     "sparse_prefill": ["v_mfma_f32_16x16x32_bf16"],
 }
 # 4 selected blocks per wave, each 8 QK tiles × 4 MFMAs + 4 PV steps × 8 d-tiles.
@@ -97,6 +99,8 @@ def test_attention_mfma_counts(exported):
             assert exported[name].count("v_mfma_f32_16x16x32_bf16") == ATTENTION_MFMAS, name
         if fam == "sparse_prefill":
             assert exported[name].count("v_mfma_f32_16x16x32_f16") == ATTENTION_MFMAS, name
+        if fam == "sparse_decode_split":   # one slot per wave; the merge kernel has none
+            assert exported[name].count("v_mfma_f32_16x16x32_bf16") == ATTENTION_MFMAS // 4, name
 
 
 def test_pack_divisions_are_ieee(exported):
@@ -138,7 +142,7 @@ def test_resources(exported):
             assert res["wavefront_size"] == 64, where
             waves = elf_tools.waves_per_simd(res["vgpr"], res["agpr"], res["lds_bytes"],
                                              res["max_flat_workgroup_size"])
-            if family(name) in ("sparse_decode", "sparse_prefill"):
+            if family(name) in ("sparse_decode", "sparse_decode_split", "sparse_prefill"):
                 assert waves >= 2, f"{where}: {res} allows {waves} waves/SIMD"
                 assert res["lds_bytes"] <= 80 * 1024, where
             else:
