@@ -56,6 +56,11 @@ Softmax (SPEC §5.5): base 2, fp32. The logit scale is scale · k_scale · log2(
 one multiply per score); v_scale is applied once in the epilogue. exp2 is v_exp_f32. A row with
 nothing attended has l = 0 and is written as exact zeros; a NaN that is attended stays visible.
 
+Split variant (`sparse_decode_split_*`, used by the handler when T·Hkv < 256): grid (T, Hkv, 4),
+workgroup z covers slots 4·z .. 4·z+3 (one per wave) and writes its merged (O, m, l) to a float32
+workspace; a merge kernel, grid (T, Hkv), combines the 4 records with the same LSE formula and
+writes the output. 4× more workgroups for small batches, same result.
+
 LDS: 4 waves × VT_BYTES (= 128 rows × 144 B = 18 KiB) = 72 KiB; the merge reuses it.
 """
 

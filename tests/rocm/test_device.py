@@ -201,6 +201,20 @@ def test_sparse_decode_matches_cpu(gpu, cpu, rng, dtype, dql):
     check_attention(outs[0], outs[1])
 
 
+def test_sparse_decode_large_batch_matches_cpu(gpu, cpu, rng):
+    """T·Hkv >= 256: the handler takes the one-pass kernel instead of the split one."""
+    seq_lens = rng.integers(0, 700, 130).astype(np.int32)
+    cache, table, M = attention_problem(rng, seq_lens, jnp.bfloat16)
+    req = np.arange(len(seq_lens))
+    topk = topk_for(rng, req, seq_lens - 1, M)
+    q = jnp.asarray(rng.standard_normal((len(seq_lens), HKV * G, D)).astype(np.float32), jnp.bfloat16)
+    outs = []
+    for dev in (gpu, cpu):
+        args = on(dev, q, jnp.asarray(cache), jnp.asarray(topk), jnp.asarray(table), jnp.asarray(seq_lens))
+        outs.append(jax.jit(lambda *a: m3.sparse_decode(*a, jnp.float32(0.5), jnp.float32(0.25)))(*args))
+    check_attention(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_sparse_prefill_matches_cpu(gpu, cpu, rng, dtype):
     seq_lens = np.asarray([300, 2100, 64], np.int32)
