@@ -99,13 +99,13 @@ def kernel_rows(elf_tools, out: Path, names: list[str]):
 
 
 def print_kernels(rows) -> None:
-    head = (f"{'kernel':<22} {'fn':>2} {'VGPR':>4} {'AGPR':>4} {'SGPR':>4} {'LDS B':>6} {'scr':>3} "
+    head = (f"{'kernel':<24} {'fn':>2} {'VGPR':>4} {'AGPR':>4} {'SGPR':>4} {'LDS B':>6} {'scr':>3} "
             f"{'spill':>5} {'w/SIMD':>6} " + " ".join(f"{c:>9}" for c, _ in COLUMNS))
     print(head)
     print("-" * len(head))
     for name, fn, r, waves, c in rows:
         spills = r["vgpr_spills"] + r["sgpr_spills"]
-        print(f"{name:<22} {fn.rsplit('_', 1)[-1]:>2} {r['vgpr']:>4} {r['agpr']:>4} {r['sgpr']:>4} {r['lds_bytes']:>6} "
+        print(f"{name:<24} {fn.rsplit('_', 1)[-1]:>2} {r['vgpr']:>4} {r['agpr']:>4} {r['sgpr']:>4} {r['lds_bytes']:>6} "
               f"{r['scratch_bytes']:>3} {spills:>5} {waves:>6} " + " ".join(f"{c[k]:>9}" for k, _ in COLUMNS))
 
 
