@@ -25,7 +25,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     io = p.add_argument_group("input / output")
     io.add_argument("--prompt-file", action="append", help="a text file to serve (repeatable); "
-                    "default: a few files under /usr/share/common-licenses cut to 400-3400 bytes")
+                    "default: a few files under /usr/share/common-licenses cut to 300-2800 bytes")
     io.add_argument("--max-prompt-tokens", type=int, default=None, help="cut every prompt to this")
     io.add_argument("--max-new-tokens", type=int, default=24)
     io.add_argument("--plot", metavar="FILE.png", help="draw accuracy per layer and decode step")
@@ -97,7 +97,7 @@ def main(argv=None):
     wall = time.perf_counter() - t0
 
     for r in finished:
-        print(f"  request {r.rid} -> {text.printable(text.decode(r.generated))!r}")
+        print(f"  request {r.rid} -> {text.printable(r.generated)}")
     summary = report.summarize(engine, wall)
     print(report.format_summary(summary, cfg))
     if args.plot:

@@ -184,3 +184,30 @@ def test_propose_drafts():
 def test_text_roundtrip():
     s = "naïve text\n"
     assert text.decode(text.encode(s)) == s
+
+
+def test_plot(batched, tmp_path):
+    engine, _ = batched
+    path = tmp_path / "accuracy.png"
+    report.plot(engine, report.summarize(engine, 1.0), str(path))
+    assert path.stat().st_size > 10_000
+
+
+def test_cli_with_checkpoint_and_prompt_files(tmp_path):
+    """The entry point end to end: --checkpoint, repeated --prompt-file (no reference stream,
+    which keeps its compilations cheap)."""
+    import minimax_m3_generate as cli
+    cfg = ModelConfig(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256)
+    ckpt = str(tmp_path / "w.safetensors")
+    save_checkpoint(ckpt, init_params(cfg, seed=3), cfg)
+    files = []
+    for i, n in enumerate((150, 300)):
+        f = tmp_path / f"p{i}.txt"
+        f.write_bytes(bytes(_prompts()[2][:n]))
+        files += ["--prompt-file", str(f)]
+    s = cli.main(["--hidden", "128", "--layers", "2", "--heads", "4", "--intermediate", "256",
+                  "--checkpoint", ckpt, *files, "--max-new-tokens", "3", "--no-compare",
+                  "--chunk-size", "128", "--max-running", "2", "--num-pages", "8"])
+    assert s["requests"] == 2 and s["generated_tokens"] == 6
+    assert s["prefill_tokens"] + s["decode_tokens"] <= 450 + 6
+    assert s["pages_free_at_end"] == 8 and "attn_cos" not in s

@@ -114,9 +114,9 @@ _COMPILES = _CompileCounter()
 
 @dataclasses.dataclass
 class EngineConfig:
-    num_pages: int = 64
+    num_pages: int = 48
     max_running: int = 4            # requests in flight (= padded decode / prefill rows)
-    chunk_size: int = 512           # prefill tokens per step (all prefill requests together)
+    chunk_size: int = 256           # prefill tokens per step (all prefill requests together)
     max_seq_len: int = 8192         # sets the block table width M
     spec_tokens: int = 0            # prompt-lookup draft tokens verified per decode step
     compare: bool = True            # run the bf16 reference stream alongside
@@ -126,8 +126,9 @@ class EngineConfig:
         return 1 + self.spec_tokens
 
     def prefill_buckets(self) -> tuple[int, ...]:
-        """Padded prefill token counts: few shapes, so few compilations."""
-        return tuple(sorted({0, max(self.chunk_size // 4, 1), self.chunk_size}))
+        """Padded prefill token counts: two shapes (decode-only, with a chunk), two compilations.
+        A short tail chunk pads to ``chunk_size``: cheaper here than a third compile."""
+        return (0, self.chunk_size)
 
 
 class Engine:
@@ -270,8 +271,8 @@ class Engine:
             if not r.prefilling:             # the prompt's last token gives the first new one
                 self._log(r, logits[t - 1], None if ref is None else ref[t - 1])
                 r.tokens.append(int(logits[t - 1].argmax()))
-        self.stats.record_step(None if compiled else seconds, prefill_tokens, emitted_decode, len(decoding),
-                               out.get("attn_stats"),
+        self.stats.record_step(None if compiled else seconds, prefill_tokens, emitted_decode,
+                               len(decoding), out.get("attn_stats"),
                                None if ref is None else (logits[step_rows], ref[step_rows]))
         for r in [r for r in self.running if r.done]:
             self._finish(r)
@@ -303,6 +304,7 @@ class RunStats:
     def __init__(self, num_layers: int):
         self.prefill_tokens = self.prefill_seconds = 0
         self.decode_tokens = self.decode_seconds = 0
+        self.decode_only_steps = self.decode_requests = 0
         self.attn_sums = np.zeros((num_layers, 4))          # over all rows of the run
         self.decode_steps: list[dict] = []                   # per step with decode rows
 
@@ -318,6 +320,8 @@ class RunStats:
         else:
             self.decode_tokens += decode_tokens
             self.decode_seconds += seconds
+            self.decode_only_steps += 1
+            self.decode_requests += num_decoding
         if attn_stats is None:
             return
         attn_stats = np.asarray(attn_stats, np.float64)      # [L, 2 (decode, prefill), 4]

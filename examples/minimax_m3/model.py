@@ -167,17 +167,22 @@ def write_pages(cache, values, slot_mapping, block_size):
     return cache.at[page, slot_mapping % block_size].set(values.astype(cache.dtype), mode="drop")
 
 
-def paged_attention_bf16(q, k_cache, v_cache, topk, block_table, req, pos, scale, chunk=16):
-    """Plain-jnp attention over a bf16 paged cache with the same masking as SPEC §5.2.
+def paged_attention_bf16(q, k_cache, v_cache, topk, block_table, req, pos, scale, chunk=32):
+    """Plain-jnp attention over a bf16 paged cache with the masking of SPEC §5.2.
 
-    q ``[T, Hq, D]``; k_cache, v_cache ``[P, Hkv, N, D]``; topk ``int32[Hkv, T, K]``;
-    block_table ``[R, M]``; req, pos ``int32[T]``. Returns fp32 ``[T, Hq, D]`` (zeros for rows
-    with no key). Gathers each token's selected pages (a reference, not a fast path).
+    q ``[T, Hq, D]``; k_cache, v_cache ``[P, Hkv, N, D]``; topk ``int32[Hkv, T, K]`` (no
+    duplicate ids); block_table ``[R, M]``; req, pos ``int32[T]``. Returns fp32 ``[T, Hq, D]``
+    (zeros for rows with no key).
+
+    Tokens go in chunks. A chunk whose tokens all belong to one request (most prefill chunks)
+    gathers that request's pages once and attends with two GEMMs, masking unselected blocks;
+    other chunks (decode rows, request boundaries) gather each token's selected pages.
     """
     T, Hq, D = q.shape
     P, Hkv, N, _ = k_cache.shape
     R, M = block_table.shape
     K, G = topk.shape[-1], Hq // Hkv
+    chunk = max(min(chunk, T), 1)
     n = -(-T // chunk)
     pad = n * chunk - T
     qs = jnp.pad(q.astype(jnp.float32), ((0, pad), (0, 0), (0, 0))).reshape(n, chunk, Hkv, G, D)
@@ -185,28 +190,48 @@ def paged_attention_bf16(q, k_cache, v_cache, topk, block_table, req, pos, scale
                       .reshape(Hkv, n, chunk, K), 1, 0)
     rs = jnp.pad(req, (0, pad), constant_values=-1).reshape(n, chunk)
     ps = jnp.pad(pos, (0, pad), constant_values=-1).reshape(n, chunk)
-    heads = jnp.arange(Hkv)[:, None, None]
 
-    def one_chunk(xs):
+    def softmax_pv(z, mask, v):
+        """z, mask [Hkv, c, G|1, S]; v [Hkv, c|1, S, D] -> [c, Hq, D]."""
+        z = jnp.where(mask, z * scale, -jnp.inf)
+        mx = jnp.max(z, axis=-1, keepdims=True)
+        e = jnp.where(mask, jnp.exp(z - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
+        o = jnp.einsum("gcis,gcsd->cgid", e, jnp.broadcast_to(v, (Hkv, chunk, *v.shape[2:])))
+        den = jnp.moveaxis(jnp.sum(e, axis=-1, keepdims=True), 0, 1)
+        return (o / jnp.maximum(den, 1e-30)).reshape(chunk, Hq, D)
+
+    def one_request(xs):  # every live token of the chunk belongs to request max(rc)
+        qc, tc, rc, pc = xs
+        pages = block_table[jnp.clip(jnp.max(rc), 0, R - 1)]            # [M]
+        pg = jnp.clip(pages, 0, P - 1)
+        k = jnp.moveaxis(k_cache[pg], 1, 0).reshape(Hkv, M * N, D).astype(jnp.float32)
+        v = jnp.moveaxis(v_cache[pg], 1, 0).reshape(Hkv, 1, M * N, D).astype(jnp.float32)
+        sel = jnp.any(tc[..., None] == jnp.arange(M), axis=-2)          # [Hkv, c, M]
+        sel = sel & ((pages >= 0) & (pages < P)) & (rc >= 0)[None, :, None]
+        mask = (jnp.repeat(sel, N, axis=-1)
+                & (jnp.arange(M * N) < (pc + 1)[None, :, None]))[:, :, None]  # [Hkv, c, 1, MN]
+        z = jnp.einsum("cgid,gsd->gcis", qc, k)
+        return softmax_pv(z, mask, v)
+
+    def per_token(xs):    # gather each token's selected pages
         qc, tc, rc, pc = xs                                            # tc [Hkv, c, K]
         vis = pc + 1
         page = block_table[jnp.clip(rc, 0, R - 1)[None, :, None], jnp.clip(tc, 0, M - 1)]
         slot_ok = ((rc >= 0)[None, :, None] & (tc >= 0) & (tc < M) & (tc * N < vis[None, :, None])
                    & (page >= 0) & (page < P))
         key_pos = tc[..., None] * N + jnp.arange(N)                   # [Hkv, c, K, N]
-        mask = slot_ok[..., None] & (key_pos < vis[None, :, None, None])
+        mask = (slot_ok[..., None] & (key_pos < vis[None, :, None, None]))
         pc_ = jnp.clip(page, 0, P - 1)
-        k = k_cache[pc_, heads].astype(jnp.float32)                    # [Hkv, c, K, N, D]
-        v = v_cache[pc_, heads].astype(jnp.float32)
-        z = jnp.einsum("cgid,gcknd->gcikn", qc, k).reshape(Hkv, chunk, G, K * N) * scale
-        mask = mask.reshape(Hkv, chunk, 1, K * N)
-        z = jnp.where(mask, z, -jnp.inf)
-        mx = jnp.max(z, axis=-1, keepdims=True)
-        e = jnp.where(mask, jnp.exp(z - jnp.where(jnp.isfinite(mx), mx, 0.0)), 0.0)
-        den = jnp.sum(e, axis=-1, keepdims=True)
-        o = jnp.einsum("gcix,gcxd->cgid", e, v.reshape(Hkv, chunk, K * N, D))
-        o = o / jnp.maximum(jnp.moveaxis(den, 0, 1), 1e-30)
-        return o.reshape(chunk, Hq, D)
+        heads = jnp.arange(Hkv)[:, None, None]
+        k = k_cache[pc_, heads].astype(jnp.float32).reshape(Hkv, chunk, K * N, D)
+        v = v_cache[pc_, heads].astype(jnp.float32).reshape(Hkv, chunk, K * N, D)
+        z = jnp.einsum("cgid,gcsd->gcis", qc, k)
+        return softmax_pv(z, mask.reshape(Hkv, chunk, 1, K * N), v)
+
+    def one_chunk(xs):
+        rc = xs[2]
+        same = jnp.all((rc == jnp.max(rc)) | (rc < 0))
+        return jax.lax.cond(same, one_request, per_token, xs)
 
     return jax.lax.map(one_chunk, (qs, ts, rs, ps)).reshape(n * chunk, Hq, D)[:T]
 

@@ -19,6 +19,7 @@ def summarize(engine: Engine, wall_seconds: float) -> dict:
         prefill_tok_s=s.prefill_tokens / max(s.prefill_seconds, 1e-9),
         decode_tokens=s.decode_tokens,
         decode_tok_s=s.decode_tokens / max(s.decode_seconds, 1e-9),
+        decode_batch=s.decode_requests / max(s.decode_only_steps, 1),
         generated_tokens=sum(len(r.generated) for r in engine.finished),
         compile_s=engine.compile_seconds,
         compiled_shapes=len(engine.compiles),
@@ -51,7 +52,8 @@ def format_summary(s: dict, cfg) -> str:
         f"shape; excluded from tokens/s)",
         f"prefill: {s['prefill_tokens']} tokens, {s['prefill_tok_s']:.0f} tokens/s "
         f"(steps with a prefill chunk)",
-        f"decode:  {s['decode_tokens']} tokens, {s['decode_tok_s']:.1f} tokens/s (decode-only steps)",
+        f"decode:  {s['decode_tokens']} tokens, {s['decode_tok_s']:.1f} tokens/s (decode-only steps, "
+        f"{s['decode_batch']:.1f} requests per step on average)",
         f"pages:   peak {s['pages_peak']} of {s['pages_total']} in use, {s['pages_allocated']} "
         f"handed out over the run, {s['pages_free_at_end']} free at the end",
     ]
@@ -82,16 +84,21 @@ def plot(engine: Engine, summary: dict, path: str) -> None:
     ax1.set_title("attention output: NVFP4 sparse vs bf16 cache")
     ax1.set_yscale("log")
     ax1.legend()
+    ax1.set_xticks(layers)
     steps = engine.stats.decode_steps
     x = np.arange(len(steps))
-    ax2.plot(x, [1 - d["logit_cos"] for d in steps], label="1 − final-logit cosine")
-    ax2.plot(x, [1 - d["agree"] for d in steps], label="greedy disagreement", alpha=0.6)
     for layer in layers:
         ax2.plot(x, [1 - d["attn_cos"][layer] for d in steps], lw=0.8, ls=":",
-                 label=f"1 − attn cosine, layer {layer}")
+                 label=f"1 − attention cosine, layer {layer}")
+    ax2.plot(x, [1 - d["logit_cos"] for d in steps], color="k", label="1 − final-logit cosine")
+    ax2.set_yscale("log")
     ax2.set_xlabel("decode step")
-    ax2.set_yscale("symlog", linthresh=1e-5)
-    ax2.set_title("per decode step")
-    ax2.legend(fontsize=7)
+    ax2.set_title("per decode step (decode rows)")
+    ax2.legend(fontsize=7, loc="upper left")
+    agree = np.cumsum([d["agree"] for d in steps]) / np.maximum(x + 1, 1)
+    ax3 = ax2.twinx()
+    ax3.plot(x, 100 * agree, color="tab:orange", label="greedy agreement so far (%)")
+    ax3.set_ylim(0, 101)
+    ax3.set_ylabel("greedy-token agreement so far (%)", color="tab:orange")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -8,11 +8,11 @@ import os
 # prefill spans many 128-token blocks and prompts past 16 blocks (2048 tokens) make the
 # indexer really skip blocks.
 DEFAULT_PROMPTS = (
-    ("/usr/share/common-licenses/BSD", 400),
-    ("/usr/share/common-licenses/Artistic", 1100),
-    ("/usr/share/common-licenses/Apache-2.0", 2300),
-    ("/usr/share/common-licenses/GPL-3", 3400),
-    ("/usr/share/common-licenses/MPL-2.0", 700),
+    ("/usr/share/common-licenses/BSD", 300),
+    ("/usr/share/common-licenses/Artistic", 900),
+    ("/usr/share/common-licenses/Apache-2.0", 1500),
+    ("/usr/share/common-licenses/GPL-3", 2800),      # 22 blocks: top-16 skips up to 6
+    ("/usr/share/common-licenses/MPL-2.0", 600),     # waits for a free slot and freed pages
 )
 
 
@@ -24,9 +24,10 @@ def decode(tokens) -> str:
     return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
 
-def printable(text: str, limit: int = 60) -> str:
-    """One line for the console: control characters escaped, long text cut."""
-    s = text.encode("unicode_escape").decode("ascii")
+def printable(tokens, limit: int = 72) -> str:
+    """One console line: valid UTF-8 as text, other bytes and controls as escapes, cut."""
+    s = bytes(int(t) for t in tokens).decode("utf-8", errors="backslashreplace")
+    s = "".join(c if c.isprintable() or c == "\\" else repr(c)[1:-1] for c in s)
     return s if len(s) <= limit else s[:limit - 3] + "..."
 
 
