@@ -28,12 +28,19 @@ if [ "$MODE" = profile ]; then
   awk '/Function : .*nv_bfloat16/{f=1;next} /Function :/{f=0} f' "$OUT/attention.sass" |
     grep -oE '^ +/\*[0-9a-f]{4}\*/ +[A-Z0-9_.]+' | awk '{print $2}' | sed 's/\..*//' |
     sort | uniq -c | sort -rn | head -30
-  "$B/harness" --profile | grep TABLE
-  timeout 300 ncu --clock-control none -k regex:sparse_attention --launch-skip 4 --launch-count 1 \
-    --section SpeedOfLight --section SchedulerStats --section WarpStateStats \
-    --section InstructionStats --section Occupancy --section ComputeWorkloadAnalysis \
-    --section MemoryWorkloadAnalysis "$B/harness" --profile > "$OUT/ncu.txt" 2>&1
-  grep -vE "^\s*$|----" "$OUT/ncu.txt" | tail -120
+  cuobjdump -sass "$B/pack.o" > "$OUT/pack.sass"
+  awk '/Function : .*pack_kernel.*nv_bfloat16/{f=1;next} /Function :/{f=0} f' "$OUT/pack.sass" |
+    grep -oE '^ +/\*[0-9a-f]{4}\*/ +[A-Z0-9_.]+' | awk '{print $2}' | sed 's/\..*//' |
+    sort | uniq -c | sort -rn | head -30 | tr '\n' ' '; echo
+  M="smsp__inst_executed.sum,smsp__cycles_active.avg,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__warps_active.avg.per_cycle_active"
+  for st in long_scoreboard short_scoreboard math_pipe_throttle wait mio_throttle lg_throttle barrier not_selected dispatch_stall no_instruction branch_resolving drain membar misc tex_throttle; do
+    M="$M,smsp__average_warps_issue_stalled_${st}_per_issue_active.ratio"
+  done
+  for k in pack_kernel sparse_attention; do
+    timeout 200 ncu --clock-control none -k regex:$k --launch-skip 3 --launch-count 1 --metrics "$M" \
+      "$B/harness" --profile > "$OUT/ncu_$k.txt" 2>&1
+    grep -E "^\s+(smsp|sm__|dram)" "$OUT/ncu_$k.txt" | awk '{print $1, $NF}'
+  done
   exit 0
 fi
 
@@ -58,6 +65,11 @@ P3=$!
 wait $P1 $P2 $P3
 nvcc $FLAGS "$B/attention.o" "$B/pack.o" "$B/harness.o" -o "$B/harness" || { echo "harness build failed"; exit 1; }
 grep -E "registers|spill" "$OUT/ptxas.log" | sort | uniq -c
+# opcode histogram of the 4-CTA bf16 attention kernel (static SASS)
+cuobjdump -sass "$B/attention.o" > "$OUT/attention.sass" 2>/dev/null &&
+  awk '/Function : .*nv_bfloat16.*VariantILi4ELi2E/{f=1;next} /Function :/{f=0} f' "$OUT/attention.sass" |
+  grep -oE '^ +/\*[0-9a-f]{4}\*/ +[A-Z0-9_.]+' | awk '{print $2}' | sed 's/\..*//' |
+  sort | uniq -c | sort -rn | head -24 | tr '\n' ' '; echo
 
 echo "=== harness correctness"
 "$B/harness" --no-bench 2>&1 | tee "$OUT/harness_tests.log"

@@ -44,21 +44,27 @@ constexpr int kMergeBytes =
 
 // Launch variants: (CTAs per SM, cp.async stages). Variant 1 trades prefetch depth for a
 // fourth resident CTA (16 warps / SM); both were timed on the H200 (BENCHMARKS.md).
-template <int kMinBlocks, int kStages>
+template <int kMinBlocks, int kStages, bool kQinRegs = false>
 struct Variant {
   static constexpr int kBlocks = kMinBlocks;
   static constexpr int kNumStages = kStages;
+  static constexpr bool kQregs = kQinRegs;  // Q A-fragments held in registers (else shared)
   static constexpr int kSmemBytes =
       kStages * kStageBytes > kMergeBytes ? kStages * kStageBytes : kMergeBytes;
 };
 using Variant0 = Variant<3, 3>;
 using Variant1 = Variant<4, 2>;
+using Variant2 = Variant<3, 3, true>;
 
 static_assert(kHeadDim == 128 && kBlockSize == 128 && kGroup == 16, "kernel geometry");
 
-template <typename T, typename V>
+// T: q/out dtype. kCvt: dequantize through the fp8 conversion (fp16 mma, Q converted to fp16);
+// otherwise through the bit placement of device_utils.cuh (mma in T).
+template <typename T, typename V, bool kCvt>
 __global__ void __launch_bounds__(kThreads, V::kBlocks)
     sparse_attention_kernel(const AttentionParams p) {
+  using C = std::conditional_t<kCvt, __half, T>;  // mma / P dtype
+  constexpr float kComp = kCvt ? kCvtComp : Traits<T>::kComp;
   constexpr int kStages = V::kNumStages;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int64_t s_slot_off[kMaxTopk];
@@ -104,8 +110,13 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
   live = live && geom.valid_layer(layer);
   const int64_t vis = (live && pos >= 0) ? pos + 1 : 0;
 
-  s_mul[tid] = scale_multiplier<T>(tid);
-  s_mul[tid + 128] = scale_multiplier<T>(tid + 128);
+  if constexpr (kCvt) {
+    s_mul[tid] = Traits<__half>::from_float(e4m3_to_float(uint8_t(tid)));
+    s_mul[tid + 128] = Traits<__half>::from_float(e4m3_to_float(uint8_t(tid + 128)));
+  } else {
+    s_mul[tid] = scale_multiplier<T>(tid);
+    s_mul[tid + 128] = scale_multiplier<T>(tid + 128);
+  }
 
   // ---- validity of every top-k slot before any load (SPEC §5.2)
   if (tid < K) {
@@ -147,10 +158,25 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
 #pragma unroll
       for (int W = 0; W < 4; ++W) {
         const uint4 c = src[W];
-        row[half][4 * W + 0] = prmt(c.x, c.z, 0x5410);
-        row[half][4 * W + 1] = prmt(c.x, c.z, 0x7632);
-        row[half][4 * W + 2] = prmt(c.y, c.w, 0x5410);
-        row[half][4 * W + 3] = prmt(c.y, c.w, 0x7632);
+        if constexpr (kCvt) {
+          // fp16 pairs in dequant8_cvt's order: (e0, e2), (e4, e6), (e1, e3), (e5, e7)
+          const uint32_t wd[4] = {c.x, c.y, c.z, c.w};
+          float e[8];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            e[2 * k] = Traits<T>::to_float(uint16_t(wd[k] & 0xFFFF));
+            e[2 * k + 1] = Traits<T>::to_float(uint16_t(wd[k] >> 16));
+          }
+          row[half][4 * W + 0] = Traits<__half>::pack2(e[0], e[2]);
+          row[half][4 * W + 1] = Traits<__half>::pack2(e[4], e[6]);
+          row[half][4 * W + 2] = Traits<__half>::pack2(e[1], e[3]);
+          row[half][4 * W + 3] = Traits<__half>::pack2(e[5], e[7]);
+        } else {
+          row[half][4 * W + 0] = prmt(c.x, c.z, 0x5410);
+          row[half][4 * W + 1] = prmt(c.x, c.z, 0x7632);
+          row[half][4 * W + 2] = prmt(c.y, c.w, 0x5410);
+          row[half][4 * W + 3] = prmt(c.y, c.w, 0x7632);
+        }
       }
     }
 #pragma unroll
@@ -162,7 +188,20 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
   __syncthreads();
   const int nmine = count > rank ? (count - rank + S - 1) / S : 0;
 
-  const float zc = p.scale * (*p.k_scale) * Traits<T>::kComp * kLog2e;
+  // Q fragments in registers (variants with the register budget), loaded after the barrier.
+  uint32_t qreg[V::kQregs ? 8 : 1][4];
+  if constexpr (V::kQregs) {
+    __syncthreads();  // s_q written by warp 0 (the slot barrier above may precede it)
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      const uint4 qv = s_q[s][lane];
+      qreg[s][0] = qv.x;
+      qreg[s][1] = qv.y;
+      qreg[s][2] = qv.z;
+      qreg[s][3] = qv.w;
+    }
+  }
+  const float zc = p.scale * (*p.k_scale) * kComp * kLog2e;
 
   float acc[16][4];
 #pragma unroll
@@ -170,14 +209,27 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
   const uint8_t* cache = p.kv_cache;
+  // Each warp streams its own quarter of every (K, V) tile pair: keys [kb, kb+32) — K data
+  // (2048 B), K scales (256 B), V data (2048 B), V scales (256 B) — into its own slice of the
+  // stage ring, so warps synchronize only with themselves (cp.async.wait_group + __syncwarp).
+  const int kb = 32 * warp;  // this warp's keys in every block
+  constexpr int kWarpStage = kStageBytes / kWarps;  // 4608
+  constexpr int kKs = 2048, kVd = 2304, kVs = 4352;  // offsets inside a warp's stage slice
+  uint8_t* wsmem = smem + warp * (kStages * kWarpStage);
   auto issue = [&](int j) {
-    const uint8_t* src = cache + s_off[rank + j * S];
-    uint8_t* dst = smem + (j % kStages) * kStageBytes;
-    static_assert(kStageBytes % (16 * kThreads) == 0, "whole cp.async rounds");
+    const int e = rank + j * S;
+    if (kb >= s_nvalid[e]) return;  // none of this warp's keys is attended in that block
+    const uint8_t* tile = cache + s_off[e];
+    uint8_t* dst = wsmem + (j % kStages) * kWarpStage;
 #pragma unroll
-    for (int i = 0; i < kStageBytes / (16 * kThreads); ++i) {
-      const int c = tid + i * kThreads;
-      cp_async16(dst + 16 * c, src + 16 * c);
+    for (int i = 0; i < kWarpStage / (16 * 32); ++i) {
+      const int c = lane + 32 * i;  // 16-byte chunk of the warp's slice
+      int off;
+      if (c < 128) off = kb * 64 + 16 * c;                                       // K data
+      else if (c < 144) off = kScalePlane + kb * 8 + 16 * (c - 128);             // K scales
+      else if (c < 272) off = kTileBytes + kb * 64 + 16 * (c - 144);             // V data
+      else off = kTileBytes + kScalePlane + kb * 8 + 16 * (c - 272);             // V scales
+      cp_async16(dst + 16 * c, tile + off);
     }
   };
 
@@ -187,15 +239,13 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
     cp_async_commit();
   }
 
-  const int kb = 32 * warp;  // this warp's keys in every block
   for (int j = 0; j < nmine; ++j) {
     if (j + kStages - 1 < nmine) issue(j + kStages - 1);
     cp_async_commit();
     cp_async_wait<kStages - 1>();
-    __syncthreads();
+    __syncwarp();
 
-    const uint8_t* Kt = smem + (j % kStages) * kStageBytes;
-    const uint8_t* Vt = Kt + kTileBytes;
+    const uint8_t* Ws = wsmem + (j % kStages) * kWarpStage;
     const int nvalid = s_nvalid[rank + j * S];
 
     auto process = [&](auto masked_tag) {
@@ -210,25 +260,36 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
         for (int u = 0; u < 2; ++u) {
           const int v = vp + u;
           sc[v][0] = sc[v][1] = sc[v][2] = sc[v][3] = 0.f;
-          const int key = kb + 8 * v + 4 * (g8 & 1) + (g8 >> 1);
-          const uint4 kd = *reinterpret_cast<const uint4*>(Kt + key * 64 + 16 * tig);
-          const uint32_t sfb =
-              *reinterpret_cast<const uint16_t*>(Kt + kScalePlane + key * 8 + 2 * tig);
+          const int kl = 8 * v + 4 * (g8 & 1) + (g8 >> 1);  // key kb + kl
+          const uint4 kd = *reinterpret_cast<const uint4*>(Ws + kl * 64 + 16 * tig);
+          const uint32_t sfb = *reinterpret_cast<const uint16_t*>(Ws + kKs + kl * 8 + 2 * tig);
           const uint32_t s0 = s_mul[sfb & 0xFF];
           const uint32_t s1 = s_mul[sfb >> 8];
           const uint32_t s0x2 = s0 | (s0 << 16);
           const uint32_t s1x2 = s1 | (s1 << 16);
-          dequant8<T>(kd.x, s0x2, b[u] + 0);
-          dequant8<T>(kd.y, s0x2, b[u] + 4);
-          dequant8<T>(kd.z, s1x2, b[u] + 8);
-          dequant8<T>(kd.w, s1x2, b[u] + 12);
+          if constexpr (kCvt) {
+            dequant8_cvt(kd.x, s0x2, b[u] + 0);
+            dequant8_cvt(kd.y, s0x2, b[u] + 4);
+            dequant8_cvt(kd.z, s1x2, b[u] + 8);
+            dequant8_cvt(kd.w, s1x2, b[u] + 12);
+          } else {
+            dequant8<T>(kd.x, s0x2, b[u] + 0);
+            dequant8<T>(kd.y, s0x2, b[u] + 4);
+            dequant8<T>(kd.z, s1x2, b[u] + 8);
+            dequant8<T>(kd.w, s1x2, b[u] + 12);
+          }
         }
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
-          const uint4 qv = s_q[s][lane];
-          const uint32_t qa[4] = {qv.x, qv.y, qv.z, qv.w};
-          Traits<T>::mma(sc[vp], qa, b[0][2 * s], b[0][2 * s + 1]);
-          Traits<T>::mma(sc[vp + 1], qa, b[1][2 * s], b[1][2 * s + 1]);
+          if constexpr (V::kQregs) {
+            Traits<C>::mma(sc[vp], qreg[s], b[0][2 * s], b[0][2 * s + 1]);
+            Traits<C>::mma(sc[vp + 1], qreg[s], b[1][2 * s], b[1][2 * s + 1]);
+          } else {
+            const uint4 qv = s_q[s][lane];
+            const uint32_t qa[4] = {qv.x, qv.y, qv.z, qv.w};
+            Traits<C>::mma(sc[vp], qa, b[0][2 * s], b[0][2 * s + 1]);
+            Traits<C>::mma(sc[vp + 1], qa, b[1][2 * s], b[1][2 * s + 1]);
+          }
         }
       }
 
@@ -285,42 +346,71 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         uint32_t pa[4];
-        pa[0] = Traits<T>::pack2(sc[2 * i][0], sc[2 * i][1]);
-        pa[1] = Traits<T>::pack2(sc[2 * i][2], sc[2 * i][3]);
-        pa[2] = Traits<T>::pack2(sc[2 * i + 1][0], sc[2 * i + 1][1]);
-        pa[3] = Traits<T>::pack2(sc[2 * i + 1][2], sc[2 * i + 1][3]);
-        const int ka = kb + 16 * i + tig;
+        pa[0] = Traits<C>::pack2(sc[2 * i][0], sc[2 * i][1]);
+        pa[1] = Traits<C>::pack2(sc[2 * i][2], sc[2 * i][3]);
+        pa[2] = Traits<C>::pack2(sc[2 * i + 1][0], sc[2 * i + 1][1]);
+        pa[3] = Traits<C>::pack2(sc[2 * i + 1][2], sc[2 * i + 1][3]);
         uint2 w[4];
         uint32_t smul[4];
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          const int key = ka + 4 * q;
-          w[q] = *reinterpret_cast<const uint2*>(Vt + key * 64 + 8 * g8);
-          const uint32_t sm = s_mul[Vt[kScalePlane + key * 8 + g8]];
+          const int kl = 16 * i + tig + 4 * q;  // key kb + kl
+          const int key = kb + kl;
+          w[q] = *reinterpret_cast<const uint2*>(Ws + kVd + kl * 64 + 8 * g8);
+          const uint32_t sm = s_mul[Ws[kVs + kl * 8 + g8]];
           // masked keys: multiplier 0 (codes are finite), so garbage never meets P·V
           if constexpr (kMasked) smul[q] = key < nvalid ? sm : 0u;
           else smul[q] = sm;
         }
         const uint32_t sab = smul[0] | (smul[1] << 16);
         const uint32_t sce = smul[2] | (smul[3] << 16);
+        if constexpr (kCvt) {
+          // word wi of keys (a, b) and (c, e): E4M3 bytes interleaved by key, 2 per cvt;
+          // d-tile 8·wi + r holds d = 16·g8 + 8·wi + cvt_elem(r)
 #pragma unroll
-        for (int tq = 0; tq < 4; ++tq) {
-          const uint32_t sel = (tq & 1) ? 0x7632 : 0x5410;
-          const uint32_t wa = (tq < 2) ? w[0].x : w[0].y;
-          const uint32_t wb = (tq < 2) ? w[1].x : w[1].y;
-          const uint32_t wc = (tq < 2) ? w[2].x : w[2].y;
-          const uint32_t we = (tq < 2) ? w[3].x : w[3].y;
-          uint32_t b0[4], b1[4];
-          dequant8<T>(prmt(wa, wb, sel), sab, b0);
-          dequant8<T>(prmt(wc, we, sel), sce, b1);
+          for (int wi = 0; wi < 2; ++wi) {
+            const uint32_t wa = wi ? w[0].y : w[0].x, wb = wi ? w[1].y : w[1].x;
+            const uint32_t wc = wi ? w[2].y : w[2].x, we = wi ? w[3].y : w[3].x;
 #pragma unroll
-          for (int k = 0; k < 4; ++k) Traits<T>::mma(acc[4 * tq + k], pa, b0[k], b1[k]);
+            for (int par = 0; par < 2; ++par) {  // 0: even elements, 1: odd
+              const uint32_t xa = par ? e4m3_odd(wa) : e4m3_even(wa);
+              const uint32_t xb = par ? e4m3_odd(wb) : e4m3_even(wb);
+              const uint32_t xc = par ? e4m3_odd(wc) : e4m3_even(wc);
+              const uint32_t xe = par ? e4m3_odd(we) : e4m3_even(we);
+#pragma unroll
+              for (int hh = 0; hh < 2; ++hh) {
+                const uint32_t sel = hh ? 0x7362 : 0x5140;
+                const uint32_t tab = prmt(xa, xb, sel), tce = prmt(xc, xe, sel);
+                const int r0 = 4 * par + 2 * hh;
+                Traits<__half>::mma(acc[8 * wi + r0], pa,
+                                    Traits<__half>::mul2(cvt_e4m3x2_lo(tab), sab),
+                                    Traits<__half>::mul2(cvt_e4m3x2_lo(tce), sce));
+                Traits<__half>::mma(acc[8 * wi + r0 + 1], pa,
+                                    Traits<__half>::mul2(cvt_e4m3x2_hi(tab), sab),
+                                    Traits<__half>::mul2(cvt_e4m3x2_hi(tce), sce));
+              }
+            }
+          }
+        } else {
+#pragma unroll
+          for (int tq = 0; tq < 4; ++tq) {
+            const uint32_t sel = (tq & 1) ? 0x7632 : 0x5410;
+            const uint32_t wa = (tq < 2) ? w[0].x : w[0].y;
+            const uint32_t wb = (tq < 2) ? w[1].x : w[1].y;
+            const uint32_t wc = (tq < 2) ? w[2].x : w[2].y;
+            const uint32_t we = (tq < 2) ? w[3].x : w[3].y;
+            uint32_t b0[4], b1[4];
+            dequant8<T>(prmt(wa, wb, sel), sab, b0);
+            dequant8<T>(prmt(wc, we, sel), sce, b1);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) Traits<T>::mma(acc[4 * tq + k], pa, b0[k], b1[k]);
+          }
         }
       }
     };
     if (kb + 32 <= nvalid) process(std::false_type{});
     else if (kb < nvalid) process(std::true_type{});
-    __syncthreads();
+    __syncwarp();
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -341,7 +431,8 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int h = g8 + 8 * (e >> 1);
-      const int d = 16 * (2 * tig + (e & 1)) + jd;
+      const int dj = kCvt ? 8 * (jd / 8) + cvt_elem(jd % 8) : jd;
+      const int d = 16 * (2 * tig + (e & 1)) + dj;
       part[(warp * kGroup + h) * kHeadDim + d] = acc[jd][e];
     }
   }
@@ -373,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
     }
   }
 
-  const float vsc = (*p.v_scale) * Traits<T>::kComp;
+  const float vsc = (*p.v_scale) * kComp;
   uint16_t* out = static_cast<uint16_t*>(p.out) + ((t * Hq + int64_t(g) * kGroup) * kHeadDim);
   if (S == 1) {
     __syncthreads();
@@ -403,9 +494,9 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
 
 int num_sms();
 
-template <typename T, typename V>
+template <typename T, typename V, bool kCvt>
 cudaError_t launch_typed(const AttentionParams& p, int splits, cudaStream_t stream) {
-  auto kernel = sparse_attention_kernel<T, V>;
+  auto kernel = sparse_attention_kernel<T, V, kCvt>;
   // Function attributes once per device (not stream work; also fine inside graph capture).
   static bool configured[64] = {false};
   int dev = 0;
@@ -433,14 +524,25 @@ cudaError_t launch_typed(const AttentionParams& p, int splits, cudaStream_t stre
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
-// variant 1: Variant0; 2: Variant1; 0 (auto): Variant1 once there are two CTAs per SM to run,
-// Variant0 below that (timed on the H200, BENCHMARKS.md).
+// variant 1: Variant0, 2: Variant1 (bit-placement dequantization, mma in q's dtype);
+// 3: Variant0, 4: Variant1, 5: Variant2 (fp8-conversion dequantization, fp16 mma).
+// 0 (auto): q's dtype decides the path — bf16 q keeps bf16 products (no fp16 range limit on q),
+// f16 q takes the conversion path — and Variant1 once there are two CTAs per SM to run, Variant0
+// below that (timed on the H200, BENCHMARKS.md).
 template <typename T>
 cudaError_t launch_variant(const AttentionParams& p, int splits, cudaStream_t stream) {
   int v = p.variant;
-  if (v == 0) v = p.num_tokens * p.num_kv_heads * splits >= 2 * int64_t(num_sms()) ? 2 : 1;
-  if (v == 1) return launch_typed<T, Variant0>(p, splits, stream);
-  return launch_typed<T, Variant1>(p, splits, stream);
+  if (v == 0) {
+    const bool big = p.num_tokens * p.num_kv_heads * splits >= 2 * int64_t(num_sms());
+    v = (std::is_same_v<T, __half> ? 3 : 1) + (big ? 1 : 0);
+  }
+  switch (v) {
+    case 1: return launch_typed<T, Variant0, false>(p, splits, stream);
+    case 2: return launch_typed<T, Variant1, false>(p, splits, stream);
+    case 3: return launch_typed<T, Variant0, true>(p, splits, stream);
+    case 4: return launch_typed<T, Variant1, true>(p, splits, stream);
+    default: return launch_typed<T, Variant2, true>(p, splits, stream);
+  }
 }
 
 int num_sms() {

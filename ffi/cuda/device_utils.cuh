@@ -123,6 +123,44 @@ __device__ __forceinline__ void dequant8(uint32_t w, uint32_t s2, uint32_t* out)
   out[3] = Traits<T>::mul2((shift_left<S - 12>(w) & M) | (w & 0x80008000u), s2);
 }
 
+// ---- the fp8-conversion path (sm_89+): E2M1 code c = s e1 e0 m as the E4M3 byte
+// s 0 0 e1 e0 m 0 0 is exactly e2m1(c) · 2^-6 (the code 0.5 lands on the E4M3 subnormal 2^-7);
+// cvt.rn.f16x2.e4m3x2 turns two such bytes into f16 exactly, and one f16x2 multiply by the block
+// scale sf (exact in f16) gives e2m1 · sf · 2^-6, exact (multiples of 2^-16, at most 42).
+constexpr float kCvtComp = 64.0f;
+
+// 8 codes (nibble k = element k) -> E4M3 bytes of the even elements (0, 2, 4, 6) and of the odd ones.
+__device__ __forceinline__ uint32_t e4m3_even(uint32_t w) {
+  return ((w & 0x08080808u) << 4) | ((w & 0x07070707u) << 2);
+}
+__device__ __forceinline__ uint32_t e4m3_odd(uint32_t w) {
+  return (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);
+}
+__device__ __forceinline__ uint32_t cvt_e4m3x2_lo(uint32_t x) {
+  uint32_t d;
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, l;\n}"
+      : "=r"(d) : "r"(x));
+  return d;
+}
+__device__ __forceinline__ uint32_t cvt_e4m3x2_hi(uint32_t x) {
+  uint32_t d;
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;\n}"
+      : "=r"(d) : "r"(x));
+  return d;
+}
+// 8 codes -> 4 f16 pairs: (e0, e2), (e4, e6), (e1, e3), (e5, e7), each times s2 (f16x2).
+__device__ __forceinline__ void dequant8_cvt(uint32_t w, uint32_t s2, uint32_t* out) {
+  const uint32_t ev = e4m3_even(w), od = e4m3_odd(w);
+  out[0] = Traits<__half>::mul2(cvt_e4m3x2_lo(ev), s2);
+  out[1] = Traits<__half>::mul2(cvt_e4m3x2_hi(ev), s2);
+  out[2] = Traits<__half>::mul2(cvt_e4m3x2_lo(od), s2);
+  out[3] = Traits<__half>::mul2(cvt_e4m3x2_hi(od), s2);
+}
+// Element offset (within 8) of pair r of dequant8_cvt's order, lo element.
+__device__ __forceinline__ constexpr int cvt_elem(int r) {
+  return r < 4 ? 2 * (r & 3) : 2 * (r & 3) + 1;
+}
+
 __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
   uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gmem_src));

@@ -63,13 +63,28 @@ __device__ __forceinline__ void load16<__half>(const __half* src, float* x) {
   }
 }
 
+// e2m1_from_float (nvfp4.h) without the threshold chain: round-to-nearest-even onto the E2M1
+// grid. |y| < 1 (spacing 0.5): rint(2|y|) by the 2^23 trick; |y| >= 1: round the fp32 bits to one
+// mantissa bit (RNE) and read exponent and bit, saturating at 6 (index 7). Same ties
+// (0.25→0, 0.75→1, 1.25→1, 1.75→2, 2.5→2, 3.5→4, 5→4) and −0 → +0.
+__device__ __forceinline__ uint8_t e2m1_fast(float y) {
+  const uint32_t b = float_bits(y);
+  const uint32_t a = b & 0x7FFFFFFFu;
+  const uint32_t small = float_bits(__fmaf_rn(bits_float(a), 2.0f, 8388608.0f)) & 3u;
+  const uint32_t r = a + 0x1FFFFFu + ((a >> 22) & 1u);
+  const uint32_t big = min((r >> 22) - 252u, 7u);
+  const uint32_t m = a < 0x3F800000u ? small : big;
+  return uint8_t((m != 0 && (b >> 31)) ? (m | 8u) : m);
+}
+
 }  // namespace
 
 // nvfp4_quantize_group (nvfp4.h) with the 16 divisions (x·r)/sf replaced by Markstein's
 // correctly rounded division: rc = RN(1/sf) once per group, then per element
 // q = RN(a·rc), e = a − q·sf (exact, FMA), y = RN(q + e·rc) = RN(a/sf). Every quotient that can
 // reach an E2M1 rounding threshold is a normal number (|a| >= 2^-11, sf in [2^-9, 448]), where the
-// theorem holds; ±Inf inputs keep q (= ±Inf, as the division gives). Bit-identity with the
+// theorem holds; ±Inf inputs keep q (= ±Inf, as the division gives); codes by e2m1_fast.
+// Bit-identity with the
 // division path is checked exhaustively near every threshold for every scale byte in
 // tests/cuda/harness.cu ("pack division") and on random data against the host.
 __device__ __forceinline__ void quantize_group_fast(const float* x, float r, uint8_t* data,
@@ -101,7 +116,7 @@ __device__ __forceinline__ void quantize_group_fast(const float* x, float r, uin
       const float q = __fmul_rn(a, rc);
       const float e = __fmaf_rn(-q, sfv, a);
       const float y = isinf(q) ? q : __fmaf_rn(e, rc, q);
-      c[h] = e2m1_from_float(y);
+      c[h] = e2m1_fast(y);
     }
     data[j] = uint8_t(c[0] | (c[1] << 4));
   }
@@ -121,25 +136,28 @@ __global__ void quantize_groups_kernel(const float* x, float r, uint8_t* data, u
 
 namespace {
 
+// blockDim = (per_token, tokens per block); thread x of a token is group grp of side `side` of
+// KV head h, grp fastest (8 neighbouring threads write one token's 64 contiguous data bytes).
+// 32-bit index math: 64-bit division is a long software sequence on the GPU.
 template <typename T>
-__global__ void __launch_bounds__(256) pack_kernel(const PackParams p) {
+__global__ void __launch_bounds__(1024) pack_kernel(const PackParams p) {
   const CacheGeometry geom = p.geom;
-  const int64_t gpv = geom.head_dim / kNvfp4Group;  // groups per head vector
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t total = p.num_tokens * p.num_kv_heads * 2 * gpv;
-  if (idx >= total) return;
-  const int64_t grp = idx % gpv;
-  int64_t rest = idx / gpv;
-  const int64_t h = rest % p.num_kv_heads;
-  rest /= p.num_kv_heads;
-  const int side = int(rest & 1);  // 0 = K, 1 = V
-  const int64_t t = rest >> 1;
+  const int64_t t = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (t >= p.num_tokens) return;
+  const int gpv = int(geom.head_dim) / kNvfp4Group;  // groups per head vector
+  const int j = threadIdx.x;
+  const int grp = j % gpv;
+  const int rest = j / gpv;
+  const int side = rest & 1;  // 0 = K, 1 = V
+  const int h = rest >> 1;
 
   const int64_t layer = *p.layer;
-  const int64_t slot = p.slot_mapping[t];
-  if (!geom.valid_layer(layer) || slot < 0 || slot >= geom.num_pages * geom.block_size) return;
-  const int64_t page = slot / geom.block_size;
-  const int64_t o = slot % geom.block_size;
+  const int32_t slot = p.slot_mapping[t];
+  if (!geom.valid_layer(layer) || slot < 0 || int64_t(slot) >= geom.num_pages * geom.block_size)
+    return;
+  const uint32_t n = uint32_t(geom.block_size);
+  const uint32_t page = uint32_t(slot) / n;
+  const uint32_t o = uint32_t(slot) - page * n;
 
   const T* src = static_cast<const T*>(side ? p.value : p.key) +
                  ((t * p.num_kv_heads + h) * geom.head_dim + grp * kNvfp4Group);
@@ -159,11 +177,12 @@ __global__ void __launch_bounds__(256) pack_kernel(const PackParams p) {
 
 template <typename T>
 cudaError_t launch_typed(const PackParams& p, cudaStream_t stream) {
-  const int64_t total = p.num_tokens * p.num_kv_heads * 2 * (p.geom.head_dim / kNvfp4Group);
-  const int threads = 256;
-  const int64_t blocks = (total + threads - 1) / threads;
+  const int per_token = p.num_kv_heads * 2 * int(p.geom.head_dim / kNvfp4Group);
+  if (per_token > 1024) return cudaErrorInvalidValue;
+  const int tokens_per_block = per_token >= 256 ? 1 : 256 / per_token;
+  const int64_t blocks = (p.num_tokens + tokens_per_block - 1) / tokens_per_block;
   if (blocks > int64_t(0x7FFFFFFF)) return cudaErrorInvalidValue;
-  pack_kernel<T><<<unsigned(blocks), threads, 0, stream>>>(p);
+  pack_kernel<T><<<unsigned(blocks), dim3(per_token, tokens_per_block), 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -721,9 +721,10 @@ static void bench_decode(std::mt19937& rng, const BenchDecode& b, double copy_tb
   printf("decode T=%-4d dql=%d Hkv=%d K=%d seq=%lld  bytes %.1f MB  variants %d  auto splits %d\n",
          T, dql, Hkv, K, (long long)b.seq, bytes / 1e6, nv, autos);
   double best = 1e30;
-  for (int var : {0, 1, 2})
+  // auto variant with every split count, then every variant with the automatic split count
+  for (int var : {0, 1, 2, 3, 4, 5})
   for (int s : {0, 1, 2, 4, 8, 16}) {
-    if (s > K || (var == 0 && s != 0)) continue;
+    if (s > K || (var != 0 && s != 0)) continue;
     AttentionParams ps = p;
     ps.splits = s;
     ps.variant = var;
@@ -849,7 +850,7 @@ static void bench_prefill(std::mt19937& rng, int T, int ctx, double copy_tbs) {
   p.is_prefill = 1;
   p.scale = 1.0f / std::sqrt(128.f);
   p.dtype = DType::kBF16;
-  for (int var : {1, 2, 0}) {
+  for (int var : {1, 2, 3, 4, 5, 0}) {
     p.variant = var;
     auto launch = [&](int, cudaStream_t st) { CK(launch_sparse_attention(p, st)); };
     const double us = time_graph(launch, 1, 5, 5);
@@ -919,7 +920,7 @@ int main(int argc, char** argv) {
   test_dequant<__half>("f16", false);
 
   const std::vector<int> all_splits = {0, 1, 2, 4, 8, 16};
-  for (g_variant = 1; g_variant <= 2; ++g_variant) {
+  for (g_variant = 1; g_variant <= 5; ++g_variant) {
   test_attention(rng, "decode bf16 dql=1", false, 2, 6, 1, 16, 1, 0, 0, false, all_splits);
   test_attention(rng, "decode bf16 dql=2", false, 2, 5, 2, 16, 1, 0, 0, false, {0, 1, 4});
   test_attention(rng, "decode f16 dql=1", false, 1, 4, 1, 16, 1, 0, 0, true, {0, 1, 16});
@@ -952,7 +953,7 @@ int main(int argc, char** argv) {
     const int64_t seq = 32768;
     if (profile) {  // one shape for ncu: decode T=128 (auto splits), prefill 2048
       bench_decode(rng, BenchDecode{128, 1, 4, 16, seq}, copy, false);
-      bench_prefill(rng, 2048, 8192, copy);
+      bench_pack(rng, 65536, copy);
       return 0;
     }
     for (int T : {1, 8, 32, 128, 512}) {
