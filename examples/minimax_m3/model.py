@@ -12,7 +12,8 @@ SPEC §5.6) through every layer. Two streams run in lockstep on the same tokens:
   Its logits and per-layer attention outputs measure what NVFP4 costs.
 
 Dense layers (the first ``num_dense_layers``) use the same NVFP4 cache and kernel with every
-block selected (K = max_blocks); the sparse layers run under one ``lax.scan`` with a traced
+block selected (K = max_blocks; on GPU backends, whose kernels serve K = 16 only, the library's
+pure-jnp reference of the same call); the sparse layers run under one ``lax.scan`` with a traced
 ``layer`` index into the 5-D cache.
 """
 
@@ -249,6 +250,11 @@ def token_rows(meta: m3.SparseAttentionMetadata, num_tokens: int):
     return req[:num_tokens], pos[:num_tokens]
 
 
+def _cpu() -> bool:
+    """The GPU kernels serve K = 16 only (SPEC §1): elsewhere dense layers use the jnp reference."""
+    return jax.default_backend() == "cpu"
+
+
 def _agreement_sums(a, b, valid):
     """[4] sums over valid rows: (a·b, a·a, b·b, |a−b|²) for cosine and relative Frobenius."""
     a = jnp.where(valid[:, None], a.reshape(a.shape[0], -1).astype(jnp.float32), 0.0)
@@ -278,7 +284,8 @@ def _layer(cfg, meta, batch, req, pos, compare, sparse, carry, xs):
         topk = select_blocks(iq, idx_l, meta.block_table, req, pos, topk_blocks=cfg.topk_blocks)
     else:  # dense: every block (invalid / future ones are skipped by the kernel)
         topk = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (cfg.num_kv_heads, T, M))
-    attn = m3.sparse_attention(q.astype(jnp.bfloat16), kv, topk, meta, K_SCALE, V_SCALE,
+    attend = m3.sparse_attention if sparse or _cpu() else m3.reference.sparse_attention
+    attn = attend(q.astype(jnp.bfloat16), kv, topk, meta, K_SCALE, V_SCALE,
                                scale=scale, layer=layer, layout=KV_LAYOUT)
     x = mlp(p, x + attn.astype(jnp.float32).reshape(T, -1) @ p["wo"], cfg)
 
