@@ -31,6 +31,9 @@ LDS_BYTES = NUM_WAVES * VT_BYTES               # 73728 bytes per workgroup
 MERGE_O_BYTES = GROUP_HEADS * HEAD_DIM * 4     # 8192 per wave
 MERGE_ML_OFF = NUM_WAVES * MERGE_O_BYTES       # 32768
 THREADS = NUM_WAVES * WAVE
+# V halves whose loads are issued with the block's K loads, before QK (more overlap, more VGPRs;
+# 2 halves exceed 256 VGPRs and halve the occupancy).
+PREFETCH_V_HALVES = 1
 
 COMPUTE_DTYPES = {"bf16": fx.BFloat16, "f16": fx.Float16}
 
@@ -91,8 +94,20 @@ def dequant(compute, word, scale):
     return dequant_dword_f16(word, scale)
 
 
-def stage_v_half(compute, lds_base, vt_base, v_rsrc, hb, lane16, quad, limit):
-    """Dequantize V tokens 64·hb + 4·lane16 .. +3, d = 32·quad .. +31 into Vt[d][token].
+def load_v_half(v_rsrc, hb, lane16, quad):
+    """Raw NVFP4 words of V tokens 64·hb + 4·lane16 + u (u = 0..3), d = 32·quad .. +31: per token
+    one 16-byte data load and the 2 scale bytes. Issued early so the loads overlap QK."""
+    raw = []
+    for u in range_constexpr(4):
+        tok = 64 * hb + 4 * lane16 + u
+        raw.append((load_dwords(v_rsrc, tok * DATA_BYTES + 16 * quad, 4),
+                    load_u16(v_rsrc, SCALE_PLANE + tok * SCALE_BYTES + 2 * quad)))
+    return raw
+
+
+def stage_v_half(compute, lds_base, vt_base, raw, hb, lane16, quad, limit):
+    """Dequantize the words of load_v_half into Vt[d][token] (d = 32·quad .. +31, token 4·lane16 + u
+    of the half), as `compute`.
 
     Tokens that are not attended (block-local index >= limit) are zeroed as raw NVFP4 words
     (data and scale) before dequantization: a select, never a multiply (SPEC §5.2).
@@ -100,10 +115,8 @@ def stage_v_half(compute, lds_base, vt_base, v_rsrc, hb, lane16, quad, limit):
     words = []
     scales = []
     for u in range_constexpr(4):
-        tok = 64 * hb + 4 * lane16 + u
-        attended = tok < limit
-        data = load_dwords(v_rsrc, tok * DATA_BYTES + 16 * quad, 4)
-        sw = load_u16(v_rsrc, SCALE_PLANE + tok * SCALE_BYTES + 2 * quad)
+        attended = (64 * hb + 4 * lane16 + u) < limit
+        data, sw = raw[u]
         words.append([attended.select(data[c], fx.Int32(0)) for c in range_constexpr(4)])
         scales.append(scale_pair(compute, attended.select(sw, fx.Int32(0))))
     for c in range_constexpr(4):
@@ -203,15 +216,25 @@ def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_bas
     l_run = fx.Float32(0.0)
     o_acc = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range_constexpr(D_TILES)]
 
+    # ---- this wave's slots and their validity (SPEC §5.2), wave-uniform; all ids are loaded
+    # first, then all block_table entries (two round trips for the wave, not two per slot) -------
+    ids, id_ok, pages = [], [], []
     for j in range_constexpr(slots_per_wave):
-        # ---- slot validity (SPEC §5.2), wave-uniform -------------------------------------------
         k_slot = wave * slots_per_wave + j
         if split is not None:
             k_slot = split * (NUM_WAVES * slots_per_wave) + k_slot
-        b = uniform(load_dwords(topk_rsrc, ((kv_head * ops.num_tokens + token) * TOPK + k_slot) * 4, 1))
+        ids.append(load_dwords(topk_rsrc, ((kv_head * ops.num_tokens + token) * TOPK + k_slot) * 4, 1))
+    for j in range_constexpr(slots_per_wave):
+        b = uniform(ids[j])
         b_ok = row_ok & layer_ok & (b >= 0) & (b < ops.max_blocks) & (b * BLOCK_SIZE < vis)
-        page = uniform(load_dwords(table_rsrc, b_ok.select(req * ops.max_blocks + b, 0) * 4, 1))
-        valid = b_ok & (page >= 0) & (page < ops.num_pages)
+        ids[j] = b
+        id_ok.append(b_ok)
+        pages.append(load_dwords(table_rsrc, b_ok.select(req * ops.max_blocks + b, 0) * 4, 1))
+
+    for j in range_constexpr(slots_per_wave):
+        b = ids[j]
+        page = uniform(pages[j])
+        valid = id_ok[j] & (page >= 0) & (page < ops.num_pages)
         # 64-bit page offset (SPEC §3.3); an invalid slot gets 0-byte descriptors: reads nothing
         page_base = layer_base + fx.Int64(valid.select(page, 0)) * ops.page_stride
         tile_bytes = valid.select(fx.Int32(TILE_BYTES), fx.Int32(0))
@@ -221,12 +244,18 @@ def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_bas
         limit = valid.select(vis - b * BLOCK_SIZE, 0)
 
         # ---- S^T = K · Q^T, 8 tiles of 16 keys; select-mask to -inf (SPEC §5.2) --------------------
+        # all of the block's K loads first (one round trip, not eight), then V's, overlapping QK
+        k_raw = []
+        for jt in range_constexpr(KEY_TILES):
+            key = 16 * jt + lane16
+            k_raw.append((load_dwords(k_rsrc, key * DATA_BYTES + 16 * quad, 4),
+                          load_u16(k_rsrc, SCALE_PLANE + key * SCALE_BYTES + 2 * quad)))
+        v_raw = [load_v_half(v_rsrc, hb, lane16, quad) for hb in range_constexpr(PREFETCH_V_HALVES)]
         scores = []
         m_blk = fx.Float32(NEG_INF)
         for jt in range_constexpr(KEY_TILES):
-            key = 16 * jt + lane16
-            data = load_dwords(k_rsrc, key * DATA_BYTES + 16 * quad, 4)
-            sc = scale_pair(compute, load_u16(k_rsrc, SCALE_PLANE + key * SCALE_BYTES + 2 * quad))
+            data, sw = k_raw[jt]
+            sc = scale_pair(compute, sw)
             acc = fx.Vector.filled(4, 0.0, fx.Float32)
             for c in range_constexpr(4):
                 acc = mfma(compute, dequant(compute, data[c], sc[c // 2]), q_ops[c], acc)
@@ -261,10 +290,14 @@ def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_bas
             o_acc[dt] = o_acc[dt] * alpha4
 
         # ---- O^T += V^T · P^T, V staged through this wave's LDS 64 keys at a time --------------------
+        # (the second half's loads are issued right after the first half is staged, so they overlap
+        # the first half's PV)
         for hb in range_constexpr(2):
             fx.rocdl.wave_barrier()
-            stage_v_half(compute, lds_base, vt_base, v_rsrc, hb, lane16, quad, limit)
+            stage_v_half(compute, lds_base, vt_base, v_raw[hb], hb, lane16, quad, limit)
             fx.rocdl.wave_barrier()
+            if hb + 1 < 2 and hb + 1 >= PREFETCH_V_HALVES:
+                v_raw.append(load_v_half(v_rsrc, hb + 1, lane16, quad))
             for s in range_constexpr(2):
                 for dt in range_constexpr(D_TILES):
                     row = vt_base + (16 * dt + lane16) * VT_ROW_BYTES
