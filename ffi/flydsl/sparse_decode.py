@@ -47,6 +47,11 @@ lane16, rows 4·quad + i):
   bf16 as one 8-byte ds_write into Vt[d][token] (row stride VT_ROW_BYTES). The PV A-operand of
   lane (lane16, quad) is two 8-byte reads of row 16·dt + lane16 at tokens 32·s + 4·quad and +16.
 
+Memory order per wave: the slot ids of its 4 slots, then their block_table entries (two round
+trips in all); per block, all 8 K tiles (16-byte data + 2 scale bytes per lane) and the first V half
+are issued together before the QK MFMAs, the second V half right after the first is staged, so
+its latency overlaps the first half's PV (242 VGPRs: 2 waves per SIMD).
+
 NVFP4 -> bf16 (SPEC §2.1): v_cvt_scalef32_pk_f32_fp4 with a *unit* scale gives exact e2m1 values;
 the E4M3 block scale (v_cvt_pk_f32_fp8, exact) is applied as an exact fp32 multiply
 (v_pk_mul_f32), and v_cvt_pk_bf16_f32 rounds nothing because e2m1·e4m3 is exact in bf16. (The
