@@ -211,3 +211,33 @@ def test_cli_with_checkpoint_and_prompt_files(tmp_path):
     assert s["requests"] == 2 and s["generated_tokens"] == 6
     assert s["prefill_tokens"] + s["decode_tokens"] <= 450 + 6
     assert s["pages_free_at_end"] == 8 and "attn_cos" not in s
+
+
+def test_bf16_reference_attention_matches_library_reference():
+    """The reference stream's plain-jnp paged attention (both its paths) equals
+    jax_m3sparse.reference on K/V that bf16 holds exactly (dequantized NVFP4)."""
+    import jax_m3sparse as m3
+    from minimax_m3.model import paged_attention_bf16
+    rng = np.random.default_rng(2)
+    P, Hkv, G, D, N = 8, 2, 4, 128, 128
+    cache = m3.allocate_kv_cache(m3.KVCacheSpec(Hkv, D, N), P)
+    kv = jnp.asarray(rng.normal(size=(2, P * N, Hkv, D)), jnp.float32)
+    cache = m3.pack_kv_pages(cache, kv[0], kv[1], jnp.arange(P * N, dtype=jnp.int32), 1.0, 1.0)
+    k, v = m3.unpack_kv_pages(cache, jnp.arange(P, dtype=jnp.int32), 1.0, 1.0)  # [P, Hkv, N, D]
+    table = np.array([[5, 2, 7, 0, 4, 1], [1, 6, 3, -1, 2, 0]], np.int32)   # 2 steps of 4 blocks
+    # 40 prefill tokens of request 0 (one-request chunks), then rows of both (mixed chunk).
+    req = np.array([0] * 40 + [1, 0, 1, -1, 1], np.int32)
+    pos = np.array(list(range(560, 600)) + [300, 500, 40, -1, 650], np.int32)
+    T = len(req)
+    topk = np.full((Hkv, T, 3), -1, np.int32)
+    for g in range(Hkv):
+        for t in range(T):
+            local = max(pos[t], 0) // N
+            ids = [local, *rng.permutation(local)[:int(rng.integers(0, 3))]]
+            topk[g, t, :len(ids[:3])] = ids[:3]
+    q = jnp.asarray(rng.normal(size=(T, Hkv * G, D)), jnp.float32)
+    topk, table, req, pos = map(jnp.asarray, (topk, table, req, pos))
+    want = m3.reference.sparse_prefill(q, cache, topk, table, req, pos, 1.0, 1.0)
+    got = paged_attention_bf16(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), topk, table,
+                               req, pos, D ** -0.5, chunk=16)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-5)

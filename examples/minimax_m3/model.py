@@ -176,13 +176,17 @@ def paged_attention_bf16(q, k_cache, v_cache, topk, block_table, req, pos, scale
     (zeros for rows with no key).
 
     Tokens go in chunks. A chunk whose tokens all belong to one request (most prefill chunks)
-    gathers that request's pages once and attends with two GEMMs, masking unselected blocks;
-    other chunks (decode rows, request boundaries) gather each token's selected pages.
+    walks that request's pages up to its last position, four blocks at a time, with an online
+    softmax (GEMMs, unselected blocks masked); other chunks (decode rows, request boundaries)
+    gather each token's selected pages.
     """
+    topk, block_table, req, pos = map(jnp.asarray, (topk, block_table, req, pos))
     T, Hq, D = q.shape
     P, Hkv, N, _ = k_cache.shape
     R, M = block_table.shape
     K, G = topk.shape[-1], Hq // Hkv
+    B = 4                                   # blocks per step of the one-request path
+    Mp = -(-M // B) * B
     chunk = max(min(chunk, T), 1)
     n = -(-T // chunk)
     pad = n * chunk - T
@@ -203,16 +207,33 @@ def paged_attention_bf16(q, k_cache, v_cache, topk, block_table, req, pos, scale
 
     def one_request(xs):  # every live token of the chunk belongs to request max(rc)
         qc, tc, rc, pc = xs
-        pages = block_table[jnp.clip(jnp.max(rc), 0, R - 1)]            # [M]
-        pg = jnp.clip(pages, 0, P - 1)
-        k = jnp.moveaxis(k_cache[pg], 1, 0).reshape(Hkv, M * N, D).astype(jnp.float32)
-        v = jnp.moveaxis(v_cache[pg], 1, 0).reshape(Hkv, 1, M * N, D).astype(jnp.float32)
-        sel = jnp.any(tc[..., None] == jnp.arange(M), axis=-2)          # [Hkv, c, M]
+        pages = jnp.pad(block_table[jnp.clip(jnp.max(rc), 0, R - 1)], (0, Mp - M),
+                        constant_values=-1)                            # [Mp]
+        sel = jnp.any(tc[..., None] == jnp.arange(Mp), axis=-2)         # [Hkv, c, Mp]
         sel = sel & ((pages >= 0) & (pages < P)) & (rc >= 0)[None, :, None]
-        mask = (jnp.repeat(sel, N, axis=-1)
-                & (jnp.arange(M * N) < (pc + 1)[None, :, None]))[:, :, None]  # [Hkv, c, 1, MN]
-        z = jnp.einsum("cgid,gsd->gcis", qc, k)
-        return softmax_pv(z, mask, v)
+
+        def blocks(i, carry):  # online softmax over blocks [i·B, i·B + B)
+            m, l, acc = carry
+            pg = jnp.clip(jax.lax.dynamic_slice(pages, (i * B,), (B,)), 0, P - 1)
+            k = jnp.moveaxis(k_cache[pg], 1, 0).reshape(Hkv, B * N, D).astype(jnp.float32)
+            v = jnp.moveaxis(v_cache[pg], 1, 0).reshape(Hkv, B * N, D).astype(jnp.float32)
+            s_ = jax.lax.dynamic_slice(sel, (0, 0, i * B), (Hkv, chunk, B))
+            mask = (jnp.repeat(s_, N, axis=-1)
+                    & (i * B * N + jnp.arange(B * N) <= pc[None, :, None]))[:, :, None]
+            z = jnp.where(mask, jnp.einsum("cgid,gsd->gcis", qc, k) * scale, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(z, axis=-1, keepdims=True))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.where(mask, jnp.exp(z - m_safe), 0.0)
+            corr = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+            return (m_new, l * corr + jnp.sum(p, axis=-1, keepdims=True),
+                    acc * corr + jnp.einsum("gcis,gsd->gcid", p, v))
+
+        init = (jnp.full((Hkv, chunk, G, 1), -jnp.inf), jnp.zeros((Hkv, chunk, G, 1)),
+                jnp.zeros((Hkv, chunk, G, D)))
+        # Only the blocks up to the chunk's last position: cost follows the context length.
+        steps = (jnp.clip(jnp.max(pc), 0, Mp * N - 1) // N) // B + 1
+        _, l, acc = jax.lax.fori_loop(0, steps, blocks, init)
+        return jnp.moveaxis(acc / jnp.maximum(l, 1e-30), 0, 1).reshape(chunk, Hq, D)
 
     def per_token(xs):    # gather each token's selected pages
         qc, tc, rc, pc = xs                                            # tc [Hkv, c, K]

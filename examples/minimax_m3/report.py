@@ -85,7 +85,7 @@ def plot(engine: Engine, summary: dict, path: str) -> None:
     ax1.set_xlabel("layer (first dense, then sparse)")
     ax1.set_title("attention output: NVFP4 sparse vs bf16 cache")
     ax1.set_yscale("log")
-    ax1.legend()
+    ax1.legend(loc="center")
     ax1.set_xticks(layers)
     steps = engine.stats.decode_steps
     x = np.arange(len(steps))
@@ -96,7 +96,7 @@ def plot(engine: Engine, summary: dict, path: str) -> None:
     ax2.set_yscale("log")
     ax2.set_xlabel("decode step")
     ax2.set_title("per decode step (decode rows)")
-    ax2.legend(fontsize=7, loc="upper left")
+    ax2.legend(fontsize=7, loc="lower left")
     agree = np.cumsum([d["agree"] for d in steps]) / np.maximum(x + 1, 1)
     ax3 = ax2.twinx()
     ax3.plot(x, 100 * agree, color="tab:orange", label="greedy agreement so far (%)")
