@@ -1,16 +1,16 @@
 """Sparse NVFP4 decode attention for gfx950 (SPEC §5.2, §5.3, §5.5), bf16 MFMA compute.
 
-Compiled variants: `sparse_decode_bf16`, `sparse_decode_f16` (the q / out dtype; the products are
+Compiled variants: `sparse_decode_bf16`, `sparse_decode_f16`, `sparse_decode_f32` (the q / out dtype; the products are
 computed in bf16 either way, SPEC §5.5). Launcher arguments, in order (ffi/rocm/ passes them):
 
-    q            bf16|f16 [T, Hq, D]            Hq = Hkv·G, D = 128, G = 16
+    q            bf16|f16|f32 [T, Hq, D]            Hq = Hkv·G, D = 128, G = 16
     kv_cache     uint8, SPEC §3 (4-D, or 5-D LBHNC / BLHNC; see page_stride / layer_stride)
     topk_indices int32 [Hkv, T, K]              K = 16 logical block ids, -1 = unused
     block_table  int32 [R, M]
     seq_lens     int32 [R]                      including this step's tokens
     k_scale, v_scale  float32 []                global dequantization multipliers (SPEC §2.1)
     layer        int32 []
-    out          bf16|f16 [T, Hq, D]
+    out          q's dtype [T, Hq, D]
     num_tokens T, num_kv_heads Hkv, num_requests R, max_blocks M, num_pages P, num_layers L (int32),
     page_stride, layer_stride (int64 bytes: page p of layer l is at p·page_stride + l·layer_stride),
     decode_query_len dql (int32), scale (float32 softmax scale), stream.

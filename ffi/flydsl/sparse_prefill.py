@@ -1,9 +1,9 @@
 """Sparse NVFP4 prefill attention for gfx950 (SPEC §5.2, §5.4, §5.5), fp16 MFMA compute.
 
-Compiled variants: `sparse_prefill_bf16`, `sparse_prefill_f16` (the q / out dtype; the products are
+Compiled variants: `sparse_prefill_bf16`, `sparse_prefill_f16`, `sparse_prefill_f32` (the q / out dtype; the products are
 computed in fp16 either way, SPEC §5.5). Launcher arguments, in order:
 
-    q            bf16|f16 [T, Hq, D]            Hq = Hkv·G, D = 128, G = 16
+    q            bf16|f16|f32 [T, Hq, D]            Hq = Hkv·G, D = 128, G = 16
     kv_cache     uint8, SPEC §3 (4-D, or 5-D LBHNC / BLHNC)
     topk_indices int32 [Hkv, T, K]              per-token selection, K = 16, -1 = unused
     block_table  int32 [R, M]
@@ -11,7 +11,7 @@ computed in fp16 either way, SPEC §5.5). Launcher arguments, in order:
     query_abs_pos int32 [T]                     SPEC §4
     k_scale, v_scale  float32 []
     layer        int32 []
-    out          bf16|f16 [T, Hq, D]
+    out          q's dtype [T, Hq, D]
     num_tokens T, num_kv_heads Hkv, num_requests R, max_blocks M, num_pages P, num_layers L (int32),
     page_stride, layer_stride (int64 bytes), scale (float32), stream.
 
