@@ -100,6 +100,7 @@ def test_accuracy_within_documented_bounds(batched):
     assert s["logit_cos"] >= b["logit_cos_min"], s["logit_cos"]
     assert s["agreement"] >= b["agreement_min"], s["agreement"]
     assert s["generated_tokens"] == 15
+    assert max(s["blocks_attended"][CFG.num_dense_layers:]) < 0.9 and s["blocks_skipped"] > 0
     assert "prefill" in report.format_summary(s, CFG)
 
 

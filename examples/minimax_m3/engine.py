@@ -263,7 +263,7 @@ class Engine:
             r.num_cached += a + 1
             emitted_decode += len(new)
         t = self.ecfg.max_running * dql
-        prefill_tokens = 0
+        prefill_tokens = first_tokens = 0
         for r, n in prefill:
             r.num_cached += n
             t += n
@@ -271,12 +271,14 @@ class Engine:
             if not r.prefilling:             # the prompt's last token gives the first new one
                 self._log(r, logits[t - 1], None if ref is None else ref[t - 1])
                 r.tokens.append(int(logits[t - 1].argmax()))
+                first_tokens += 1
         self.stats.record_step(None if compiled else seconds, prefill_tokens, emitted_decode,
                                len(decoding), out.get("attn_stats"),
                                None if ref is None else (logits[step_rows], ref[step_rows]))
         for r in [r for r in self.running if r.done]:
             self._finish(r)
-        return prefill_tokens + emitted_decode
+        self.stats.blocks += np.asarray(out["blocks"], np.int64)
+        return prefill_tokens + emitted_decode + first_tokens
 
     def _log(self, r: Request, row, ref_row):
         r.logits.append(np.array(row))
@@ -305,6 +307,7 @@ class RunStats:
         self.prefill_tokens = self.prefill_seconds = 0
         self.decode_tokens = self.decode_seconds = 0
         self.decode_only_steps = self.decode_requests = 0
+        self.blocks = np.zeros((num_layers, 2), np.int64)    # (selected, visible) per layer
         self.attn_sums = np.zeros((num_layers, 4))          # over all rows of the run
         self.decode_steps: list[dict] = []                   # per step with decode rows
 

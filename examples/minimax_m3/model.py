@@ -310,6 +310,10 @@ def _layer(cfg, meta, batch, req, pos, compare, sparse, carry, xs):
                                scale=scale, layer=layer, layout=KV_LAYOUT)
     x = mlp(p, x + attn.astype(jnp.float32).reshape(T, -1) @ p["wo"], cfg)
 
+    # Token-block pairs attended vs visible (pos // N + 1 per live token): how much is skipped.
+    live = req >= 0
+    blocks = jnp.stack([jnp.sum(jnp.where(live[None, :, None], topk >= 0, False)),
+                        cfg.num_kv_heads * jnp.sum(jnp.where(live, pos // cfg.block_size + 1, 0))])
     stats = jnp.zeros((2, 4), jnp.float32)
     if compare:
         h_r = gemma_rms_norm(x_ref, p["ln1"], cfg.rms_eps)
@@ -325,7 +329,7 @@ def _layer(cfg, meta, batch, req, pos, compare, sparse, carry, xs):
         is_dec = jnp.arange(T) < meta.num_decode_tokens
         stats = jnp.stack([_agreement_sums(attn, attn_r, (req >= 0) & is_dec),
                            _agreement_sums(attn, attn_r, (req >= 0) & ~is_dec)])
-    return (x, x_ref, caches), stats
+    return (x, x_ref, caches), (stats, blocks)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_decode_requests", "decode_query_len",
@@ -344,7 +348,8 @@ def forward_step(params, caches, batch, *, cfg: ModelConfig, num_decode_requests
       cfg, num_decode_requests, decode_query_len, compare: static.
 
     Returns:
-      ``(caches, out)``: out has ``logits [T, V]`` fp32 of the served stream and, with
+      ``(caches, out)``: out has ``logits [T, V]`` fp32 of the served stream, ``blocks
+      [L, 2]`` (token-block pairs selected, blocks visible; dense layers select all) and, with
       ``compare``, ``ref_logits [T, V]`` and ``attn_stats [L, 2, 4]`` (per layer; decode rows,
       prefill rows; sums a·b, a·a, b·b, |a−b|² of served vs reference attention outputs).
     """
@@ -355,21 +360,22 @@ def forward_step(params, caches, batch, *, cfg: ModelConfig, num_decode_requests
     req, pos = token_rows(meta, T)
     x = params["embed"][batch["tokens"]]
     carry = (x, x, caches)
-    all_stats = []
+    all_stats, all_blocks = [], []
     for group, sparse, first in (("dense", False, 0), ("sparse", True, cfg.num_dense_layers)):
         if group not in params:
             continue
         n = params[group]["ln1"].shape[0]
         body = functools.partial(_layer, cfg, meta, batch, req, pos, compare, sparse)
-        carry, stats = jax.lax.scan(body, carry, (params[group],
-                                                  first + jnp.arange(n, dtype=jnp.int32)))
+        carry, (stats, blocks) = jax.lax.scan(body, carry, (params[group],
+                                                            first + jnp.arange(n, dtype=jnp.int32)))
         all_stats.append(stats)
+        all_blocks.append(blocks)
     x, x_ref, caches = carry
 
     def logits_of(h):
         return gemma_rms_norm(h, params["final_norm"], cfg.rms_eps) @ params["lm_head"]
 
-    out = dict(logits=logits_of(x))
+    out = dict(logits=logits_of(x), blocks=jnp.concatenate(all_blocks))
     if compare:
         out.update(ref_logits=logits_of(x_ref), attn_stats=jnp.concatenate(all_stats))
     return caches, out

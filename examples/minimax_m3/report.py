@@ -30,6 +30,10 @@ def summarize(engine: Engine, wall_seconds: float) -> dict:
         pages_peak=a.peak_in_use,
         pages_allocated=a.total_allocations,
         pages_free_at_end=a.num_free(),
+        blocks_attended=[float(sel / max(vis, 1)) for sel, vis in s.blocks],
+        blocks_skipped=int(sum(max(vis - sel, 0) for sel, vis in s.blocks)),
+        max_blocks=max((-(-len(r.tokens) // engine.cfg.block_size) for r in engine.finished),
+                       default=0),
     )
     drafted = sum(r.drafted for r in engine.finished)
     if drafted:
@@ -59,6 +63,11 @@ def format_summary(s: dict, cfg) -> str:
         f"pages:   peak {s['pages_peak']} of {s['pages_total']} in use, {s['pages_allocated']} "
         f"handed out over the run, {s['pages_free_at_end']} free at the end",
     ]
+    sparse = s["blocks_attended"][cfg.num_dense_layers:]
+    if sparse:
+        lines.append(f"sparse selection: {100 * np.mean(sparse):.1f}% of the visible (token, block) "
+                     f"pairs attended, {s['blocks_skipped']} skipped (top-{cfg.topk_blocks} of up to "
+                     f"{s['max_blocks']} blocks)")
     if "spec_acceptance" in s:
         lines.append(f"speculative: {100 * s['spec_acceptance']:.0f}% of prompt-lookup drafts accepted")
     if "attn_cos" in s:
