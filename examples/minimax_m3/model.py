@@ -283,6 +283,23 @@ def _agreement_sums(a, b, valid):
     return jnp.stack([jnp.sum(a * b), jnp.sum(a * a), jnp.sum(b * b), jnp.sum((a - b) ** 2)])
 
 
+def _reference_layer(cfg, meta, p, layer, x_ref, caches, slots, req, pos, topk):
+    """The reference stream's layer: bf16 K/V cache, plain-jnp attention, given selections."""
+    T = x_ref.shape[0]
+    h = gemma_rms_norm(x_ref, p["ln1"], cfg.rms_eps)
+    q, k, v = qkv(p, h, pos, cfg)
+    # The ref caches are [L, P, Hkv, N, D]; write_pages wants the slot axes (P, N) first.
+    rk = write_pages(jnp.swapaxes(caches["ref_k"][layer], 1, 2), k, slots, cfg.block_size)
+    rv = write_pages(jnp.swapaxes(caches["ref_v"][layer], 1, 2), v, slots, cfg.block_size)
+    rk, rv = jnp.swapaxes(rk, 1, 2), jnp.swapaxes(rv, 1, 2)
+    caches = dict(caches, ref_k=caches["ref_k"].at[layer].set(rk),
+                  ref_v=caches["ref_v"].at[layer].set(rv))
+    attn = paged_attention_bf16(q.astype(jnp.bfloat16), rk, rv, topk, meta.block_table, req, pos,
+                                cfg.head_dim ** -0.5)
+    x_ref = mlp(p, x_ref + attn.reshape(T, -1) @ p["wo"], cfg)
+    return x_ref, caches, attn
+
+
 def _layer(cfg, meta, batch, req, pos, compare, sparse, carry, xs):
     """One decoder layer on both streams. carry: (x, x_ref, caches); xs: (params, layer)."""
     x, x_ref, caches = carry
@@ -306,8 +323,8 @@ def _layer(cfg, meta, batch, req, pos, compare, sparse, carry, xs):
     else:  # dense: every block (invalid / future ones are skipped by the kernel)
         topk = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (cfg.num_kv_heads, T, M))
     attend = m3.sparse_attention if sparse or _cpu() else m3.reference.sparse_attention
-    attn = attend(q.astype(jnp.bfloat16), kv, topk, meta, K_SCALE, V_SCALE,
-                               scale=scale, layer=layer, layout=KV_LAYOUT)
+    attn = attend(q.astype(jnp.bfloat16), kv, topk, meta, K_SCALE, V_SCALE, scale=scale,
+                  layer=layer, layout=KV_LAYOUT)
     x = mlp(p, x + attn.astype(jnp.float32).reshape(T, -1) @ p["wo"], cfg)
 
     # Token-block pairs attended vs visible (pos // N + 1 per live token): how much is skipped.
@@ -316,19 +333,11 @@ def _layer(cfg, meta, batch, req, pos, compare, sparse, carry, xs):
                         cfg.num_kv_heads * jnp.sum(jnp.where(live, pos // cfg.block_size + 1, 0))])
     stats = jnp.zeros((2, 4), jnp.float32)
     if compare:
-        h_r = gemma_rms_norm(x_ref, p["ln1"], cfg.rms_eps)
-        q_r, k_r, v_r = qkv(p, h_r, pos, cfg)
-        rk = write_pages(jnp.swapaxes(caches["ref_k"][layer], 1, 2), k_r, slots, cfg.block_size)
-        rv = write_pages(jnp.swapaxes(caches["ref_v"][layer], 1, 2), v_r, slots, cfg.block_size)
-        rk, rv = jnp.swapaxes(rk, 1, 2), jnp.swapaxes(rv, 1, 2)         # [P, Hkv, N, D]
-        caches["ref_k"] = caches["ref_k"].at[layer].set(rk)
-        caches["ref_v"] = caches["ref_v"].at[layer].set(rv)
-        attn_r = paged_attention_bf16(q_r.astype(jnp.bfloat16), rk, rv, topk, meta.block_table,
-                                      req, pos, scale)
-        x_ref = mlp(p, x_ref + attn_r.reshape(T, -1) @ p["wo"], cfg)
+        x_ref, caches, attn_r = _reference_layer(cfg, meta, p, layer, x_ref, caches, slots, req,
+                                                 pos, topk)
         is_dec = jnp.arange(T) < meta.num_decode_tokens
-        stats = jnp.stack([_agreement_sums(attn, attn_r, (req >= 0) & is_dec),
-                           _agreement_sums(attn, attn_r, (req >= 0) & ~is_dec)])
+        stats = jnp.stack([_agreement_sums(attn, attn_r, live & is_dec),
+                           _agreement_sums(attn, attn_r, live & ~is_dec)])
     return (x, x_ref, caches), (stats, blocks)
 
 
