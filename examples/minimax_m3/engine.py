@@ -181,8 +181,10 @@ class Engine:
         return r.pages[pos // self.cfg.block_size] * self.cfg.block_size + pos % self.cfg.block_size
 
     def _build_batch(self):
-        """numpy arrays of one step and what each row means."""
-        e, N = self.ecfg, self.cfg.block_size
+        """One step's numpy arrays: R_half decode rows (each ``decode_query_len`` tokens: the
+        last token and its drafts), then up to R_half prefill chunks sharing ``chunk_size``
+        tokens, padded to a bucket. Returns (batch, decoding, [(request, n)], drafts)."""
+        e = self.ecfg
         dql, R_half = e.decode_query_len, e.max_running
         decoding = [r for r in self.running if not r.prefilling][:R_half]
         prefill, budget = [], e.chunk_size
@@ -242,13 +244,25 @@ class Engine:
         self._admit()
         batch, decoding, prefill, drafts = self._build_batch()
         out, seconds, compiled = self._run_step(batch)
-        logits, ref = out["logits"], out.get("ref_logits")
-        dql = self.ecfg.decode_query_len
-        emitted_decode = 0
-        step_rows = []                       # (served, ref) logits rows that emitted a token
+        emitted, rows = self._accept_decodes(decoding, drafts, out)
+        prefilled, first_tokens = self._advance_prefills(prefill, out)
+        ref = out.get("ref_logits")
+        self.stats.record_step(None if compiled else seconds, prefilled, emitted, len(decoding),
+                               out.get("attn_stats"),
+                               None if ref is None else (out["logits"][rows], ref[rows]))
+        self.stats.blocks += np.asarray(out["blocks"], np.int64)
+        for r in [r for r in self.running if r.done]:
+            self._finish(r)
+        return prefilled + emitted + first_tokens
+
+    def _accept_decodes(self, decoding, drafts, out):
+        """Greedy tokens of the decode rows; drafts are kept while they match the greedy
+        token of the row before (prompt-lookup speculative decoding). Returns (tokens
+        emitted, logits rows that emitted them)."""
+        logits, ref, dql = out["logits"], out.get("ref_logits"), self.ecfg.decode_query_len
+        emitted, rows = 0, []
         for i, r in enumerate(decoding):
-            rows = slice(i * dql, (i + 1) * dql)
-            greedy = logits[rows].argmax(-1)
+            greedy = logits[i * dql:(i + 1) * dql].argmax(-1)
             d = drafts[r.rid]
             a = 0
             while a < len(d) and greedy[a] == d[a]:
@@ -258,27 +272,27 @@ class Engine:
             new = [*d[:a], int(greedy[a])][:r.max_new_tokens - len(r.generated)]
             for k in range(len(new)):
                 self._log(r, logits[i * dql + k], None if ref is None else ref[i * dql + k])
-                step_rows.append(i * dql + k)
+                rows.append(i * dql + k)
             r.tokens += new
-            r.num_cached += a + 1
-            emitted_decode += len(new)
-        t = self.ecfg.max_running * dql
-        prefill_tokens = first_tokens = 0
+            r.num_cached += a + 1          # the input token and the accepted drafts
+            emitted += len(new)
+        return emitted, rows
+
+    def _advance_prefills(self, prefill, out):
+        """Marks the chunks cached; a finished prompt samples its first new token.
+        Returns (prompt tokens prefilled, first tokens sampled)."""
+        logits, ref = out["logits"], out.get("ref_logits")
+        t = self.ecfg.max_running * self.ecfg.decode_query_len
+        prefilled = first_tokens = 0
         for r, n in prefill:
             r.num_cached += n
             t += n
-            prefill_tokens += n
-            if not r.prefilling:             # the prompt's last token gives the first new one
+            prefilled += n
+            if not r.prefilling:           # the prompt's last token gives the first new one
                 self._log(r, logits[t - 1], None if ref is None else ref[t - 1])
                 r.tokens.append(int(logits[t - 1].argmax()))
                 first_tokens += 1
-        self.stats.record_step(None if compiled else seconds, prefill_tokens, emitted_decode,
-                               len(decoding), out.get("attn_stats"),
-                               None if ref is None else (logits[step_rows], ref[step_rows]))
-        for r in [r for r in self.running if r.done]:
-            self._finish(r)
-        self.stats.blocks += np.asarray(out["blocks"], np.int64)
-        return prefill_tokens + emitted_decode + first_tokens
+        return prefilled, first_tokens
 
     def _log(self, r: Request, row, ref_row):
         r.logits.append(np.array(row))
