@@ -29,16 +29,15 @@ def check_inputs(*, topk_indices=None, block_table=None, num_pages=None, seq_len
         checkify.check(jnp.all(ids >= -1), "topk_indices has ids < -1 (min {m})", m=jnp.min(ids))
         if block_table is not None:
             m = jnp.asarray(block_table).shape[1]
-            checkify.check(jnp.all(ids < m), "topk_indices has ids >= max_blocks = {mb} (max {x})",
-                           mb=m, x=jnp.max(ids))
+            checkify.check(jnp.all(ids < m), f"topk_indices has ids >= max_blocks = {m} (max {{x}})",
+                           x=jnp.max(ids))
         s = jnp.sort(ids, axis=-1)
         dup = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
         checkify.check(~jnp.any(dup), "topk_indices has {n} duplicate ids within a row",
                        n=jnp.sum(dup))
     if block_table is not None and num_pages is not None:
         bt = jnp.asarray(block_table)
-        checkify.check(jnp.all(bt < num_pages), "block_table has pages >= num_pages = {p}",
-                       p=num_pages)
+        checkify.check(jnp.all(bt < num_pages), f"block_table has pages >= num_pages = {num_pages}")
     if seq_lens is not None:
         checkify.check(jnp.all(jnp.asarray(seq_lens) >= 0), "seq_lens has negative lengths")
     if cu_seqlens_q is not None:
@@ -47,7 +46,7 @@ def check_inputs(*, topk_indices=None, block_table=None, num_pages=None, seq_len
         checkify.check(jnp.all(cu[1:] >= cu[:-1]), "cu_seqlens_q is not non-decreasing")
     if slot_mapping is not None and num_pages is not None:
         checkify.check(jnp.all(jnp.asarray(slot_mapping) < num_pages * 128),
-                       "slot_mapping has slots >= num_pages·128 = {s}", s=num_pages * 128)
+                       f"slot_mapping has slots >= num_pages·128 = {num_pages * 128}")
     for name, g in (("k_scale", k_scale), ("v_scale", v_scale)):
         if g is not None:
             g = jnp.asarray(g, jnp.float32)
