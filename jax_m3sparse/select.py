@@ -40,6 +40,10 @@ def indexer_block_scores(idx_q, idx_k_cache, block_table, query_req_id, query_ab
       ``float32[Hkv, T, M]``: the block scores; −inf where the block has no token p ≤ pos,
       its page is invalid, or the token is padding.
     """
+    idx_q, idx_k_cache = jnp.asarray(idx_q), jnp.asarray(idx_k_cache)
+    block_table = jnp.asarray(block_table, jnp.int32)   # a numpy table can't be indexed by tracers
+    query_req_id = jnp.asarray(query_req_id, jnp.int32)
+    query_abs_pos = jnp.asarray(query_abs_pos, jnp.int32)
     T, Hkv, Di = idx_q.shape
     P, N, _ = idx_k_cache.shape
     R, M = block_table.shape

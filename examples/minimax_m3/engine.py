@@ -262,7 +262,7 @@ class Engine:
         logits, ref, dql = out["logits"], out.get("ref_logits"), self.ecfg.decode_query_len
         emitted, rows = 0, []
         for i, r in enumerate(decoding):
-            greedy = logits[i * dql:(i + 1) * dql].argmax(-1)
+            greedy = out["greedy"][i * dql:(i + 1) * dql]
             d = drafts[r.rid]
             a = 0
             while a < len(d) and greedy[a] == d[a]:
@@ -290,7 +290,7 @@ class Engine:
             prefilled += n
             if not r.prefilling:           # the prompt's last token gives the first new one
                 self._log(r, logits[t - 1], None if ref is None else ref[t - 1])
-                r.tokens.append(int(logits[t - 1].argmax()))
+                r.tokens.append(int(out["greedy"][t - 1]))
                 first_tokens += 1
         return prefilled, first_tokens
 

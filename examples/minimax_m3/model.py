@@ -357,7 +357,8 @@ def forward_step(params, caches, batch, *, cfg: ModelConfig, num_decode_requests
       cfg, num_decode_requests, decode_query_len, compare: static.
 
     Returns:
-      ``(caches, out)``: out has ``logits [T, V]`` fp32 of the served stream, ``blocks
+      ``(caches, out)``: out has ``logits [T, V]`` fp32 of the served stream, their greedy
+      tokens ``greedy int32[T]`` (sampling happens in the step), ``blocks
       [L, 2]`` (token-block pairs selected, blocks visible; dense layers select all) and, with
       ``compare``, ``ref_logits [T, V]`` and ``attn_stats [L, 2, 4]`` (per layer; decode rows,
       prefill rows; sums a·b, a·a, b·b, |a−b|² of served vs reference attention outputs).
@@ -384,7 +385,9 @@ def forward_step(params, caches, batch, *, cfg: ModelConfig, num_decode_requests
     def logits_of(h):
         return gemma_rms_norm(h, params["final_norm"], cfg.rms_eps) @ params["lm_head"]
 
-    out = dict(logits=logits_of(x), blocks=jnp.concatenate(all_blocks))
+    logits = logits_of(x)
+    out = dict(logits=logits, greedy=jnp.argmax(logits, axis=-1).astype(jnp.int32),
+               blocks=jnp.concatenate(all_blocks))
     if compare:
         out.update(ref_logits=logits_of(x_ref), attn_stats=jnp.concatenate(all_stats))
     return caches, out
