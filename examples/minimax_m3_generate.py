@@ -44,7 +44,9 @@ def parse_args(argv=None):
     e = EngineConfig()
     eng.add_argument("--chunk-size", type=int, default=e.chunk_size, help="prefill tokens per step")
     eng.add_argument("--max-running", type=int, default=e.max_running, help="requests in flight")
-    eng.add_argument("--num-pages", type=int, default=e.num_pages, help="128-token cache pages")
+    eng.add_argument("--num-pages", type=int, default=None,
+                     help="128-token cache pages; default: enough for the --max-running largest "
+                          "requests at once (later requests reuse freed pages)")
     eng.add_argument("--spec-tokens", type=int, default=e.spec_tokens,
                      help="prompt-lookup draft tokens verified per decode step")
     eng.add_argument("--no-compare", action="store_true",
@@ -67,10 +69,12 @@ def main(argv=None):
                       num_dense_layers=args.dense_layers, num_heads=args.heads,
                       num_kv_heads=args.kv_heads, intermediate_size=args.intermediate)
     prompts = text.load_prompts(args.prompt_file, args.max_prompt_tokens)
-    longest = max(len(t) for _, t in prompts) + args.max_new_tokens + args.spec_tokens
-    ecfg = EngineConfig(num_pages=args.num_pages, max_running=args.max_running,
-                        chunk_size=args.chunk_size, spec_tokens=args.spec_tokens,
-                        max_seq_len=-(-longest // cfg.block_size) * cfg.block_size,
+    need = sorted(-(-(len(t) + args.max_new_tokens + args.spec_tokens) // cfg.block_size)
+                  for _, t in prompts)
+    longest = need[-1] * cfg.block_size
+    ecfg = EngineConfig(num_pages=args.num_pages or sum(need[-args.max_running:]),
+                        max_running=args.max_running, chunk_size=args.chunk_size,
+                        spec_tokens=args.spec_tokens, max_seq_len=longest,
                         compare=not args.no_compare)
     params = load_checkpoint(args.checkpoint, cfg) if args.checkpoint else init_params(cfg, args.seed)
     print(f"backend {jax.default_backend()}; {cfg.num_layers} layers ({cfg.num_dense_layers} dense), "
