@@ -114,7 +114,7 @@ _COMPILES = _CompileCounter()
 
 @dataclasses.dataclass
 class EngineConfig:
-    num_pages: int = 48
+    num_pages: int = 48             # the CLI sizes it from the prompts
     max_running: int = 4            # requests in flight (= padded decode / prefill rows)
     chunk_size: int = 256           # prefill tokens per step (all prefill requests together)
     max_seq_len: int = 8192         # sets the block table width M
