@@ -242,3 +242,20 @@ def test_bf16_reference_attention_matches_library_reference():
     got = paged_attention_bf16(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), topk, table,
                                req, pos, D ** -0.5, chunk=16)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-5)
+
+
+def test_speculative_decoding_matches_plain_greedy(params):
+    """Prompt-lookup drafts verified in one step give the tokens plain greedy decoding gives
+    (random weights soon repeat themselves, so some drafts are accepted)."""
+    runs = []
+    plain = EngineConfig(num_pages=9, max_running=2, chunk_size=256, max_seq_len=768,
+                         spec_tokens=0, compare=False)
+    for ecfg in (ECFG, plain):                # ECFG: the batched run's shapes, compiled already
+        e = Engine(params, CFG, ecfg)
+        for rid, p in enumerate(_prompts()[:2]):
+            e.add_request(rid, p, max_new_tokens=24)
+        runs.append(e.run())
+    for a, b in zip(*runs):
+        assert a.generated == b.generated, (a.rid, a.generated, b.generated)
+        assert min(cosine(x, y) for x, y in zip(a.logits, b.logits)) >= 0.9999
+    assert sum(r.accepted for r in runs[0]) > 0, "no draft was ever accepted"
