@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from .config import ModelConfig
-from .model import _unflatten, param_shapes
+from .model import unflatten, param_shapes
 
 # our per-layer key -> (HF suffix, stored transposed)
 _LAYER_NAMES = {
@@ -102,4 +102,4 @@ def load_checkpoint(path: str, cfg: ModelConfig, dtype=np.float32) -> dict:
     problems += [f"unexpected {name}" for name in sorted(names - used)]
     if problems:
         raise ValueError(f"checkpoint {path} does not fit {cfg}: " + "; ".join(problems))
-    return _unflatten(flat, shapes)
+    return unflatten(flat, shapes)

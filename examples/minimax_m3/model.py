@@ -64,7 +64,7 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> dict:
     """Seeded random weights: matmuls N(0, 1/fan_in), norm weights N(0, 0.1) (Gemma's 1+w)."""
     shapes = param_shapes(cfg)
     rng = np.random.default_rng(seed)
-    names = _flat_names(shapes)
+    names = flat_names(shapes)
     arrays = {}
     for name, shape in names.items():
         base = name.rsplit(".", 1)[-1]
@@ -75,24 +75,25 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> dict:
         else:
             a = rng.normal(0.0, shape[-2] ** -0.5, shape)
         arrays[name] = a.astype(np.float32)
-    return _unflatten(arrays, shapes)
+    return unflatten(arrays, shapes)
 
 
-def _flat_names(tree, prefix="") -> dict:
+def flat_names(tree, prefix="") -> dict:
     """{"sparse.wq": shape, ...} for a nested dict of shapes or arrays."""
     out = {}
     for k, v in tree.items():
         if isinstance(v, dict):
-            out.update(_flat_names(v, f"{prefix}{k}."))
+            out.update(flat_names(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
 
 
-def _unflatten(flat: dict, like: dict) -> dict:
+def unflatten(flat: dict, like: dict) -> dict:
+    """``{"sparse.wq": array, ...}`` -> the nested pytree shaped like ``like`` (jnp arrays)."""
     out = {}
     for k, v in like.items():
-        out[k] = _unflatten({n[len(k) + 1:]: a for n, a in flat.items() if n.startswith(k + ".")},
+        out[k] = unflatten({n[len(k) + 1:]: a for n, a in flat.items() if n.startswith(k + ".")},
                             v) if isinstance(v, dict) else jnp.asarray(flat[k])
     return out
 
