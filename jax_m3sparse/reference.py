@@ -77,6 +77,7 @@ def pack_kv_pages(kv_cache, key, value, slot_mapping, k_scale, v_scale, *, layer
                   layout="LBHNC"):
     """Reference of :func:`jax_m3sparse.pack_kv_pages` (SPEC §2.2, §3)."""
     layer = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
+    kv_cache, key, value, slot_mapping = map(jnp.asarray, (kv_cache, key, value, slot_mapping))
     return pack_impl(kv_cache, key, value, slot_mapping, jnp.float32(k_scale),
                      jnp.float32(v_scale), layer, layout=check_layout(layout))
 
@@ -209,6 +210,8 @@ def prefill_impl(q, kv_cache, topk, block_table, query_req_id, query_abs_pos, k_
 def sparse_decode(q, kv_cache, topk_indices, block_table, seq_lens, k_scale, v_scale, *,
                   scale=None, decode_query_len=1, layer=None, layout="LBHNC"):
     """Reference of :func:`jax_m3sparse.sparse_decode` (SPEC §5.3)."""
+    q, kv_cache, topk_indices, block_table, seq_lens = map(
+        jnp.asarray, (q, kv_cache, topk_indices, block_table, seq_lens))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return decode_impl(q, kv_cache, topk_indices, block_table, seq_lens, jnp.float32(k_scale),
                        jnp.float32(v_scale), 0 if layer is None else layer, scale=scale,
@@ -218,6 +221,8 @@ def sparse_decode(q, kv_cache, topk_indices, block_table, seq_lens, k_scale, v_s
 def sparse_prefill(q, kv_cache, topk_indices, block_table, query_req_id, query_abs_pos, k_scale,
                    v_scale, *, scale=None, layer=None, layout="LBHNC"):
     """Reference of :func:`jax_m3sparse.sparse_prefill` (SPEC §5.4)."""
+    q, kv_cache, topk_indices, block_table, query_req_id, query_abs_pos = map(
+        jnp.asarray, (q, kv_cache, topk_indices, block_table, query_req_id, query_abs_pos))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return prefill_impl(q, kv_cache, topk_indices, block_table, query_req_id, query_abs_pos,
                         jnp.float32(k_scale), jnp.float32(v_scale), 0 if layer is None else layer,

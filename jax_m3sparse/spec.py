@@ -101,10 +101,10 @@ def check_layout(layout) -> int:
     return LAYOUTS.index(layout)
 
 
-# What each platform's native kernels serve (SPEC §1). None: no limit beyond the CPU's.
+# What each platform's native kernels serve (SPEC §1): exact values, or (low, high) ranges.
 _KERNEL_LIMITS = {
     "rocm": dict(arch="gfx950", head_dim=128, group=16, topk_blocks=16, block_size=128),
-    "cuda": dict(arch="sm_90", head_dim=128, group=16, topk_blocks=16, block_size=128),
+    "cuda": dict(arch="sm_90", head_dim=128, group=16, topk_blocks=(1, 64), block_size=128),
 }
 
 
@@ -115,7 +115,8 @@ def unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, topk_bl
 
     ``platform`` None or "cpu": any G = Hq/Hkv ≥ 1, K ≥ 1, N = 128, D a multiple of 32
     (the CPU backend and the reference). "rocm": the gfx950 kernels (D = 128, G = 16,
-    K = 16, N = 128). "cuda": the sm_90 kernels (the same limits).
+    K = 16, N = 128). "cuda": the sm_90 kernels (D = 128, G = 16, 1 ≤ K ≤ 64, N = 128;
+    q in bf16 or f16, checked when lowering).
     """
     problems = []
     if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads:
@@ -132,9 +133,12 @@ def unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, topk_bl
         group = num_heads // num_kv_heads
         for name, seen in (("head_dim", head_dim), ("group", group),
                            ("topk_blocks", topk_blocks), ("block_size", block_size)):
-            if seen != limits[name]:
-                label = "num_heads / num_kv_heads" if name == "group" else name
-                problems.append(f"{label} must be {limits[name]} (got {seen})")
+            want = limits[name]
+            label = "num_heads / num_kv_heads" if name == "group" else name
+            if isinstance(want, tuple) and not want[0] <= seen <= want[1]:
+                problems.append(f"{label} must be between {want[0]} and {want[1]} (got {seen})")
+            elif not isinstance(want, tuple) and seen != want:
+                problems.append(f"{label} must be {want} (got {seen})")
     if not problems:
         return None
     where = f"the {platform} ({limits['arch']}) kernels" if limits else "jax_m3sparse"

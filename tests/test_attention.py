@@ -257,3 +257,15 @@ def test_end_to_end_nvfp4_error_is_the_format(rng):
     dense = ((w / w.sum(0)).T @ vv)[None]
     _, relf = oracle.metrics(np.asarray(out), dense)
     assert 0.03 < relf < 0.15, relf   # NVFP4 on unit-RMS data: about 0.1
+
+
+def test_reference_accepts_numpy_index_arrays(rng):
+    """The reference functions take numpy operands like the public ones (inside jit too)."""
+    p = prefill_problem(rng, 1, 16, (40,), (200,))
+    args = (p.q, p.cache, p.topk, p.block_table, p.req, p.pos, 0.75, 0.85)
+    np.testing.assert_allclose(np.asarray(reference.sparse_prefill(*args)),
+                               np.asarray(m3.sparse_prefill(*args)), rtol=1e-4, atol=1e-5)
+    d = decode_problem(rng, 1, 16, [300], 1)
+    args = (d.q, d.cache, d.topk, d.block_table, d.seq_lens, 0.75, 0.85)
+    np.testing.assert_allclose(np.asarray(reference.sparse_decode(*args)),
+                               np.asarray(m3.sparse_decode(*args)), rtol=1e-4, atol=1e-5)

@@ -193,11 +193,10 @@ inline void attend_block(const AttendArgs& a, AttendScratch& w, int64_t G, int64
     for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, s[j]);
     const float m_new = std::max(w.m[i], block_max);
     const float alpha = fast_exp2(w.m[i] - m_new);
+    // Separate loops: the exp2 loop vectorizes; the sum (a float reduction) would stop it.
+    for (int64_t j = 0; j < n; ++j) s[j] = fast_exp2(s[j] - m_new);
     float sum = 0.0f;
-    for (int64_t j = 0; j < n; ++j) {
-      s[j] = fast_exp2(s[j] - m_new);
-      sum += s[j];
-    }
+    for (int64_t j = 0; j < n; ++j) sum += s[j];
     w.m[i] = m_new;
     w.l[i] = w.l[i] * alpha + sum;
     float* acc = &w.acc[i * D];

@@ -35,6 +35,11 @@ def check_attention(q, kv_cache, topk_indices, block_table, layer, layout, scale
 
 
 def platform_reason(platform, q, kv_cache, topk_indices, *_, **__):
-    """unsupported_reason for the platform being lowered for, from the operands' avals."""
-    return unsupported_reason(q.shape[1], topk_indices.shape[0], q.shape[2],
-                              topk_indices.shape[2], kv_cache.shape[-2], platform)
+    """unsupported_reason for the platform being lowered for, from the operands' avals
+    (plus the CUDA kernels' dtype limit: they take bf16/f16 q)."""
+    reason = unsupported_reason(q.shape[1], topk_indices.shape[0], q.shape[2],
+                                topk_indices.shape[2], kv_cache.shape[-2], platform)
+    if reason is None and platform == "cuda" and q.dtype == jnp.float32:
+        reason = ("the cuda (sm_90) kernels take q in bfloat16 or float16, got float32: cast q "
+                  "(the products are computed in bf16/fp16 anyway).")
+    return reason
