@@ -8,6 +8,7 @@ Public API (SPEC.md sections in each docstring):
 * metadata: :func:`query_token_positions` (SPEC §4), :class:`SparseAttentionMetadata`,
   :func:`build_attention_metadata`
 * attention: :func:`sparse_decode`, :func:`sparse_prefill`, :func:`sparse_attention` (SPEC §5)
+* MiniMax M3's indexer selection: :func:`select_blocks` (pure JAX)
 * geometry and faults: :func:`unsupported_reason` (SPEC §1), :func:`check_inputs` (SPEC §7)
 * :func:`export_disabled_checks` for ``jax.export`` of functions that call these ops
 * :mod:`jax_m3sparse.reference`: pure-jnp versions of all of these.
@@ -23,6 +24,7 @@ from jax_m3sparse.ops.decode import sparse_decode
 from jax_m3sparse.ops.pack import pack_kv_pages, unpack_kv_pages
 from jax_m3sparse.ops.positions import query_token_positions
 from jax_m3sparse.ops.prefill import sparse_prefill
+from jax_m3sparse.select import select_blocks
 from jax_m3sparse.spec import KVCacheSpec, allocate_kv_cache, unsupported_reason
 
 __version__ = "0.1.0"
@@ -30,6 +32,6 @@ __version__ = "0.1.0"
 __all__ = [
     "KVCacheSpec", "SparseAttentionMetadata", "allocate_kv_cache", "build_attention_metadata",
     "check_inputs", "export_disabled_checks", "nvfp4_dequantize", "nvfp4_quantize", "pack_kv_pages", "query_token_positions",
-    "reference", "sparse_attention", "sparse_decode", "sparse_prefill", "unpack_kv_pages",
+    "reference", "select_blocks", "sparse_attention", "sparse_decode", "sparse_prefill", "unpack_kv_pages",
     "unsupported_reason",
 ]

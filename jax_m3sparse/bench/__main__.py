@@ -20,6 +20,11 @@ def main(argv=None):
     if args.what == "gfx950-static":
         from jax_m3sparse.bench import gfx950_static  # noqa: PLC0415 (needs flydsl)
         return gfx950_static.main(rest)
+    if args.platform == "cuda":
+        # CUDA: per-call device time amortized over many calls in one jit (bench/cuda.py);
+        # it prints the decode, prefill and pack tables of BENCHMARKS.md together.
+        from jax_m3sparse.bench import cuda  # noqa: PLC0415
+        return cuda.main(["--quick"] if args.quick else [])
     import jax  # noqa: PLC0415
 
     from jax_m3sparse.bench import timing  # noqa: PLC0415
