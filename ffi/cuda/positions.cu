@@ -1,9 +1,10 @@
-// query_token_positions for CUDA (SPEC §4), with the CPU backend's count form: query_req_id[j]
-// = number of r in [1, R] with cu[r] <= j, −1 once that reaches R, so a non-monotonic
-// cu_seqlens_q still gives a defined result (SPEC §7).
+// query_token_positions for CUDA (SPEC §4): one thread per token, the shared count form of
+// m3sparse/positions.h.
 #include <cstdint>
 
 #include <cuda_runtime.h>
+
+#include "m3sparse/positions.h"
 
 namespace m3sparse {
 namespace cuda {
@@ -13,15 +14,7 @@ __global__ void positions_kernel(const int32_t* cu, const int32_t* ctx, int64_t 
                                  int32_t* pos, int64_t T) {
   const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= T) return;
-  int64_t r = 0;
-  for (int64_t k = 1; k <= R; ++k) r += cu[k] <= j;
-  if (r >= R) {
-    rid[j] = -1;
-    pos[j] = -1;
-  } else {
-    rid[j] = int32_t(r);
-    pos[j] = int32_t(int64_t(ctx[r]) + (j - cu[r]));
-  }
+  token_position(cu, ctx, R, j, rid + j, pos + j);
 }
 
 }  // namespace
