@@ -75,12 +75,14 @@ class KVCacheSpec:
         scales = self.block_size * (self.head_dim // 2) + token * (self.head_dim // NVFP4_GROUP)
         return data, scales
 
-    def page_offset(self, page: int, layer: int = 0, num_pages: int | None = None,
-                    num_layers: int = 1, layout: str = "LBHNC") -> int:
-        """Byte offset of page ``page`` of layer ``layer`` in the flat cache (SPEC §3.3)."""
-        if layout == "BLHNC":
-            return (page * num_layers + layer) * self.page_bytes
-        return (layer * (num_pages or 0) + page) * self.page_bytes
+    def page_offset(self, page: int, layer: int = 0, *, num_pages: int, num_layers: int = 1,
+                    layout: str = "LBHNC") -> int:
+        """Byte offset of page ``page`` of layer ``layer`` in the flat cache (SPEC §3.3):
+        ``(layer·P + page)·page_bytes`` for LBHNC (and 4-D), ``(page·L + layer)·page_bytes``
+        for BLHNC. Python ints, so offsets past 2³¹ are exact."""
+        check_layout(layout)
+        index = page * num_layers + layer if layout == "BLHNC" else layer * num_pages + page
+        return index * self.page_bytes
 
 
 def tile_offsets(token: int, head_dim: int = 128, block_size: int = 128) -> tuple[int, int]:

@@ -27,6 +27,11 @@ def test_golden_page_map():
     spec = m3.KVCacheSpec(num_kv_heads=2)
     assert (spec.num_head_slots, spec.full_dim, spec.page_bytes) == (4, 72, 4 * 9216)
     assert m3.spec.tile_offsets(5) == (320, 8232)
+    assert spec.page_offset(3, 2, num_pages=10, num_layers=4) == (2 * 10 + 3) * 4 * 9216
+    assert spec.page_offset(3, 2, num_pages=10, num_layers=4, layout="BLHNC") == (3 * 4 + 2) * 4 * 9216
+    flat = np.arange(4 * 10 * 4 * 128 * 72, dtype=np.int64).reshape(10, 4, 4, 128, 72)  # BLHNC
+    assert flat[3, 2].ravel()[0] == spec.page_offset(3, 2, num_pages=10, num_layers=4,
+                                                       layout="BLHNC")
     key = np.zeros((1, 2, 128), np.float32)
     key[0, 1, :16] = 6.0          # KV head 1: scale 1.0 (0x38), codes 7 (0x77 per byte)
     value = np.zeros((1, 2, 128), np.float32)
