@@ -80,19 +80,22 @@ inline float fast_exp2(float x) {
 // Dequantizes tokens [0, n) of a (page, slot) tile (without the global scale).
 // transposed: dst[d * stride + j] (the K tile, for the QK micro-kernel), walking tokens in
 // the inner loop so the stores stay contiguous; else dst[j * stride + d] (the V tile).
+// `sc` is scratch for n · D/16 floats.
 inline void dequantize_tile(const CacheGeometry& geo, const uint8_t* tile, int64_t n, float* dst,
-                            int64_t stride, bool transposed) {
+                            int64_t stride, bool transposed, float* sc) {
   const Nvfp4Tables& tb = nvfp4_tables();
   const int64_t D = geo.head_dim;
   const uint8_t* data = tile + geo.token_data_offset(0);
   const uint8_t* scales = tile + geo.token_scale_offset(0);
   const int64_t row = geo.data_bytes(), srow = geo.scale_bytes();
   if (transposed) {
+    // The tile's block scales as floats, once, instead of a table lookup per element pair.
+    for (int64_t i = 0; i < n * srow; ++i) sc[i] = tb.scale[scales[i]];
     for (int64_t d = 0; d < D; d += 2) {
       float* lo = dst + d * stride;
       float* hi = lo + stride;
       for (int64_t j = 0; j < n; ++j) {
-        const float s = tb.scale[scales[j * srow + d / kNvfp4Group]];
+        const float s = sc[j * srow + d / kNvfp4Group];
         const float* v = &tb.pair[2 * data[j * row + d / 2]];
         lo[j] = v[0] * s;
         hi[j] = v[1] * s;
@@ -112,9 +115,9 @@ inline void dequantize_tile(const CacheGeometry& geo, const uint8_t* tile, int64
 
 // Scratch space of one worker, reused across work items.
 struct AttendScratch {
-  std::vector<float> q, kt, v, s, acc, m, l;
+  std::vector<float> q, kt, v, s, acc, m, l, scales;
   AttendScratch(int64_t G, int64_t D, int64_t N)
-      : q(G * D), kt(D * N), v(N * D), s(G * N), acc(G * D), m(G), l(G) {}
+      : q(G * D), kt(D * N), v(N * D), s(G * N), acc(G * D), m(G), l(G), scales(N * D / 16) {}
 };
 
 // SPEC §5.2: the page of a selected block, or −1 if the slot is invalid.
@@ -181,8 +184,8 @@ inline void attend_block(const AttendArgs& a, AttendScratch& w, int64_t G, int64
   const int64_t D = a.geo.head_dim, N = a.geo.block_size;
   const uint8_t* k_tile = a.cache + a.geo.tile_offset(a.layer, page, 2 * g);
   const uint8_t* v_tile = a.cache + a.geo.tile_offset(a.layer, page, 2 * g + 1);
-  dequantize_tile(a.geo, k_tile, n, w.kt.data(), N, /*transposed=*/true);
-  dequantize_tile(a.geo, v_tile, n, w.v.data(), D, /*transposed=*/false);
+  dequantize_tile(a.geo, k_tile, n, w.kt.data(), N, /*transposed=*/true, w.scales.data());
+  dequantize_tile(a.geo, v_tile, n, w.v.data(), D, /*transposed=*/false, w.scales.data());
   for (int64_t j0 = 0; j0 < n; j0 += 8)
     over_heads(G, [&](auto H, int64_t i0) {
       qk_tile<decltype(H)::value>(w.q.data(), w.kt.data(), w.s.data(), D, N, i0, j0);
