@@ -45,12 +45,11 @@ def random_topk(rng, Hkv, req, pos, K, max_blocks, garbage=True):
     return topk
 
 
-def build(rng, Hkv, G, kv_lens, rows, K=16, dtype=jnp.float32, extra_pages=3, spec_kw=None,
+def build(rng, Hkv, G, kv_lens, rows, K=16, dtype=jnp.float32, extra_pages=3, D=128,
           num_layers=None, layout="LBHNC", layer=0, fill_layers=True):
     """A cache of random bytes holding every request's K/V (written by pack_kv_pages, whose
     bytes the pack tests prove exact), shuffled and partly shared pages, NaN scale bytes in
     unattended page tails, and rows (req, pos) with random top-k selections."""
-    D = 128
     spec = m3.KVCacheSpec(Hkv, D)
     R = len(kv_lens)
     need = [-(-n // 128) for n in kv_lens]
@@ -82,10 +81,10 @@ def build(rng, Hkv, G, kv_lens, rows, K=16, dtype=jnp.float32, extra_pages=3, sp
             view = cache[page] if num_layers is None else (
                 cache[layer, page] if layout == "LBHNC" else cache[page, layer])
             flat = view.reshape(2 * Hkv, -1)
-            flat[:, 128 * 64 + (n % 128) * 8:] = 0x7F
-    if R > 1 and need[0] > 0 and need[1] > 0:
-        # Request 1's first block shares request 0's first page: shared pages are legal.
-        pass
+            flat[:, 128 * D // 2 + (n % 128) * D // 16:] = 0x7F
+    if R > 1 and need[0] > 1 and need[1] > 1:
+        # Shared pages are legal: request 1's first block reads request 0's first page.
+        block_table[1, 0] = block_table[0, 0]
     req, pos = rows
     topk = random_topk(rng, Hkv, req, pos, K, max_blocks)
     q = (rng.standard_normal((len(req), Hkv * G, D)) * 2).astype(np.float32)

@@ -79,6 +79,14 @@ def test_low_precision_q(rng, impl, dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("D", [64, 256])
+def test_other_head_dims(rng, impl, D):
+    """The CPU backend and the reference serve any D that is a multiple of 32 (SPEC §1)."""
+    p = decode_problem(rng, 2, 4, [300, 700], 2, D=D)
+    assert_close(run_decode(p, impl), expected(p))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dql", [2, 4, 8])
 def test_speculative_rows_straddle_block_boundary(rng, impl, dql):
     p = decode_problem(rng, 1, 16, [129, 257, 1 + 128 * 5], dql)
