@@ -28,13 +28,17 @@ def dim(name, what, expected, actual):
 
 
 def scalar(x, name, dt):
-    """A rank-0 operand of dtype ``dt`` (Python numbers and 0-d/1-element arrays accepted)."""
+    """A rank-0 operand of dtype ``dt`` (a Python number or a 0-d array, may be traced).
+    Integer operands (``layer``) must be integers: a float would be silently truncated."""
     x = jnp.asarray(x)
-    if x.size != 1:
-        raise ValueError(f"{name} must be a scalar, got shape {x.shape}")
-    if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
-        raise TypeError(f"{name} must be a number, got {x.dtype}")
-    return x.reshape(()).astype(dt)
+    if x.ndim != 0:
+        raise ValueError(f"{name} must be a scalar (shape ()), got shape {x.shape}")
+    want_int = jnp.issubdtype(dt, jnp.integer)
+    ok = jnp.issubdtype(x.dtype, jnp.integer) if want_int else (
+        jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer))
+    if not ok or x.dtype == jnp.bool_:
+        raise TypeError(f"{name} must be {'an integer' if want_int else 'a number'}, got {x.dtype}")
+    return x.astype(dt)
 
 
 def cache_geometry(kv_cache, layer, layout):

@@ -224,7 +224,8 @@ def test_trace_time_errors(rng):
          lambda: dec(q.reshape(1, -1), c, t, b, s, 1.0, 1.0)),
         (TypeError, "q must be float32 or bfloat16 or float16, got int32",
          lambda: dec(q.astype(np.int32), c, t, b, s, 1.0, 1.0)),
-        (ValueError, r"topk_indices: dim 0 \(Hkv = kv_cache head slots / 2\) must be 2, got 1",
+        (ValueError, r"topk_indices \[Hkv, T, K\]: dim 0 \(Hkv = kv_cache head slots / 2\) must "
+                     r"be 2, got 1",
          lambda: dec(q, c, t[:1], b, s, 1.0, 1.0)),
         (TypeError, "topk_indices must be int32, got int64|topk_indices must be int32, got float32",
          lambda: dec(q, c, t.astype(np.float32), b, s, 1.0, 1.0)),

@@ -194,8 +194,12 @@ def test_trace_time_errors(rng):
          lambda: m3.pack_kv_pages(c4, key, value, s[:3], 1.0, 1.0)),
         (TypeError, "kv_cache must be uint8, got float32",
          lambda: m3.pack_kv_pages(c4.astype(jnp.float32), key, value, s, 1.0, 1.0)),
-        (ValueError, "k_scale must be a scalar, got shape \\(2,\\)",
-         lambda: m3.pack_kv_pages(c4, key, value, s, jnp.ones(2), 1.0)),
+        (ValueError, "k_scale must be a scalar \\(shape \\(\\)\\), got shape \\(1,\\)",
+         lambda: m3.pack_kv_pages(c4, key, value, s, jnp.ones(1), 1.0)),
+        (TypeError, "layer must be an integer, got float32",
+         lambda: m3.pack_kv_pages(c5, key, value, s, 1.0, 1.0, layer=1.7)),
+        (TypeError, "layer must be an integer, got bool",
+         lambda: m3.pack_kv_pages(c5, key, value, s, 1.0, 1.0, layer=True)),
     ]
     for exc, msg, call in cases:
         with pytest.raises(exc, match=msg):

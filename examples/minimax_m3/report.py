@@ -57,9 +57,10 @@ def format_summary(s: dict, cfg) -> str:
         f"(of which {s['compile_s']:.1f} s in {s['compiled_shapes']} steps that compiled a new padded "
         f"shape; excluded from tokens/s)",
         f"prefill: {s['prefill_tokens']} tokens, {s['prefill_tok_s']:.0f} tokens/s "
-        f"(steps with a prefill chunk)",
-        f"decode:  {s['decode_tokens']} tokens, {s['decode_tok_s']:.1f} tokens/s (decode-only steps, "
-        f"{s['decode_batch']:.1f} requests per step on average)",
+        f"(timed steps with a prefill chunk; compile steps excluded)",
+        f"decode:  {s['decode_tokens']} tokens, {s['decode_tok_s']:.1f} tokens/s (timed decode-only "
+        f"steps, {s['decode_batch']:.1f} requests per step on average; tokens decoded beside a "
+        f"prefill chunk count in that step)",
         f"pages:   peak {s['pages_peak']} of {s['pages_total']} in use, {s['pages_allocated']} "
         f"handed out over the run, {s['pages_free_at_end']} free at the end",
     ]

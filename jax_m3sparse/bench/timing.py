@@ -74,13 +74,20 @@ def header(first, flops=False):
     cols = [first, "ours (µs)", "XLA ref (µs)", "ratio", "GB/s", "% copy"]
     if flops:
         cols.append("TFLOP/s")
-    return " | ".join(cols)
+    line = " | ".join(cols)
+    return line + "\n" + "-" * len(line)
+
+
+def device_name(device):
+    """'cpu' or e.g. 'cuda (NVIDIA H200)'."""
+    kind = device.device_kind
+    return device.platform if kind == device.platform else f"{device.platform} ({kind})"
 
 
 def bench_decode(device, quick=False, seq=32768, Hkv=4, G=16):
     rng = np.random.default_rng(0)
     copy_bw = copy_bandwidth(device)
-    print(f"decode on {device.platform} ({device.device_kind}); copy bandwidth "
+    print(f"decode on {device_name(device)}; copy bandwidth "
           f"{copy_bw / 1e9:.1f} GB/s; Hkv={Hkv} G={G} seq={seq} top-{K}x{N}")
     print(header("T (dql)"))
     shapes = [(1, 1), (32, 1), (128, 1)] if device.platform == "cpu" else \
@@ -93,7 +100,7 @@ def bench_decode(device, quick=False, seq=32768, Hkv=4, G=16):
         t_ours = median_time(ours, args, iters)
         t_ref = median_time(ref, args, max(1, iters // 3))
         nbytes = T * Hkv * K * N * TOKEN_BYTES * 2
-        print(row(f"{T} ({dql})", t_ours, t_ref, nbytes, copy_bw))
+        tqdm.write(row(f"{T} ({dql})", t_ours, t_ref, nbytes, copy_bw))
 
 
 def bench_prefill(device, quick=False, Hkv=4, G=16):
@@ -101,7 +108,7 @@ def bench_prefill(device, quick=False, Hkv=4, G=16):
     copy_bw = copy_bandwidth(device)
     context = 8192
     sizes = [2048] if device.platform == "cpu" else [2048, 8192]
-    print(f"prefill on {device.platform} ({device.device_kind}); context {context}; Hkv={Hkv} "
+    print(f"prefill on {device_name(device)}; context {context}; Hkv={Hkv} "
           f"G={G}; flops = 4·G·D per attended key per token and KV head")
     print(header("tokens", flops=True))
     for T in (sizes[:1] if quick else sizes):
@@ -123,13 +130,13 @@ def bench_prefill(device, quick=False, Hkv=4, G=16):
         t_ref = median_time(ref, args, iters)
         nbytes = T * Hkv * K * N * TOKEN_BYTES * 2
         flops = 4 * G * D * K * N * T * Hkv
-        print(row(str(T), t_ours, t_ref, nbytes, copy_bw, flops))
+        tqdm.write(row(str(T), t_ours, t_ref, nbytes, copy_bw, flops))
 
 
 def bench_pack(device, quick=False, Hkv=4):
     rng = np.random.default_rng(2)
     copy_bw = copy_bandwidth(device)
-    print(f"pack on {device.platform} ({device.device_kind}); copy bandwidth "
+    print(f"pack on {device_name(device)}; copy bandwidth "
           f"{copy_bw / 1e9:.1f} GB/s; Hkv={Hkv}; GB/s counts bf16 K/V read + NVFP4 bytes written")
     print(header("T"))
     sizes = [128, 4096] if device.platform == "cpu" else [4096, 65536]
@@ -146,4 +153,4 @@ def bench_pack(device, quick=False, Hkv=4):
         args[0] = jax.device_put(jnp.zeros_like(args[0]), device)
         t_ref = median_time(ref, args, iters, donate_first=True)
         nbytes = T * Hkv * 2 * (2 * D + TOKEN_BYTES)
-        print(row(str(T), t_ours, t_ref, nbytes, copy_bw))
+        tqdm.write(row(str(T), t_ours, t_ref, nbytes, copy_bw))

@@ -18,9 +18,9 @@ def check_attention(q, kv_cache, topk_indices, block_table, layer, layout, scale
     _checks.dim("q", "D (from the kv_cache row width)", head_dim, q.shape[2])
     _checks.rank(topk_indices, "topk_indices", 3, "[Hkv, T, K]")
     _checks.dtype(topk_indices, "topk_indices", (jnp.int32,))
-    _checks.dim("topk_indices", "dim 0 (Hkv = kv_cache head slots / 2)", num_slots // 2,
-                topk_indices.shape[0])
-    _checks.dim("topk_indices", "dim 1 (T of q)", q.shape[0], topk_indices.shape[1])
+    _checks.dim("topk_indices [Hkv, T, K]", "dim 0 (Hkv = kv_cache head slots / 2)",
+                num_slots // 2, topk_indices.shape[0])
+    _checks.dim("topk_indices [Hkv, T, K]", "dim 1 (T of q)", q.shape[0], topk_indices.shape[1])
     _checks.rank(block_table, "block_table", 2, "[R, max_blocks]")
     _checks.dtype(block_table, "block_table", (jnp.int32,))
     num_kv_heads = num_slots // 2
