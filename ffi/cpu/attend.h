@@ -26,7 +26,7 @@
 namespace m3sparse {
 
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int64_t kItemsPerTask = 8;
+constexpr int64_t kItemsPerTask = 1;  // one item is 16 blocks of work: worth a task of its own
 
 struct AttendArgs {
   CacheGeometry geo;

@@ -96,7 +96,7 @@ def bench_decode(device, quick=False, seq=32768, Hkv=4, G=16):
         args = decode_case(rng, T, Hkv, G, seq, dql, device)
         ours = jax.jit(lambda *a: m3.sparse_decode(*a, 1.0, 1.0, decode_query_len=dql))
         ref = jax.jit(lambda *a: reference.sparse_decode(*a, 1.0, 1.0, decode_query_len=dql))
-        iters = 3 if device.platform == "cpu" else 50
+        iters = (10 if T <= 32 else 3) if device.platform == "cpu" else 50
         t_ours = median_time(ours, args, iters)
         t_ref = median_time(ref, args, max(1, iters // 3))
         nbytes = T * Hkv * K * N * TOKEN_BYTES * 2
