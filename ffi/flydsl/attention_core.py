@@ -35,6 +35,7 @@ THREADS = NUM_WAVES * WAVE
 # 2 halves exceed 256 VGPRs and halve the occupancy).
 PREFETCH_V_HALVES = 1
 
+IO_DTYPES = {"bf16": fx.BFloat16, "f16": fx.Float16, "f32": fx.Float32}  # q / out dtypes
 COMPUTE_DTYPES = {"bf16": fx.BFloat16, "f16": fx.Float16}
 
 

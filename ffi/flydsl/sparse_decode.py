@@ -77,12 +77,11 @@ import flydsl.expr as fx
 from flydsl.expr import range_constexpr
 
 from attention_core import (
-    COMPUTE_DTYPES, NUM_WAVES, PARTIAL_BYTES, PARTIAL_O_BYTES, THREADS, TOPK, Operands, attend,
+    COMPUTE_DTYPES, IO_DTYPES, NUM_WAVES, PARTIAL_BYTES, PARTIAL_O_BYTES, THREADS, TOPK, Operands, attend,
     finish, lse_combine, shared_storage, store_vec8,
 )
 from common import GROUP_HEADS, HEAD_DIM, buffer_rsrc, load_dwords
 
-IO_DTYPES = {"bf16": fx.BFloat16, "f16": fx.Float16, "f32": fx.Float32}
 COMPUTE = "bf16"            # SPEC §5.5: the gfx950 decode computes the products in bf16
 
 

@@ -32,9 +32,8 @@ import functools
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 
-from attention_core import COMPUTE_DTYPES, THREADS, Operands, attend, shared_storage
+from attention_core import COMPUTE_DTYPES, IO_DTYPES, THREADS, Operands, attend, shared_storage
 
-IO_DTYPES = {"bf16": fx.BFloat16, "f16": fx.Float16, "f32": fx.Float32}
 COMPUTE = "f16"             # SPEC §5.5: the gfx950 prefill computes the products in fp16
 
 
