@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -39,6 +41,17 @@ def scalar(x, name, dt):
     if not ok or x.dtype == jnp.bool_:
         raise TypeError(f"{name} must be {'an integer' if want_int else 'a number'}, got {x.dtype}")
     return x.astype(dt)
+
+
+def static_int(x, name, minimum):
+    """A static Python int >= minimum (shapes and loop counts are compiled in)."""
+    try:
+        value = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name} must be a static int, got {x!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
 
 
 def cache_geometry(kv_cache, layer, layout):

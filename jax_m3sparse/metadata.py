@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import jax
 import jax.numpy as jnp
 
-from jax_m3sparse import reference
+from jax_m3sparse import _checks
 
 
 @jax.tree_util.register_dataclass
@@ -59,9 +58,9 @@ def build_attention_metadata(query_lens, context_lens, block_table, *, num_decod
       ValueError / TypeError at trace time for wrong shapes or static values.
     """
     query_lens, context_lens, block_table = map(jnp.asarray, (query_lens, context_lens, block_table))
-    r_dec = operator.index(num_decode_requests)
-    num_tokens = operator.index(num_tokens)
-    dql = operator.index(decode_query_len)
+    r_dec = _checks.static_int(num_decode_requests, "num_decode_requests", 0)
+    num_tokens = _checks.static_int(num_tokens, "num_tokens", 0)
+    dql = _checks.static_int(decode_query_len, "decode_query_len", 1)
     R = query_lens.shape[0]
     if query_lens.shape != (R,) or context_lens.shape != (R,) or block_table.shape[:1] != (R,):
         raise ValueError(f"query_lens [R], context_lens [R], block_table [R, M] disagree: "
@@ -98,10 +97,3 @@ def run_mixed_batch(decode_fn, prefill_fn, q, kv_cache, topk_indices, metadata, 
                                 **kw))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
-
-def reference_sparse_attention(q, kv_cache, topk_indices, metadata, k_scale, v_scale, *, scale=None,
-                               layer=None, layout="LBHNC"):
-    """Reference of :func:`jax_m3sparse.sparse_attention` (SPEC §5.6)."""
-    return run_mixed_batch(reference.sparse_decode, reference.sparse_prefill, q, kv_cache,
-                           topk_indices, metadata, k_scale, v_scale, scale=scale, layer=layer,
-                           layout=layout)

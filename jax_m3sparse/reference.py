@@ -232,6 +232,6 @@ def sparse_prefill(q, kv_cache, topk_indices, block_table, query_req_id, query_a
 def sparse_attention(q, kv_cache, topk_indices, metadata, k_scale, v_scale, *, scale=None,
                      layer=None, layout="LBHNC"):
     """Reference of :func:`jax_m3sparse.sparse_attention` (SPEC §5.6)."""
-    from jax_m3sparse.metadata import reference_sparse_attention  # noqa: PLC0415 (import cycle)
-    return reference_sparse_attention(q, kv_cache, topk_indices, metadata, k_scale, v_scale,
-                                      scale=scale, layer=layer, layout=layout)
+    from jax_m3sparse.metadata import run_mixed_batch  # noqa: PLC0415 (import cycle)
+    return run_mixed_batch(sparse_decode, sparse_prefill, q, kv_cache, topk_indices, metadata,
+                           k_scale, v_scale, scale=scale, layer=layer, layout=layout)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import operator
-
 import jax.numpy as jnp
 
 from jax_m3sparse import _checks, reference
@@ -62,12 +60,7 @@ def sparse_decode(q, kv_cache, topk_indices, block_table, seq_lens, k_scale, v_s
         jnp.asarray, (q, kv_cache, topk_indices, block_table, seq_lens))
     layer_op, code, scale = check_attention(q, kv_cache, topk_indices, block_table, layer, layout,
                                             scale)
-    try:
-        dql = operator.index(decode_query_len)
-    except TypeError:
-        raise TypeError(f"decode_query_len must be a static int, got {decode_query_len!r}") from None
-    if dql < 1:
-        raise ValueError(f"decode_query_len must be >= 1, got {dql}")
+    dql = _checks.static_int(decode_query_len, "decode_query_len", 1)
     _checks.rank(seq_lens, "seq_lens", 1, "[R]")
     _checks.dtype(seq_lens, "seq_lens", (jnp.int32,))
     _checks.dim("seq_lens", "length (R of block_table)", block_table.shape[0], seq_lens.shape[0])

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import operator
-
 import jax.numpy as jnp
 from jax.core import ShapedArray
 
@@ -46,12 +44,7 @@ def query_token_positions(cu_seqlens_q, context_lens, num_tokens):
       non-integer / negative ``num_tokens``.
     """
     cu, ctx = jnp.asarray(cu_seqlens_q), jnp.asarray(context_lens)
-    try:
-        num_tokens = operator.index(num_tokens)
-    except TypeError:
-        raise TypeError(f"num_tokens must be a static int, got {num_tokens!r}") from None
-    if num_tokens < 0:
-        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    num_tokens = _checks.static_int(num_tokens, "num_tokens", 0)
     _checks.rank(cu, "cu_seqlens_q", 1, "[R + 1]")
     _checks.rank(ctx, "context_lens", 1, "[R]")
     _checks.dtype(cu, "cu_seqlens_q", (jnp.int32,))
