@@ -9,7 +9,10 @@
 * a fallback lowering to the pure-JAX reference (``mlir.lower_fun``) for every other platform
   and for ``cpu``/``cuda`` when their module is not built,
 * a batching rule: ``vmap`` over any operands runs the primitive once per batch element
-  (``lax.map``), which is exact for every op, including the in-place cache update.
+  (``lax.map``), which is exact for every op, including the in-place cache update,
+* for ops with a KV-head axis, partitioning over KV heads under plain ``jax.jit``: a Shardy
+  sharding rule on the custom call and an XLA partitioner for its target
+  (``_partitioning.py``), so a cache sharded over head slots is never gathered.
 
 Static attributes are passed to the FFI call as explicit numpy scalars.
 """
@@ -24,7 +27,8 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from jax_m3sparse import _ffi
+from jax_m3sparse import _ffi, _partitioning
+from jax_m3sparse._partitioning import HeadAxes
 
 # Platforms whose lowering is the FFI custom call even without a local module.
 _ALWAYS_NATIVE = ("rocm",)
@@ -34,7 +38,8 @@ def define_primitive(op: str, *, abstract_eval: Callable, reference: Callable,
                      attributes: Callable[..., dict], multiple_results: bool = False,
                      operand_output_aliases: dict[int, int] | None = None,
                      native_platforms=("cpu", "rocm", "cuda"),
-                     platform_reason: Callable | None = None) -> Primitive:
+                     platform_reason: Callable | None = None,
+                     head_axes: HeadAxes | None = None) -> Primitive:
     """Defines primitive ``m3sparse_<op>``.
 
     Args:
@@ -47,6 +52,8 @@ def define_primitive(op: str, *, abstract_eval: Callable, reference: Callable,
       native_platforms: platforms that may have an FFI target for this op.
       platform_reason: ``(platform, *avals, **params) -> str | None``: why that platform's
         kernels cannot serve these shapes; raised as ValueError when lowering for it.
+      head_axes: where each operand's KV-head axis is; None for ops without one (their
+        operands are small and replicated).
     """
     prim = Primitive(f"m3sparse_{op}")
     prim.multiple_results = multiple_results
@@ -57,24 +64,31 @@ def define_primitive(op: str, *, abstract_eval: Callable, reference: Callable,
     mlir.register_lowering(prim, reference_rule)
     for platform in native_platforms:
         if platform in _ALWAYS_NATIVE or _ffi.has_native(op, platform):
+            target = _ffi.target_name(op, platform)
             mlir.register_lowering(
-                prim, _ffi_rule(_ffi.target_name(op, platform), attributes, operand_output_aliases,
+                prim, _ffi_rule(target, attributes, operand_output_aliases,
                                 functools.partial(platform_reason, platform) if platform_reason
-                                else None),
+                                else None, head_axes),
                 platform=platform)
+            if head_axes is not None:
+                _partitioning.register(target, platform, head_axes, operand_output_aliases)
 
     batching.primitive_batchers[prim] = functools.partial(_batch_by_map, prim)
     return prim
 
 
-def _ffi_rule(target: str, attributes: Callable, aliases, reason: Callable | None):
+def _ffi_rule(target: str, attributes: Callable, aliases, reason: Callable | None,
+              head_axes: HeadAxes | None):
     rule = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases)
 
     def lower(ctx, *args, **params):
         why = reason(*ctx.avals_in, **params) if reason else None
         if why:
             raise ValueError(why)
-        return rule(ctx, *args, **attributes(**params))
+        results = rule(ctx, *args, **attributes(**params))
+        if head_axes is not None:
+            _partitioning.attach_rule(results, head_axes, [a.type for a in args])
+        return results
 
     return lower
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_m3sparse import _checks, reference
-from jax_m3sparse._primitives import define_primitive, i64
+from jax_m3sparse._primitives import HeadAxes, define_primitive, i64
 
 
 def _abstract_eval(kv_cache, key, value, slot_mapping, k_scale, v_scale, layer, *, layout):
@@ -18,6 +18,8 @@ pack_kv_pages_p = define_primitive(
     reference=reference.pack_impl,
     attributes=lambda layout: {"layout": i64(layout)},
     operand_output_aliases={0: 0},
+    # KV heads: cache head slots (2h, 2h+1), q/out and key/value axis 1, topk axis 0.
+    head_axes=HeadAxes(operands=(-3, -2, -2, None, None, None, None), results=(0,), cache=0),
 )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_m3sparse import _checks, reference
-from jax_m3sparse._primitives import define_primitive, f32, i64
+from jax_m3sparse._primitives import HeadAxes, define_primitive, f32, i64
 from jax_m3sparse.ops._attention_common import check_attention, platform_reason
 
 
@@ -20,6 +20,8 @@ sparse_prefill_p = define_primitive(
     reference=reference.prefill_impl,
     attributes=lambda scale, layout: {"scale": f32(scale), "layout": i64(layout)},
     platform_reason=platform_reason,
+    # KV heads: cache head slots (2h, 2h+1), q/out and key/value axis 1, topk axis 0.
+    head_axes=HeadAxes(operands=(-2, -3, 0, None, None, None, None, None, None), results=(0,), cache=1),
 )
 
 

@@ -1,0 +1,249 @@
+"""How the native ops partition over KV heads under plain ``jax.jit`` (DESIGN "Sharding").
+
+XLA computes a custom call it knows nothing about on all-gathered operands. Two things, both
+attached to the plain FFI custom call (so ``jax.export`` still serializes the module: no Python
+callback lives in it), make each device run our kernel on its own KV heads instead:
+
+1. A Shardy sharding rule (``sdy.sharding_rule``) on the call, for propagation: one factor
+   ``h`` (the KV head) runs through the cache's head-slot axis (as ``h × 2``: K/V slot pairs
+   stay together, SPEC §3.1), q / out / key / value head axes (``h × G``) and ``topk_indices``
+   axis 0. Every other dimension needs replication.
+2. An XLA custom-call partitioner registered under the target's name. XLA's SPMD partitioner
+   calls it with the operands' shardings; it answers with the shardings every operand and
+   result must have (the cache's head tiling carried to the other head axes, everything else
+   replicated) and the per-device module: the same custom call, same attributes, local shapes.
+   A cache sharded along any other axis, or with a K/V slot pair split across devices, is
+   rejected with an error naming the expected ``PartitionSpec`` (never a silent gather).
+
+The registration hooks (``register_custom_call_partitioner``, ``register_plugin_callbacks``) are
+the ones ``jax.experimental.custom_partitioning`` itself uses; they are private JAX API, kept to
+this one file and tested on every supported jax version (tests/test_sharding.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+from jax._src import xla_bridge
+from jax._src.lib import xla_client
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import sdy
+from jax.interpreters import mlir
+
+# Platform names of our lowerings -> names XLA plugins register under.
+_PLUGIN_NAMES = {"cuda": "CUDA", "rocm": "ROCM"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadAxes:
+    """Where the KV-head axis is in each operand and result of a primitive.
+
+    Args:
+      operands: per operand, the axis holding KV heads (``h`` or ``h × k`` slots, negative
+        counts from the end) or None (the operand is replicated).
+      results: per result, the index of the operand it mirrors (same shape, same factors).
+      cache: index of the operand whose sharding decides the partitioning (the KV cache).
+    """
+
+    operands: tuple
+    results: tuple
+    cache: int
+
+    def axis(self, i: int, ndim: int) -> int | None:
+        a = self.operands[i]
+        return None if a is None else a % ndim
+
+
+def sharding_rule(heads: HeadAxes, in_types, out_types):
+    """The ``sdy.op_sharding_rule`` attribute: factor ``h`` (KV heads) on every head axis,
+    a need-replication factor on every other dimension."""
+    shapes = [ir.RankedTensorType(t).shape for t in in_types]
+    num_kv_heads = shapes[heads.cache][heads.axis(heads.cache, len(shapes[heads.cache]))] // 2
+    sizes = [num_kv_heads]  # factor 0 is h
+    mappings = []
+    for i, shape in enumerate(shapes):
+        head_axis = heads.axis(i, len(shape))
+        dims = []
+        for d, size in enumerate(shape):
+            if d == head_axis:
+                if size % num_kv_heads:
+                    raise ValueError(f"operand {i}: head axis {size} is not a multiple of "
+                                     f"Hkv = {num_kv_heads}")
+                factors = [0]
+                if size != num_kv_heads:  # h × (slot pair | query heads per KV head)
+                    sizes.append(size // num_kv_heads)
+                    factors.append(len(sizes) - 1)
+            else:
+                sizes.append(size)
+                factors = [len(sizes) - 1]
+            dims.append(sdy.DimMappingAttr.get(factor_indices=factors))
+        mappings.append(sdy.TensorMappingAttr.get(dim_mappings=dims))
+    return sdy.OpShardingRuleAttr.get(
+        factor_sizes=sizes, operand_mappings=mappings,
+        result_mappings=[mappings[j] for j in heads.results],
+        need_replication_factors=list(range(1, len(sizes))), is_custom=True)
+
+
+def attach_rule(results, heads: HeadAxes, operand_types):
+    """Puts the sharding rule on the custom call that produced ``results``."""
+    call = results[0].owner
+    call.attributes["sdy.sharding_rule"] = sharding_rule(
+        heads, operand_types, [r.type for r in results])
+
+
+# ---- the partitioner XLA calls at compile time ----------------------------------------------
+
+def _tiling(sharding, rank):
+    """(device array [data dims..., subgroup dims...], subgroup types) of a tiled sharding,
+    or None for replicated / maximal / manual shardings."""
+    if not sharding.is_tiled():
+        return None
+    dims = sharding.tile_assignment_dimensions()
+    devices = np.asarray(sharding.tile_assignment_devices()).reshape(dims)
+    types = list(sharding.subgroup_types())
+    if sharding.replicate_on_last_tile_dim():
+        types = [xla_client.OpSharding.Type.REPLICATED]
+    return devices, types
+
+
+def _sharding(devices, rank, types):
+    proto = xla_client.OpSharding()
+    proto.type = xla_client.OpSharding.Type.OTHER
+    proto.tile_assignment_dimensions = list(devices.shape)
+    proto.tile_assignment_devices = [int(d) for d in devices.ravel()]
+    if types == [xla_client.OpSharding.Type.REPLICATED]:
+        proto.replicate_on_last_tile_dim = True
+    elif types:
+        proto.last_tile_dims = types
+    return xla_client.HloSharding.from_proto(proto)
+
+
+def _with_head_tiling(cache_sharding, cache_rank, cache_axis, rank, axis):
+    """The cache's sharding re-expressed for an operand of ``rank`` with its head axis at
+    ``axis`` (None: replicated over the head shards). Same devices, same subgroups (manual or
+    replicated tails from ``shard_map`` / other mesh axes)."""
+    tiling = _tiling(cache_sharding, cache_rank)
+    if tiling is None:
+        return cache_sharding
+    devices, types = tiling
+    heads = devices.reshape(devices.shape[cache_axis], *devices.shape[cache_rank:])
+    if axis is not None:
+        shape = [1] * rank
+        shape[axis] = heads.shape[0]
+        return _sharding(heads.reshape(*shape, *heads.shape[1:]), rank, types)
+    replicated = xla_client.OpSharding.Type.REPLICATED
+    if replicated in types:  # fold the head shards into the existing replication group
+        k = types.index(replicated) + 1
+        heads = np.moveaxis(heads, 0, k - 1).reshape(
+            *heads.shape[1:k], heads.shape[0] * heads.shape[k], *heads.shape[k + 1:])
+    else:
+        heads, types = np.moveaxis(heads, 0, -1), types + [replicated]
+    if heads.size == heads.shape[-1] and types == [replicated]:
+        return xla_client.HloSharding.replicate()
+    return _sharding(heads.reshape(*([1] * rank), *heads.shape), rank, types)
+
+
+def _check_cache_sharding(sharding, shape, axis, op):
+    tiling = _tiling(sharding, len(shape))
+    if tiling is None:
+        return
+    dims = tiling[0].shape
+    bad = [d for d in range(len(shape)) if d != axis and dims[d] != 1]
+    spec = ", ".join("'tp'" if d == axis else "None" for d in range(len(shape)))
+    fix = (f"jax_m3sparse partitions only over the KV-head slot axis: shard the cache as "
+           f"PartitionSpec({spec}) (jax_m3sparse.sharding.cache_spec) and replicate its other "
+           f"axes; for more devices than KV heads replicate KV heads "
+           f"(jax_m3sparse.sharding.replicate_kv_heads).")
+    if bad:
+        raise ValueError(f"{op}: kv_cache {list(shape)} is sharded along axis {bad} "
+                         f"({sharding}). {fix}")
+    if (shape[axis] // dims[axis]) % 2 or shape[axis] % dims[axis]:
+        raise ValueError(f"{op}: kv_cache head-slot axis ({shape[axis]} slots = 2·Hkv) split "
+                         f"into {dims[axis]} shards cuts a K/V slot pair (SPEC §3.1). {fix}")
+
+
+def _tensor_type(shape) -> str:
+    dims = "".join(f"{d}x" for d in shape.dimensions())
+    return f"tensor<{dims}{mlir.dtype_to_ir_type(np.dtype(shape.numpy_dtype()))}>"
+
+
+def _local_module(target, backend_config: str, operand_shapes, result_shapes, aliases) -> bytes:
+    """The per-device computation: the same custom call on local shapes."""
+    with mlir.make_ir_context():
+        return mlir.module_to_bytecode(ir.Module.parse(_local_text(
+            target, backend_config, [_tensor_type(s) for s in operand_shapes],
+            [_tensor_type(s) for s in result_shapes], aliases)))
+
+
+def _local_text(target, backend_config, operand_types, result_types, aliases) -> str:
+    args = ", ".join(f"%arg{i}: {t}" for i, t in enumerate(operand_types))
+    names = ", ".join(f"%arg{i}" for i in range(len(operand_types)))
+    outs = ", ".join(result_types)
+    alias = ", ".join(
+        f"#stablehlo.output_operand_alias<output_tuple_indices = "
+        f"[{'' if len(result_types) == 1 else o}], operand_index = {i}, operand_tuple_indices = []>"
+        for i, o in (aliases or {}).items())
+    refs = ", ".join(f"%0#{k}" if len(result_types) > 1 else "%0"
+                     for k in range(len(result_types)))
+    text = (f"module @m3sparse_shard {{\n func.func public @main({args}) -> ({outs}) {{\n"
+            f"  %0{':' + str(len(result_types)) if len(result_types) > 1 else ''} = "
+            f"stablehlo.custom_call @{target}({names}) {{api_version = 4 : i32, "
+            f"backend_config = {backend_config or '{}'}"
+            f"{', output_operand_aliases = [' + alias + ']' if alias else ''}}} : "
+            f"({', '.join(operand_types)}) -> ({outs})\n"
+            f"  return {refs} : {outs}\n }}\n}}")
+    return text
+
+
+def _partition(target, heads: HeadAxes, aliases, arg_shapes, arg_shardings, result_shape,
+               result_sharding, backend_config):
+    cache_shape = arg_shapes[heads.cache].dimensions()
+    cache_axis = heads.axis(heads.cache, len(cache_shape))
+    cache_sharding = arg_shardings[heads.cache]
+    _check_cache_sharding(cache_sharding, cache_shape, cache_axis, target)
+    shardings = [
+        _with_head_tiling(cache_sharding, len(cache_shape), cache_axis,
+                          len(s.dimensions()), heads.axis(i, len(s.dimensions())))
+        for i, s in enumerate(arg_shapes)]
+    results = result_shape.tuple_shapes() if result_shape.is_tuple() else [result_shape]
+    out_shardings = [shardings[j] for j in heads.results]
+    module = _local_module(
+        target, backend_config.decode() if isinstance(backend_config, bytes) else backend_config,
+        [sh.tile(s) for sh, s in zip(shardings, arg_shapes)],
+        [sh.tile(s) for sh, s in zip(out_shardings, results)], aliases)
+    out = (xla_client.HloSharding.tuple_sharding(result_shape, out_shardings)
+           if result_shape.is_tuple() else out_shardings[0])
+    return module, shardings, out
+
+
+def _infer_from_operands(heads: HeadAxes, arg_shapes, arg_shardings, result_shape, _config):
+    """GSPMD propagation (Shardy uses the rule instead): results follow the cache's tiling."""
+    cache_shape = arg_shapes[heads.cache].dimensions()
+    cache_axis = heads.axis(heads.cache, len(cache_shape))
+    outs = [_with_head_tiling(arg_shardings[heads.cache], len(cache_shape), cache_axis,
+                              len(arg_shapes[j].dimensions()),
+                              heads.axis(j, len(arg_shapes[j].dimensions())))
+            for j in heads.results]
+    if result_shape.is_tuple():
+        return xla_client.HloSharding.tuple_sharding(result_shape, outs)
+    return outs[0]
+
+
+def _keep_user_sharding(user_sharding, _shape, _config):
+    return user_sharding
+
+
+def register(target: str, platform: str, heads: HeadAxes, aliases):
+    """Registers the partitioner of FFI target ``target`` (lowered for ``platform``)."""
+    callbacks = dict(
+        prop_user_sharding=_keep_user_sharding,
+        partition=functools.partial(_partition, target, heads, aliases),
+        infer_sharding_from_operands=functools.partial(_infer_from_operands, heads),
+        can_side_effecting_have_replicated_sharding=True)
+    if platform == "cpu":
+        xla_client.register_custom_call_partitioner(target, **callbacks)
+    else:  # GPU plugins take it through their C API when they load
+        xla_bridge.register_plugin_callbacks(functools.partial(
+            xla_client.register_custom_call_partitioner, name=target, **callbacks))
