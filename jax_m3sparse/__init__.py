@@ -11,10 +11,11 @@ Public API (SPEC.md sections in each docstring):
 * MiniMax M3's indexer selection: :func:`select_blocks` (pure JAX)
 * geometry and faults: :func:`unsupported_reason` (SPEC §1), :func:`check_inputs` (SPEC §7)
 * :func:`export_disabled_checks` for ``jax.export`` of functions that call these ops
+* :mod:`jax_m3sparse.sharding`: PartitionSpecs and KV-head replication for many devices
 * :mod:`jax_m3sparse.reference`: pure-jnp versions of all of these.
 """
 
-from jax_m3sparse import reference
+from jax_m3sparse import reference, sharding
 from jax_m3sparse._ffi import export_disabled_checks
 from jax_m3sparse.faults import check_inputs
 from jax_m3sparse.metadata import SparseAttentionMetadata, build_attention_metadata
@@ -32,6 +33,6 @@ __version__ = "0.1.0"
 __all__ = [
     "KVCacheSpec", "SparseAttentionMetadata", "allocate_kv_cache", "build_attention_metadata",
     "check_inputs", "export_disabled_checks", "nvfp4_dequantize", "nvfp4_quantize", "pack_kv_pages", "query_token_positions",
-    "reference", "select_blocks", "sparse_attention", "sparse_decode", "sparse_prefill", "unpack_kv_pages",
+    "reference", "select_blocks", "sharding", "sparse_attention", "sparse_decode", "sparse_prefill", "unpack_kv_pages",
     "unsupported_reason",
 ]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import numpy as np
 from jax._src import xla_bridge
@@ -31,6 +32,8 @@ from jax._src.lib import xla_client
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import sdy
 from jax.interpreters import mlir
+
+_log = logging.getLogger("jax_m3sparse.partitioning")
 
 # Platform names of our lowerings -> names XLA plugins register under.
 _PLUGIN_NAMES = {"cuda": "CUDA", "rocm": "ROCM"}
@@ -215,6 +218,8 @@ def _partition(target, heads: HeadAxes, aliases, arg_shapes, arg_shardings, resu
         [sh.tile(s) for sh, s in zip(out_shardings, results)], aliases)
     out = (xla_client.HloSharding.tuple_sharding(result_shape, out_shardings)
            if result_shape.is_tuple() else out_shardings[0])
+    _log.debug("%s: operands %s -> %s, result %s", target, [str(s) for s in arg_shardings],
+               [str(s) for s in shardings], out)
     return module, shardings, out
 
 

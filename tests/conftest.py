@@ -3,7 +3,11 @@ import os
 import numpy as np
 import pytest
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+# 8 simulated CPU devices for the sharding tests (tests/test_sharding.py); every other test
+# runs on device 0 as before.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
 
 
 @pytest.fixture
