@@ -13,6 +13,8 @@ safetensors file (see examples/minimax_m3/checkpoint.py for the names).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import time
 
 from minimax_m3 import text
@@ -30,6 +32,9 @@ def parse_args(argv=None):
     io.add_argument("--max-new-tokens", type=int, default=24)
     io.add_argument("--plot", metavar="FILE.png", help="draw accuracy per layer and decode step")
     io.add_argument("--platform", help="JAX backend (cpu, cuda, rocm, ...); default: JAX's choice")
+    io.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel devices: heads, MLP and the NVFP4 cache sharded over "
+                         "them (simulated CPU devices on the CPU; real GPUs when present)")
     model = p.add_argument_group("model")
     d = ModelConfig()
     model.add_argument("--hidden", type=int, default=d.hidden_size)
@@ -56,6 +61,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if args.tp > 1 and "xla_force_host_platform_device_count" not in flags:
+        # Simulated CPU devices; must be set before JAX starts (harmless on GPU backends).
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.tp}"
     import jax  # noqa: PLC0415 (the platform must be chosen before JAX starts a backend)
     if args.platform:
         jax.config.update("jax_platforms", args.platform)
@@ -68,6 +77,8 @@ def main(argv=None):
     cfg = ModelConfig(hidden_size=args.hidden, num_layers=args.layers,
                       num_dense_layers=args.dense_layers, num_heads=args.heads,
                       num_kv_heads=args.kv_heads, intermediate_size=args.intermediate)
+    from jax_m3sparse.sharding import kv_head_replicas  # noqa: PLC0415
+    cfg = dataclasses.replace(cfg, kv_replicas=kv_head_replicas(cfg.num_kv_heads, args.tp))
     prompts = text.load_prompts(args.prompt_file, args.max_prompt_tokens)
     need = sorted(-(-(len(t) + args.max_new_tokens + args.spec_tokens) // cfg.block_size)
                   for _, t in prompts)
@@ -75,7 +86,7 @@ def main(argv=None):
     ecfg = EngineConfig(num_pages=args.num_pages or sum(need[-args.max_running:]),
                         max_running=args.max_running, chunk_size=args.chunk_size,
                         spec_tokens=args.spec_tokens, max_seq_len=longest,
-                        compare=not args.no_compare)
+                        compare=not args.no_compare, tp=args.tp)
     params = load_checkpoint(args.checkpoint, cfg) if args.checkpoint else init_params(cfg, args.seed)
     print(f"backend {jax.default_backend()}; {cfg.num_layers} layers ({cfg.num_dense_layers} dense), "
           f"hidden {cfg.hidden_size}, Hq {cfg.num_heads}, Hkv {cfg.num_kv_heads}, D {cfg.head_dim}, "
@@ -103,6 +114,10 @@ def main(argv=None):
     for r in finished:
         print(f"  request {r.rid} -> {text.printable(r.generated)}")
     summary = report.summarize(engine, wall)
+    kv = engine.caches["kv"]
+    summary.update(tp=args.tp, kv_cache_bytes=kv.nbytes,
+                   kv_cache_bytes_per_device=kv.addressable_shards[0].data.nbytes,
+                   cache_kv_heads=cfg.cache_kv_heads)
     print(report.format_summary(summary, cfg))
     if args.plot:
         if "attn_cos" not in summary:

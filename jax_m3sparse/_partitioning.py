@@ -64,6 +64,8 @@ def sharding_rule(heads: HeadAxes, in_types, out_types):
     a need-replication factor on every other dimension."""
     shapes = [ir.RankedTensorType(t).shape for t in in_types]
     num_kv_heads = shapes[heads.cache][heads.axis(heads.cache, len(shapes[heads.cache]))] // 2
+    if num_kv_heads == 1:
+        return None  # nothing to split (Shardy rejects a size-1 factor in a compound)
     sizes = [num_kv_heads]  # factor 0 is h
     mappings = []
     for i, shape in enumerate(shapes):
@@ -91,9 +93,9 @@ def sharding_rule(heads: HeadAxes, in_types, out_types):
 
 def attach_rule(results, heads: HeadAxes, operand_types):
     """Puts the sharding rule on the custom call that produced ``results``."""
-    call = results[0].owner
-    call.attributes["sdy.sharding_rule"] = sharding_rule(
-        heads, operand_types, [r.type for r in results])
+    rule = sharding_rule(heads, operand_types, [r.type for r in results])
+    if rule is not None:
+        results[0].owner.attributes["sdy.sharding_rule"] = rule
 
 
 # ---- the partitioner XLA calls at compile time ----------------------------------------------

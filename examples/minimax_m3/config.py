@@ -28,6 +28,7 @@ class ModelConfig:
     topk_blocks: int = 16            # K
     block_size: int = 128            # N
     rms_eps: float = 1e-6
+    kv_replicas: int = 1             # copies of each KV head in the cache (TP > Hkv, see --tp)
 
     def __post_init__(self):
         if not 0 <= self.num_dense_layers <= self.num_layers:
@@ -38,6 +39,12 @@ class ModelConfig:
                              f"num_kv_heads ({self.num_kv_heads})")
         if self.rope_dim % 2 or self.rope_dim > self.head_dim:
             raise ValueError(f"rope_dim ({self.rope_dim}) must be even and <= head_dim")
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """KV heads the NVFP4 cache holds: each model KV head ``kv_replicas`` times
+        (jax_m3sparse.sharding.replicate_kv_heads), so every TP device owns whole heads."""
+        return self.num_kv_heads * self.kv_replicas
 
     @property
     def num_sparse_layers(self) -> int:

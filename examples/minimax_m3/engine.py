@@ -14,6 +14,7 @@ import time
 import jax
 import numpy as np
 
+from . import parallel
 from .config import ModelConfig
 from .model import allocate_caches, forward_step
 
@@ -120,6 +121,7 @@ class EngineConfig:
     max_seq_len: int = 8192         # sets the block table width M
     spec_tokens: int = 0            # prompt-lookup draft tokens verified per decode step
     compare: bool = True            # run the bf16 reference stream alongside
+    tp: int = 1                     # tensor-parallel devices (parallel.py); 1: one device
 
     @property
     def decode_query_len(self) -> int:
@@ -137,6 +139,9 @@ class Engine:
     def __init__(self, params, cfg: ModelConfig, ecfg: EngineConfig):
         self.params, self.cfg, self.ecfg = params, cfg, ecfg
         self.caches = allocate_caches(cfg, ecfg.num_pages, ecfg.compare)
+        if ecfg.tp > 1:
+            self.mesh = parallel.make_mesh(ecfg.tp)
+            self.params, self.caches = parallel.shard(params, self.caches, cfg, self.mesh)
         self.allocator = PageAllocator(ecfg.num_pages)
         self.max_blocks = -(-ecfg.max_seq_len // cfg.block_size)
         self.compiles: dict[tuple, int] = {}     # padded batch shapes -> XLA compilations

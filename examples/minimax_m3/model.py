@@ -27,6 +27,7 @@ import numpy as np
 
 import jax_m3sparse as m3
 from jax_m3sparse.select import select_blocks
+from jax_m3sparse.sharding import replicate_kv_heads
 
 from .config import ModelConfig
 
@@ -102,11 +103,12 @@ def unflatten(flat: dict, like: dict) -> dict:
 def allocate_caches(cfg: ModelConfig, num_pages: int, compare: bool) -> dict:
     """All caches of the step, one pytree (donated to every step).
 
-    kv: ``uint8[L, P, 2Hkv, N, 72]`` NVFP4 K/V of every layer (layout "LBHNC").
+    kv: ``uint8[L, P, 2Hkv', N, 72]`` NVFP4 K/V of every layer (layout "LBHNC"), Hkv' =
+      ``cfg.cache_kv_heads`` (KV heads replicated for tensor parallel past Hkv).
     idx: ``bf16[L_sparse, P, N, Di]`` the indexer's key-only cache of the sparse layers.
     ref_k, ref_v: ``bf16[L, P, Hkv, N, D]`` the reference stream's dense-format cache.
     """
-    spec = m3.KVCacheSpec(cfg.num_kv_heads, cfg.head_dim, cfg.block_size)
+    spec = m3.KVCacheSpec(cfg.cache_kv_heads, cfg.head_dim, cfg.block_size)
     caches = dict(
         kv=m3.allocate_kv_cache(spec, num_pages, cfg.num_layers, KV_LAYOUT),
         idx=jnp.zeros((max(cfg.num_sparse_layers, 1), num_pages, cfg.block_size,
@@ -311,8 +313,10 @@ def _layer(cfg, meta, batch, req, pos, compare, sparse, carry, xs):
     h = gemma_rms_norm(x, p["ln1"], cfg.rms_eps)
     q, k, v = qkv(p, h, pos, cfg)
     # Write this step's K/V before anything reads the cache (the serving path's order).
-    kv = m3.pack_kv_pages(caches["kv"], k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), slots,
-                          K_SCALE, V_SCALE, layer=layer, layout=KV_LAYOUT)
+    # At TP > Hkv each KV head is stored kv_replicas times (each device owns whole heads).
+    rep = functools.partial(replicate_kv_heads, replicas=cfg.kv_replicas)
+    kv = m3.pack_kv_pages(caches["kv"], rep(k.astype(jnp.bfloat16)), rep(v.astype(jnp.bfloat16)),
+                          slots, K_SCALE, V_SCALE, layer=layer, layout=KV_LAYOUT)
     caches = dict(caches, kv=kv)
     M = meta.block_table.shape[1]
     if sparse:
@@ -324,8 +328,8 @@ def _layer(cfg, meta, batch, req, pos, compare, sparse, carry, xs):
     else:  # dense: every block (invalid / future ones are skipped by the kernel)
         topk = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (cfg.num_kv_heads, T, M))
     attend = m3.sparse_attention if sparse or _cpu() else m3.reference.sparse_attention
-    attn = attend(q.astype(jnp.bfloat16), kv, topk, meta, K_SCALE, V_SCALE, scale=scale,
-                  layer=layer, layout=KV_LAYOUT)
+    attn = attend(q.astype(jnp.bfloat16), kv, rep(topk, axis=0), meta, K_SCALE, V_SCALE,
+                  scale=scale, layer=layer, layout=KV_LAYOUT)
     x = mlp(p, x + attn.astype(jnp.float32).reshape(T, -1) @ p["wo"], cfg)
 
     # Token-block pairs attended vs visible (pos // N + 1 per live token): how much is skipped.

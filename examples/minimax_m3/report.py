@@ -64,6 +64,10 @@ def format_summary(s: dict, cfg) -> str:
         f"pages:   peak {s['pages_peak']} of {s['pages_total']} in use, {s['pages_allocated']} "
         f"handed out over the run, {s['pages_free_at_end']} free at the end",
     ]
+    if "kv_cache_bytes_per_device" in s:
+        lines.append(f"NVFP4 cache: {s['kv_cache_bytes_per_device'] / 2**20:.2f} MiB per device "
+                     f"({s['kv_cache_bytes'] / 2**20:.2f} MiB in all, tp {s['tp']}, "
+                     f"{s.get('cache_kv_heads', '?')} KV heads stored)")
     sparse = s["blocks_attended"][cfg.num_dense_layers:]
     if sparse:
         lines.append(f"sparse selection: {100 * np.mean(sparse):.1f}% of the visible (token, block) "
