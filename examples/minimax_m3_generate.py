@@ -117,7 +117,8 @@ def main(argv=None):
     kv = engine.caches["kv"]
     summary.update(tp=args.tp, kv_cache_bytes=kv.nbytes,
                    kv_cache_bytes_per_device=kv.addressable_shards[0].data.nbytes,
-                   cache_kv_heads=cfg.cache_kv_heads)
+                   cache_kv_heads=cfg.cache_kv_heads,
+                   generated={r.rid: r.generated for r in finished})
     print(report.format_summary(summary, cfg))
     if args.plot:
         if "attn_cos" not in summary:
