@@ -10,3 +10,12 @@ def test_api_tour_runs(capsys):
     assert "padding rows are zeros: True" in out
     assert "decode row equals sparse_decode: True" in out
     assert "gfx950 serves this geometry: True" in out
+
+
+def test_serve_sharded_runs(capsys):
+    """README "Serving on many devices": M3's heads at TP 8, no collective, one-device result."""
+    runpy.run_path(str(pathlib.Path(__file__).parents[1] / "examples" / "serve_sharded.py"))
+    out = capsys.readouterr().out
+    assert "collectives in the compiled step: 0" in out
+    assert "0.56 of 4.50 MiB per device" in out
+    assert "equal to one device: True" in out
