@@ -2,7 +2,9 @@
 # One device call for the CUDA backend (H200, kind nvidia-h200): builds the standalone harness
 # and the Python modules, runs correctness (harness + tests/cuda through the public API), then
 # the timings. Logs go to $OUT (the device tool brings them back) or ./out.
-#   tools/device_check.sh [quick]        # quick: smaller benchmark set
+#   tools/device_check.sh [quick|full|sanitize|profile]
+#     quick: smaller benchmark set; sanitize: compute-sanitizer memcheck + racecheck on the
+#     harness and memcheck on the public-API GPU tests (no timings); profile: ncu on the harness
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -71,8 +73,25 @@ cuobjdump -sass "$B/attention.o" > "$OUT/attention.sass" 2>/dev/null &&
   grep -oE '^ +/\*[0-9a-f]{4}\*/ +[A-Z0-9_.]+' | awk '{print $2}' | sed 's/\..*//' |
   sort | uniq -c | sort -rn | head -24 | tr '\n' ' '; echo
 
+if [ "$MODE" = sanitize ]; then
+  for tool in memcheck racecheck; do
+    echo "=== compute-sanitizer $tool: harness --no-bench"
+    timeout 400 compute-sanitizer --tool $tool --error-exitcode 9 "$B/harness" --no-bench \
+      >"$OUT/sanitize_$tool.log" 2>&1
+    echo "rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAILED|OK:" "$OUT/sanitize_$tool.log" | tail -3
+  done
+  wait $CMAKE_PID
+  echo "=== compute-sanitizer memcheck: pytest tests/cuda/test_gpu.py"
+  PYTHONPATH=$ROOT XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 400 compute-sanitizer \
+    --tool memcheck --error-exitcode 9 python3 -m pytest -q -x tests/cuda/test_gpu.py \
+    -p no:cacheprovider >"$OUT/sanitize_pytest.log" 2>&1
+  echo "rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize_pytest.log" | tail -3
+  date -u
+  exit 0
+fi
+
 echo "=== harness correctness"
-"$B/harness" --no-bench 2>&1 | tee "$OUT/harness_tests.log"
+"$B/harness" --no-bench 2>&1 | tee "$OUT/harness_tests.log" | grep -E "FAIL|failure" | tail -15
 
 wait $CMAKE_PID
 tail -3 "$OUT/cmake.log"
@@ -92,6 +111,7 @@ else
 fi
 if [ -f jax_m3sparse/bench/cuda.py ] && ls jax_m3sparse/_m3sparse_cuda*.so >/dev/null 2>&1; then
   echo "=== python -m jax_m3sparse.bench.cuda"
-  PYTHONPATH=$ROOT timeout 200 python3 -c "import sys; from jax_m3sparse.bench.cuda import main; sys.exit(main(['--quick'] if '$MODE' == 'quick' else []))" 2>&1 | tee "$OUT/bench_cuda.log" | tail -20
+  PYTHONPATH=$ROOT M3SPARSE_BENCH_TRACE=1 timeout 330 python3 -m jax_m3sparse.bench.cuda \
+    $([ "$MODE" = quick ] && echo --quick) 2>&1 | tee "$OUT/bench_cuda.log" | grep -v "^  trace" | tail -24
 fi
 date -u

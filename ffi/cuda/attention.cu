@@ -1,10 +1,12 @@
 // Sparse NVFP4 attention for sm_90: sparse_decode (SPEC §5.3) and sparse_prefill (§5.4).
 //
-// One CTA (4 warps) per (token, KV head, split). The G = 16 query heads of a KV head are the
-// 16 rows of every m16n8k16 mma, so each dequantized K/V element serves all 16 heads.
+// One CTA (4 warps) per (token, KV head, split). The G <= 16 query heads of a KV head are the
+// rows of every m16n8k16 mma (rows G..15 are zero padding), so each dequantized K/V element
+// serves all G heads.
 //   1. Threads 0..K-1 check their top-k slot (SPEC §5.2: 0 <= b < max_blocks, 128·b < vis,
 //      0 <= block_table[r, b] < P, layer in [0, L)) before anything is loaded, and the valid
-//      slots are compacted in shared memory; split `rank` of S takes entries rank, rank+S, ...
+//      slots are compacted in shared memory (warp ballots); split `rank` of S takes entries
+//      rank, rank+S, ... Meanwhile warp 3 loads Q.
 //   2. The K tile and the V tile of a (page, head) are adjacent in the cache (slots 2h, 2h+1):
 //      18432 contiguous bytes, streamed with 16-byte cp.async into a 4-stage ring.
 //   3. Warp w owns keys [32w, 32w+32) of every block: it dequantizes K into mma B fragments
@@ -38,9 +40,10 @@ constexpr int kScalePlane = kBlockSize * kHeadDim / 2;                     // 81
 constexpr int kStageBytes = 2 * kTileBytes;                                // K tile, V tile
 constexpr int kMaxSplits = 16;
 constexpr float kLog2e = 1.4426950408889634f;
-// Merge scratch (reuses the stage ring): 4 warp partials + one CTA partial.
+// Merge scratch (reuses the stage ring): 4 warp partials, one CTA partial, and the partials
+// that the other CTAs of the cluster push for the heads this CTA owns.
 constexpr int kMergeBytes =
-    (kWarps * kGroup * kHeadDim + 2 * kWarps * kGroup + kGroup * kHeadDim + 2 * kGroup) * 4;
+    (kWarps * kGroup * kHeadDim + 2 * kWarps * kGroup + 2 * (kGroup * kHeadDim + 2 * kGroup)) * 4;
 
 // Launch variants: (CTAs per SM, cp.async stages). Variant 1 trades prefetch depth for a
 // fourth resident CTA (16 warps / SM); both were timed on the H200 (BENCHMARKS.md).
@@ -67,9 +70,8 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
   constexpr float kComp = kCvt ? kCvtComp : Traits<T>::kComp;
   constexpr int kStages = V::kNumStages;
   extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ int64_t s_slot_off[kMaxTopk];
-  __shared__ int s_slot_n[kMaxTopk];
   __shared__ int64_t s_off[kMaxTopk];
+  __shared__ uint32_t s_mask[2];   // ballots of the valid slots 0..31, 32..63
   __shared__ int s_nvalid[kMaxTopk];
   __shared__ uint16_t s_mul[256];  // E4M3 byte -> packed multiplier (device_utils.cuh)
   __shared__ uint4 s_q[8][32];     // Q A-fragments per k-step and lane (all warps share them)
@@ -90,7 +92,11 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
   const int64_t ntok = p.num_tokens;
   const int K = p.topk;
   const int M = p.max_blocks;
+  const int G = p.group > 0 ? p.group : kGroup;
   const CacheGeometry geom = p.geom;
+  // The selected block id does not depend on the position: load it first (one fewer
+  // dependent round trip before the block-table read).
+  const int64_t bsel = tid < K ? int64_t(p.topk_indices[(int64_t(g) * ntok + t) * K + tid]) : -1;
 
   // ---- position of this token (SPEC §5.3 / §5.4)
   int64_t r;
@@ -118,46 +124,22 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
     s_mul[tid + 128] = scale_multiplier<T>(tid + 128);
   }
 
-  // ---- validity of every top-k slot before any load (SPEC §5.2)
-  if (tid < K) {
-    int nv = 0;
-    int64_t off = 0;
-    if (vis > 0) {
-      const int64_t b = p.topk_indices[(int64_t(g) * ntok + t) * K + tid];
-      if (b >= 0 && b < M && b * kBlockSize < vis) {
-        const int64_t page = p.block_table[r * M + b];
-        if (geom.valid_page(page)) {
-          const int64_t rest = vis - b * kBlockSize;
-          nv = int(rest < kBlockSize ? rest : kBlockSize);
-          off = geom.tile_offset(layer, page, 2 * g);
-        }
-      }
-    }
-    s_slot_n[tid] = nv;
-    s_slot_off[tid] = off;
-  }
-  __syncthreads();
-  if (tid < K && s_slot_n[tid] > 0) {
-    int idx = 0;
-    for (int k = 0; k < tid; ++k) idx += s_slot_n[k] > 0;
-    s_off[idx] = s_slot_off[tid];
-    s_nvalid[idx] = s_slot_n[tid];
-  }
   // ---- Q fragments (A operand), d permuted to match the K fragments below:
   // register j = 4W + k of lane (g8, tig) holds d = 32·tig + 8W + k (lo) and d + 4 (hi).
-  // Warp 0 builds them once; every warp reads one 16-byte vector per k-step.
-  const int Hq = Hkv * kGroup;
-  if (warp == 0) {
+  // Warp 3 builds them once (rows >= G are zeros); every warp reads one 16-byte vector per
+  // k-step.
+  const int Hq = Hkv * G;
+  if (warp == kWarps - 1) {
     const uint16_t* qbase =
-        static_cast<const uint16_t*>(p.q) + ((t * Hq + int64_t(g) * kGroup) * kHeadDim);
+        static_cast<const uint16_t*>(p.q) + ((t * Hq + int64_t(g) * G) * kHeadDim);
     uint32_t row[2][16];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const uint4* src =
-          reinterpret_cast<const uint4*>(qbase + (g8 + 8 * half) * kHeadDim + 32 * tig);
+      const int h = g8 + 8 * half;
+      const uint4* src = reinterpret_cast<const uint4*>(qbase + h * kHeadDim + 32 * tig);
 #pragma unroll
       for (int W = 0; W < 4; ++W) {
-        const uint4 c = src[W];
+        const uint4 c = h < G ? src[W] : make_uint4(0, 0, 0, 0);
         if constexpr (kCvt) {
           // fp16 pairs in dequant8_cvt's order: (e0, e2), (e4, e6), (e1, e3), (e5, e7)
           const uint32_t wd[4] = {c.x, c.y, c.z, c.w};
@@ -183,15 +165,40 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
     for (int s = 0; s < 8; ++s)
       s_q[s][lane] = make_uint4(row[0][2 * s], row[1][2 * s], row[0][2 * s + 1], row[1][2 * s + 1]);
   }
-  int count = 0;
-  for (int k = 0; k < K; ++k) count += s_slot_n[k] > 0;
+
+  // ---- validity of every top-k slot before any load (SPEC §5.2)
+  bool ok = false;
+  int nv = 0;
+  int64_t off = 0;
+  if (tid < K && vis > 0) {
+    const int64_t b = bsel;
+    if (b >= 0 && b < M && b * kBlockSize < vis) {
+      const int64_t page = p.block_table[r * M + b];
+      if (geom.valid_page(page)) {
+        const int64_t rest = vis - b * kBlockSize;
+        nv = int(rest < kBlockSize ? rest : kBlockSize);
+        off = geom.tile_offset(layer, page, 2 * g);
+        ok = true;
+      }
+    }
+  }
+  // compaction: slot k's entry is the number of valid slots before it (K <= 64: warps 0, 1)
+  const uint32_t ballot = __ballot_sync(0xffffffffu, ok);
+  if (warp < 2 && lane == 0) s_mask[warp] = ballot;
+  __syncthreads();
+  const uint32_t mask0 = s_mask[0];
+  if (ok) {
+    const int idx = (warp == 0 ? 0 : __popc(mask0)) + __popc(ballot & ((1u << lane) - 1u));
+    s_off[idx] = off;
+    s_nvalid[idx] = nv;
+  }
+  const int count = __popc(mask0) + __popc(s_mask[1]);
   __syncthreads();
   const int nmine = count > rank ? (count - rank + S - 1) / S : 0;
 
   // Q fragments in registers (variants with the register budget), loaded after the barrier.
   uint32_t qreg[V::kQregs ? 8 : 1][4];
   if constexpr (V::kQregs) {
-    __syncthreads();  // s_q written by warp 0 (the slot barrier above may precede it)
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
       const uint4 qv = s_q[s][lane];
@@ -426,6 +433,9 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
   float* cta_o = pl + kWarps * kGroup;                     // [h][d]
   float* cta_m = cta_o + kGroup * kHeadDim;                // [h]
   float* cta_l = cta_m + kGroup;                           // [h]
+  float* rcv_o = cta_l + kGroup;                           // [src rank · per + h / S][d]
+  float* rcv_m = rcv_o + kGroup * kHeadDim;
+  float* rcv_l = rcv_m + kGroup;
 #pragma unroll
   for (int jd = 0; jd < 16; ++jd) {
 #pragma unroll
@@ -465,30 +475,45 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
   }
 
   const float vsc = (*p.v_scale) * kComp;
-  uint16_t* out = static_cast<uint16_t*>(p.out) + ((t * Hq + int64_t(g) * kGroup) * kHeadDim);
+  uint16_t* out = static_cast<uint16_t*>(p.out) + ((t * Hq + int64_t(g) * G) * kHeadDim);
   if (S == 1) {
     __syncthreads();
-    for (int h = 0; h < kGroup; ++h) {
+    for (int h = 0; h < G; ++h) {
       const float L = cta_l[h];
       const float o = L == 0.f ? 0.f : cta_o[h * kHeadDim + d] / L * vsc;
       out[h * kHeadDim + d] = Traits<T>::from_float(o);
     }
   } else {
+    // Push, then merge locally: every CTA stores its partial of head h into the shared memory
+    // of head h's owner (rank h % S), at row (source rank, h / S). Remote stores do not wait
+    // for each other, unlike remote loads. The first barrier keeps the stores out of stage
+    // rings still in use; the second publishes them.
+    const int per = kGroup / S;  // heads owned per CTA (S is a power of two <= 16)
     cluster.sync();
-    for (int h = rank; h < kGroup; h += S) {
+    for (int h = 0; h < G; ++h) {
+      const int owner = h & (S - 1);
+      const int row = rank * per + h / S;
+      cluster.map_shared_rank(rcv_o, owner)[row * kHeadDim + d] = cta_o[h * kHeadDim + d];
+      if (d == 0) {
+        cluster.map_shared_rank(rcv_m, owner)[row] = cta_m[h];
+        cluster.map_shared_rank(rcv_l, owner)[row] = cta_l[h];
+      }
+    }
+    cluster.sync();
+    for (int h = rank; h < G; h += S) {
+      const int j = h / S;
       float mw = -INFINITY;
-      for (int q = 0; q < S; ++q) mw = fmaxf(mw, cluster.map_shared_rank(cta_m, q)[h]);
+      for (int q = 0; q < S; ++q) mw = fmaxf(mw, rcv_m[q * per + j]);
       const float mu = mw == -INFINITY ? 0.f : mw;
       float L = 0.f, O = 0.f;
       for (int q = 0; q < S; ++q) {
-        const float f = fast_exp2(cluster.map_shared_rank(cta_m, q)[h] - mu);
-        L += cluster.map_shared_rank(cta_l, q)[h] * f;
-        O += cluster.map_shared_rank(cta_o, q)[h * kHeadDim + d] * f;
+        const float f = fast_exp2(rcv_m[q * per + j] - mu);
+        L += rcv_l[q * per + j] * f;
+        O += rcv_o[(q * per + j) * kHeadDim + d] * f;
       }
       const float o = L == 0.f ? 0.f : O / L * vsc;
       out[h * kHeadDim + d] = Traits<T>::from_float(o);
     }
-    cluster.sync();
   }
 }
 
@@ -562,12 +587,13 @@ int num_sms() {
 
 const char* attention_unsupported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                   int64_t topk_blocks, int64_t block_size) {
-  const bool ok_g = num_kv_heads > 0 && num_heads == num_kv_heads * kGroup;
+  const bool ok_g = num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
+                    num_heads / num_kv_heads >= 1 && num_heads / num_kv_heads <= kGroup;
   const bool ok = ok_g && head_dim == kHeadDim && block_size == kBlockSize && topk_blocks >= 1 &&
                   topk_blocks <= kMaxTopk;
   return ok ? ""
-            : "the CUDA kernels need num_heads == 16 * num_kv_heads (G = 16), head_dim == 128, "
-              "block_size == 128 and 1 <= topk_blocks <= 64";
+            : "the CUDA kernels need num_heads == G * num_kv_heads with 1 <= G <= 16, "
+              "head_dim == 128, block_size == 128 and 1 <= topk_blocks <= 64";
 }
 
 int choose_splits(int64_t pairs, int topk) {

@@ -67,6 +67,7 @@ ffi::Error attention_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& kv_ca
   p->topk = int32_t(K);
   p->num_requests = int32_t(bd[0]);
   p->max_blocks = int32_t(bd[1]);
+  p->group = int32_t(Hq / Hkv);
   p->splits = 0;
   return ffi::Error::Success();
 }

@@ -17,7 +17,7 @@ namespace cuda {
 // Geometry the attention kernels are built for (SPEC §1); pack handles any D % 16 == 0, N.
 constexpr int kHeadDim = 128;      // D
 constexpr int kBlockSize = 128;    // N
-constexpr int kGroup = 16;         // G = Hq / Hkv: the 16 rows of an mma tile
+constexpr int kGroup = 16;         // the 16 rows of an mma tile: G = Hq / Hkv may be 1..16
 constexpr int kMaxTopk = 64;       // K (topk_blocks) upper bound of the attention kernels
 
 enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
@@ -46,6 +46,7 @@ struct AttentionParams {
   DType dtype;                    // of q / out
   int32_t splits;                 // CTAs per (token, KV head); 0 = choose (power of 2, <= 16)
   int32_t variant;                // launch variant (attention.cu): 0 auto, 1, 2
+  int32_t group;                  // G = Hq / Hkv, 1..16 (0 means 16); rows >= G are padding
 };
 
 struct PackParams {

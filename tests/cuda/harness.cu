@@ -103,6 +103,7 @@ static void test_dequant(const char* name, bool bf16) {
 struct HostCase {
   CacheGeometry geom;
   int Hkv, T, K, R, M, dql, prefill, layer;
+  int G = 16;  // query heads per KV head
   float scale, kscale, vscale;
   std::vector<uint8_t> cache;
   std::vector<uint16_t> q;  // bf16 or f16 bits
@@ -116,7 +117,7 @@ static float qval(const HostCase& c, size_t i) {
 
 // fp64 attention from the stored bytes (SPEC §5.2, §5.5, §6)
 static std::vector<double> oracle(const HostCase& c, std::vector<char>* empty_rows) {
-  const int D = 128, G = 16, Hq = c.Hkv * G;
+  const int D = 128, G = c.G, Hq = c.Hkv * G;
   std::vector<double> out(size_t(c.T) * Hq * D, 0.0);
   if (empty_rows) empty_rows->assign(size_t(c.T) * Hq, 1);
   const CacheGeometry& geo = c.geom;
@@ -217,6 +218,7 @@ static AttentionParams upload_case(const HostCase& c, std::vector<void*>& owned)
   p.is_prefill = c.prefill;
   p.scale = c.scale;
   p.dtype = c.f16 ? DType::kF16 : DType::kBF16;
+  p.group = c.G;
   return p;
 }
 
@@ -282,8 +284,9 @@ static void fill_cache(HostCase& c, std::mt19937& rng, const std::vector<int64_t
 
 // Builds a decode (prefill = false) or prefill case with every fault of SPEC §5.2 / §7.
 static HostCase make_case(std::mt19937& rng, bool prefill, int Hkv, int R, int dql, int K,
-                          int layers, int layout, int layer, bool f16) {
+                          int layers, int layout, int layer, bool f16, int G = 16) {
   HostCase c;
+  c.G = G;
   c.f16 = f16;
   c.Hkv = Hkv;
   c.R = R;
@@ -377,7 +380,7 @@ static HostCase make_case(std::mt19937& rng, bool prefill, int Hkv, int R, int d
   std::vector<int64_t> tail_all = tail;
   fill_cache(c, rng, tail_all);
   // q: unit-ish random, as bf16/f16 bits
-  const int Hq = Hkv * 16;
+  const int Hq = Hkv * G;
   std::normal_distribution<float> nd(0.f, 1.f);
   c.q.resize(size_t(c.T) * Hq * 128);
   for (auto& v : c.q) v = f16 ? float_to_f16(nd(rng)) : float_to_bf16(nd(rng));
@@ -386,8 +389,8 @@ static HostCase make_case(std::mt19937& rng, bool prefill, int Hkv, int R, int d
 
 static void test_attention(std::mt19937& rng, const char* name, bool prefill, int Hkv, int R,
                            int dql, int K, int layers, int layout, int layer, bool f16,
-                           std::vector<int> splits_list) {
-  HostCase c = make_case(rng, prefill, Hkv, R, dql, K, layers, layout, layer, f16);
+                           std::vector<int> splits_list, int G = 16) {
+  HostCase c = make_case(rng, prefill, Hkv, R, dql, K, layers, layout, layer, f16, G);
   std::vector<char> empty;
   const std::vector<double> ref = oracle(c, &empty);
   long nempty = std::count(empty.begin(), empty.end(), 1);
@@ -398,9 +401,9 @@ static void test_attention(std::mt19937& rng, const char* name, bool prefill, in
                     m.cosine >= 0.99;
     char msg[256];
     snprintf(msg, sizeof msg,
-             "%s v%d splits=%d T=%d Hkv=%d K=%d: rel-F %.5f cosine %.6f (nan %ld, unwritten %ld, "
+             "%s v%d splits=%d T=%d Hkv=%d G=%d K=%d: rel-F %.5f cosine %.6f (nan %ld, unwritten %ld, "
              "nonzero-empty %ld of %ld empty rows)",
-             name, g_variant, s, c.T, Hkv, K, m.relf, m.cosine, m.nan, m.unwritten, m.nonzero_empty, nempty);
+             name, g_variant, s, c.T, Hkv, c.G, K, m.relf, m.cosine, m.nan, m.unwritten, m.nonzero_empty, nempty);
     report(ok, msg);
   }
 }
@@ -930,6 +933,10 @@ int main(int argc, char** argv) {
   test_attention(rng, "decode bf16 layer out of range", false, 1, 3, 1, 16, 2, 0, 5, false, {0, 2});
   test_attention(rng, "prefill bf16", true, 2, 4, 1, 16, 1, 0, 0, false, {0, 1, 2});
   test_attention(rng, "prefill f16 BLHNC layer 1", true, 1, 4, 1, 16, 2, 1, 1, true, {0, 1});
+  test_attention(rng, "decode bf16 G=8", false, 3, 5, 1, 16, 1, 0, 0, false, {0, 1, 2, 16}, 8);
+  test_attention(rng, "decode f16 G=4 dql=2", false, 2, 4, 2, 16, 2, 0, 1, true, {0, 4}, 4);
+  test_attention(rng, "decode bf16 G=1", false, 2, 4, 1, 7, 1, 0, 0, false, {0, 8}, 1);
+  test_attention(rng, "prefill bf16 G=8", true, 2, 4, 1, 16, 1, 0, 0, false, {0, 2}, 8);
   }
   g_variant = 0;
   test_pack_division(rng);

@@ -199,3 +199,32 @@ def test_pack_then_decode_in_scan_over_layers(rng):
                                layout="BLHNC")
         cos, relf = oracle.metrics(outs[layer], ref)
         assert cos >= GPU_COS and relf <= GPU_RELF, (layer, cos, relf)
+
+
+@pytest.mark.parametrize("G", [8, 4])
+def test_decode_small_group_in_scan_over_layers(rng, G):
+    """G = Hq / Hkv < 16 (TP8-style head counts) served natively: a jitted lax.scan over the
+    layers of a 5-D LBHNC cache with a traced layer index, as a model calls it."""
+    Hkv, K, L = 2, 16, 3
+    seq_lens = np.array([1100, 0, 2049, 300])
+    cache, bt, M, P = _setup(rng, Hkv, seq_lens, K, num_layers=L)
+    req, pos = oracle.decode_rows(seq_lens, 1)
+    T = len(req)
+    topk = np.stack([_topk(rng, Hkv, T, K, (pos + 1 + 127) // 128, M) for _ in range(L)])
+    q = jnp.asarray(rng.standard_normal((L, T, Hkv * G, 128)), jnp.bfloat16)
+
+    def layer_step(carry, xs):
+        layer, qi, ti = xs
+        return carry, m3.sparse_decode(qi, cache_d, ti, bt_d, sl_d, 0.9, 1.1, layer=layer)
+
+    cache_d, bt_d, sl_d = _gpu(cache), _gpu(bt), _gpu(seq_lens.astype(np.int32))
+    run = jax.jit(lambda q, t: jax.lax.scan(layer_step, 0, (jnp.arange(L, dtype=jnp.int32), q,
+                                                            t))[1])
+    outs = np.asarray(run(_gpu(q), _gpu(topk)).astype(jnp.float32))
+    for layer in range(L):
+        ref = oracle.attention(np.asarray(q[layer].astype(jnp.float32)), cache, topk[layer], bt,
+                               req, pos, 0.9, 1.1, layer=layer)
+        cos, relf = oracle.metrics(outs[layer], ref)
+        assert np.isfinite(outs[layer]).all()
+        assert (outs[layer][np.abs(ref).sum(-1) == 0] == 0).all()
+        assert cos >= GPU_COS and relf <= GPU_RELF, (layer, cos, relf)
