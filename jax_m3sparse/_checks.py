@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -80,5 +81,29 @@ def cache_geometry(kv_cache, layer, layout):
                          f"multiple of 32, got {full_dim}")
     if num_slots % 2:
         raise ValueError(f"kv_cache head-slot dim must be 2·Hkv (even), got {num_slots}")
+    cache_sharding(kv_cache)
     layer_op = scalar(0 if layer is None else layer, "layer", jnp.int32)
     return layer_op, code, num_layers, num_pages, num_slots, block_size, full_dim * 16 // 9
+
+
+def cache_sharding(kv_cache):
+    """Under Explicit mesh axes the cache's sharding is known while tracing: reject what the
+    partitioner would reject (DESIGN "Sharding"), naming the PartitionSpec to use."""
+    sharding = getattr(jax.typeof(kv_cache), "sharding", None)
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if not spec or mesh is None or mesh.empty:
+        return
+    axis = kv_cache.ndim - 3
+    spec = tuple(spec) + (None,) * (kv_cache.ndim - len(spec))
+    want = ", ".join("'<axis>'" if d == axis else "None" for d in range(kv_cache.ndim))
+    hint = (f"jax_m3sparse partitions only over the KV-head slot axis: PartitionSpec({want}) "
+            f"(jax_m3sparse.sharding.cache_spec)")
+    bad = [d for d, s in enumerate(spec) if s is not None and d != axis]
+    if bad:
+        raise ValueError(f"kv_cache {kv_cache.shape} is sharded {spec} along axis {bad}; {hint}")
+    names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
+    shards = int(np.prod([mesh.shape[n] for n in names if n is not None]))
+    if (kv_cache.shape[axis] // shards) % 2:
+        raise ValueError(f"kv_cache head-slot axis ({kv_cache.shape[axis]} slots = 2·Hkv) split "
+                         f"into {shards} shards cuts a K/V slot pair (SPEC §3.1); {hint}, with "
+                         f"KV heads replicated past Hkv (jax_m3sparse.sharding.replicate_kv_heads)")

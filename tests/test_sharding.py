@@ -171,3 +171,31 @@ def test_two_processes_with_jax_distributed(tmp_path):
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
         assert "OK process" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("n,spec,match", [
+    (2, P(None, "tp", None, None, None), "along axis \\[1\\]"),
+    (8, P(None, None, "tp", None, None), "cuts a K/V slot pair"),
+])
+def test_explicit_mesh_rejects_at_trace_time(rng, n, spec, match):
+    """With Explicit axes the sharding is in the type: the error comes while tracing."""
+    case = sc.make_case(rng, 4, 4, 64, layers=1)
+    m = mesh(n, AxisType.Explicit)
+    cache = jax.device_put(case.cache, NamedSharding(m, spec))
+    k = case.args["key"][0]
+    with pytest.raises(ValueError, match=match):
+        jax.jit(lambda c: m3.pack_kv_pages(c, k, k, case.args["slots"], 1.0, 1.0,
+                                           layer=0)).trace(cache)
+
+
+def test_positions_in_a_sharded_program_stay_local():
+    """query_token_positions has no KV-head axis: replicated operands, no collective."""
+    m = mesh(4)
+    rep = NamedSharding(m, P())
+    cu = jax.device_put(np.array([0, 3, 3, 7], np.int32), rep)
+    ctx = jax.device_put(np.array([5, 0, 130], np.int32), rep)
+    f = jax.jit(lambda cu, ctx: m3.query_token_positions(cu, ctx, 9))
+    assert not sc.COLLECTIVE.search(f.lower(cu, ctx).compile().as_text())
+    req, pos = f(cu, ctx)
+    assert req.tolist() == [0, 0, 0, 2, 2, 2, 2, -1, -1]
+    assert pos.tolist() == [5, 6, 7, 130, 131, 132, 133, -1, -1]
