@@ -4,6 +4,7 @@ results equal to one device — plus KV-head replication, export, rejected shard
 and two processes through jax.distributed."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,7 +48,8 @@ def test_tp_step_has_no_collective_and_matches_one_device(rng, tp, hkv, hq, layo
     text, cache, outs = sc.run_sharded(m, case)
     assert not sc.COLLECTIVE.search(text), [l for l in text.splitlines()
                                              if sc.COLLECTIVE.search(l)][:3]
-    assert "input_output_alias" in text  # the donated cache is updated in place
+    assert "input_output_alias" in text  # the donated cache is updated in place,
+    assert not re.search(r"= u8\[[^\]]*\]\S* copy\(", text)  # never copied
     assert cache.sharding.spec == shd.cache_spec("tp", 5)
     for out in outs:
         assert out.sharding.is_equivalent_to(NamedSharding(m, P(None, None, "tp")), out.ndim)
