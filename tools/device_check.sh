@@ -4,7 +4,8 @@
 # the timings. Logs go to $OUT (the device tool brings them back) or ./out.
 #   tools/device_check.sh [quick|full|sanitize|profile]
 #     quick: smaller benchmark set; sanitize: compute-sanitizer memcheck + racecheck on the
-#     harness and memcheck on the public-API GPU tests (no timings); profile: ncu on the harness
+#     harness and memcheck on the public-API GPU tests (no timings); profile: ncu on the harness;
+#     final: the bench.cuda table, sanitizers and the scan gap analysis in one call
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -72,6 +73,30 @@ cuobjdump -sass "$B/attention.o" > "$OUT/attention.sass" 2>/dev/null &&
   awk '/Function : .*nv_bfloat16.*VariantILi4ELi2E/{f=1;next} /Function :/{f=0} f' "$OUT/attention.sass" |
   grep -oE '^ +/\*[0-9a-f]{4}\*/ +[A-Z0-9_.]+' | awk '{print $2}' | sed 's/\..*//' |
   sort | uniq -c | sort -rn | head -24 | tr '\n' ' '; echo
+
+if [ "$MODE" = final ]; then  # one call: the bench table, sanitizers, the gap analysis
+  wait $CMAKE_PID; tail -1 "$OUT/cmake.log"
+  export PYTHONPATH=$ROOT
+  echo "=== python -m jax_m3sparse.bench.cuda"
+  M3SPARSE_BENCH_TRACE=1 timeout 200 python3 -m jax_m3sparse.bench.cuda 2>&1 |
+    tee "$OUT/bench_cuda.log" | grep -v "^  trace"
+  for tool in racecheck memcheck; do
+    echo "=== compute-sanitizer $tool: harness --no-bench --short"
+    timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 "$B/harness" --no-bench \
+      --short >"$OUT/sanitize_$tool.log" 2>&1
+    echo "rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL |failure" "$OUT/sanitize_$tool.log" | tail -3
+  done
+  echo "=== gap analysis"
+  M3SPARSE_BENCH_TRACE=1 timeout 100 python3 -m jax_m3sparse.bench.cuda --gap 2>&1 |
+    tee "$OUT/gap.log" | grep -v "^  trace"
+  echo "=== compute-sanitizer memcheck: pytest tests/cuda/test_gpu.py -k 'small_group or decode_matches'"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 70 compute-sanitizer --tool memcheck \
+    --error-exitcode 9 python3 -m pytest -q -x tests/cuda/test_gpu.py -p no:cacheprovider \
+    -k "small_group or decode_matches" >"$OUT/sanitize_pytest.log" 2>&1
+  echo "rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize_pytest.log" | tail -3
+  date -u
+  exit 0
+fi
 
 if [ "$MODE" = sanitize ]; then
   for tool in memcheck racecheck; do

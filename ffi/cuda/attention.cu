@@ -40,10 +40,9 @@ constexpr int kScalePlane = kBlockSize * kHeadDim / 2;                     // 81
 constexpr int kStageBytes = 2 * kTileBytes;                                // K tile, V tile
 constexpr int kMaxSplits = 16;
 constexpr float kLog2e = 1.4426950408889634f;
-// Merge scratch (reuses the stage ring): 4 warp partials, one CTA partial, and the partials
-// that the other CTAs of the cluster push for the heads this CTA owns.
+// Merge scratch (reuses the stage ring): 4 warp partials + one CTA partial.
 constexpr int kMergeBytes =
-    (kWarps * kGroup * kHeadDim + 2 * kWarps * kGroup + 2 * (kGroup * kHeadDim + 2 * kGroup)) * 4;
+    (kWarps * kGroup * kHeadDim + 2 * kWarps * kGroup + kGroup * kHeadDim + 2 * kGroup) * 4;
 
 // Launch variants: (CTAs per SM, cp.async stages). Variant 1 trades prefetch depth for a
 // fourth resident CTA (16 warps / SM); both were timed on the H200 (BENCHMARKS.md).
@@ -433,9 +432,6 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
   float* cta_o = pl + kWarps * kGroup;                     // [h][d]
   float* cta_m = cta_o + kGroup * kHeadDim;                // [h]
   float* cta_l = cta_m + kGroup;                           // [h]
-  float* rcv_o = cta_l + kGroup;                           // [src rank · per + h / S][d]
-  float* rcv_m = rcv_o + kGroup * kHeadDim;
-  float* rcv_l = rcv_m + kGroup;
 #pragma unroll
   for (int jd = 0; jd < 16; ++jd) {
 #pragma unroll
@@ -484,36 +480,21 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
       out[h * kHeadDim + d] = Traits<T>::from_float(o);
     }
   } else {
-    // Push, then merge locally: every CTA stores its partial of head h into the shared memory
-    // of head h's owner (rank h % S), at row (source rank, h / S). Remote stores do not wait
-    // for each other, unlike remote loads. The first barrier keeps the stores out of stage
-    // rings still in use; the second publishes them.
-    const int per = kGroup / S;  // heads owned per CTA (S is a power of two <= 16)
-    cluster.sync();
-    for (int h = 0; h < G; ++h) {
-      const int owner = h & (S - 1);
-      const int row = rank * per + h / S;
-      cluster.map_shared_rank(rcv_o, owner)[row * kHeadDim + d] = cta_o[h * kHeadDim + d];
-      if (d == 0) {
-        cluster.map_shared_rank(rcv_m, owner)[row] = cta_m[h];
-        cluster.map_shared_rank(rcv_l, owner)[row] = cta_l[h];
-      }
-    }
     cluster.sync();
     for (int h = rank; h < G; h += S) {
-      const int j = h / S;
       float mw = -INFINITY;
-      for (int q = 0; q < S; ++q) mw = fmaxf(mw, rcv_m[q * per + j]);
+      for (int q = 0; q < S; ++q) mw = fmaxf(mw, cluster.map_shared_rank(cta_m, q)[h]);
       const float mu = mw == -INFINITY ? 0.f : mw;
       float L = 0.f, O = 0.f;
       for (int q = 0; q < S; ++q) {
-        const float f = fast_exp2(rcv_m[q * per + j] - mu);
-        L += rcv_l[q * per + j] * f;
-        O += rcv_o[(q * per + j) * kHeadDim + d] * f;
+        const float f = fast_exp2(cluster.map_shared_rank(cta_m, q)[h] - mu);
+        L += cluster.map_shared_rank(cta_l, q)[h] * f;
+        O += cluster.map_shared_rank(cta_o, q)[h * kHeadDim + d] * f;
       }
       const float o = L == 0.f ? 0.f : O / L * vsc;
       out[h * kHeadDim + d] = Traits<T>::from_float(o);
     }
+    cluster.sync();
   }
 }
 
