@@ -105,7 +105,7 @@ def check_layout(layout) -> int:
 
 # What each platform's native kernels serve (SPEC §1): exact values, or (low, high) ranges.
 _KERNEL_LIMITS = {
-    "rocm": dict(arch="gfx950", head_dim=128, group=16, topk_blocks=16, block_size=128),
+    "rocm": dict(arch="gfx950", head_dim=128, group=frozenset({8, 16}), topk_blocks=16, block_size=128),
     "cuda": dict(arch="sm_90", head_dim=128, group=(1, 16), topk_blocks=(1, 64), block_size=128),
 }
 
@@ -116,7 +116,7 @@ def unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, topk_bl
     violated requirement and the values seen (SPEC §1).
 
     ``platform`` None or "cpu": any G = Hq/Hkv ≥ 1, K ≥ 1, N = 128, D a multiple of 32
-    (the CPU backend and the reference). "rocm": the gfx950 kernels (D = 128, G = 16,
+    (the CPU backend and the reference). "rocm": the gfx950 kernels (D = 128, G = 16 or 8,
     K = 16, N = 128). "cuda": the sm_90 kernels (D = 128, 1 ≤ G ≤ 16, 1 ≤ K ≤ 64, N = 128;
     q in bf16 or f16, checked when lowering).
     """
@@ -139,7 +139,9 @@ def unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, topk_bl
             label = "num_heads / num_kv_heads" if name == "group" else name
             if isinstance(want, tuple) and not want[0] <= seen <= want[1]:
                 problems.append(f"{label} must be between {want[0]} and {want[1]} (got {seen})")
-            elif not isinstance(want, tuple) and seen != want:
+            elif isinstance(want, frozenset) and seen not in want:
+                problems.append(f"{label} must be one of {sorted(want)} (got {seen})")
+            elif not isinstance(want, (tuple, frozenset)) and seen != want:
                 problems.append(f"{label} must be {want} (got {seen})")
     if not problems:
         return None

@@ -35,6 +35,7 @@ THREADS = NUM_WAVES * WAVE
 # 2 halves exceed 256 VGPRs and halve the occupancy).
 PREFETCH_V_HALVES = 1
 
+GROUPS = (16, 8)                               # G served: M3 at TP4 (16) and TP8 (8)
 IO_DTYPES = {"bf16": fx.BFloat16, "f16": fx.Float16, "f32": fx.Float32}  # q / out dtypes
 COMPUTE_DTYPES = {"bf16": fx.BFloat16, "f16": fx.Float16}
 
@@ -155,6 +156,11 @@ PARTIAL_O_BYTES = GROUP_HEADS * HEAD_DIM * 4   # 8192
 PARTIAL_BYTES = PARTIAL_O_BYTES + GROUP_HEADS * 8
 
 
+def owned_bytes(owns, num_bytes):
+    """A descriptor size: num_bytes, or 0 (every store dropped) where `owns` is false; owns None = all."""
+    return num_bytes if owns is None else owns.select(num_bytes, fx.Int64(0))
+
+
 def lse_combine(ms, ls, os_):
     """Merge partial softmax states (m_u, l_u, O_u) (base 2): weights 2^(m_u - max m), where a part
     that attended nothing (m_u = -inf) weighs exactly 0. Returns (m, l, O)."""
@@ -180,7 +186,7 @@ def finish(o_all, l_all, v_scale):
 
 
 def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_base,
-           slots_per_wave=SLOTS_PER_WAVE, split=None, workspace=None, num_splits=1):
+           slots_per_wave=SLOTS_PER_WAVE, split=None, workspace=None, num_splits=1, group=GROUP_HEADS):
     """Attention of one token's 16 query heads of KV head `kv_head` over its selected blocks.
 
     req: the token's request (row of block_table); vis = pos + 1; row_ok: false for a padding
@@ -188,11 +194,14 @@ def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_bas
     Without `split`, the workgroup covers all 16 slots (4 per wave) and writes the output.
     With `split` (an Int32 in [0, num_splits)), it covers slots split·4·slots_per_wave + … and
     writes its partial (O, m, l) to `workspace` for sparse_decode's merge kernel.
+    group: G, the query heads per KV head (16, or 8 for M3 at TP8). The MFMA's 16 columns stay
+    16 wide: with G = 8, lanes 8..15 of each quarter-wave repeat heads 0..7 (same scores, never
+    stored), and the waves that hold no head < G write through a 0-byte descriptor (nothing).
     """
     tid = fx.Int32(fx.thread_idx.x)
     wave = uniform(tid // WAVE)
     lane, lane16, quad = lane_ids(tid)
-    num_heads = ops.num_kv_heads * GROUP_HEADS
+    num_heads = ops.num_kv_heads * group
     vt_base = wave * VT_BYTES
 
     layer = fx.Int32(ops.layer.load())
@@ -207,7 +216,7 @@ def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_bas
     # ---- Q in registers: head g·16 + lane16, d = 32·quad + 8·c + i (four 16-byte loads) --------
     io_bytes = io.width // 8
     q_rsrc = buffer_rsrc(ops.q, fx.Int64(ops.num_tokens) * fx.Int64(num_heads) * (HEAD_DIM * io_bytes))
-    q_row = ((token * num_heads + kv_head * GROUP_HEADS + lane16) * HEAD_DIM + quad * D_PER_QUAD) * io_bytes
+    q_row = ((token * num_heads + kv_head * group + lane16 % group) * HEAD_DIM + quad * D_PER_QUAD) * io_bytes
     q_ops = []
     for c in range_constexpr(4):
         q_ops.append(load_vec8(q_rsrc, q_row + 8 * io_bytes * c, io, compute))
@@ -320,8 +329,10 @@ def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_bas
     lds_store(lds_base, MERGE_ML_OFF + (wave * GROUP_HEADS + lane16) * 8, ml, fx.Float32, 8)
     gpu.barrier()
 
-    # wave w writes heads 4·w + quad, d = 8·lane16 .. +7 (one 16-byte store per lane)
+    # wave w writes heads 4·w + quad, d = 8·lane16 .. +7 (one 16-byte store per lane); with G < 16
+    # the waves past head G - 1 store through 0-byte descriptors, i.e. not at all
     head = wave * 4 + quad
+    owns = (wave * 4 < group) if group < GROUP_HEADS else None
     d0 = lane16 * 8
     stats = [lds_load(lds_base, MERGE_ML_OFF + (u * GROUP_HEADS + head) * 8, fx.Float32, 2, 8)
              for u in range_constexpr(NUM_WAVES)]
@@ -329,12 +340,13 @@ def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_bas
              for u in range_constexpr(NUM_WAVES)]
     m_all, l_all, o_all = lse_combine([st[0] for st in stats], [st[1] for st in stats], parts)
     if split is None:
-        out_rsrc = buffer_rsrc(ops.out, fx.Int64(ops.num_tokens) * fx.Int64(num_heads) * (HEAD_DIM * io_bytes))
-        out_off = ((token * num_heads + kv_head * GROUP_HEADS + head) * HEAD_DIM + d0) * io_bytes
+        out_bytes = fx.Int64(ops.num_tokens) * fx.Int64(num_heads) * (HEAD_DIM * io_bytes)
+        out_rsrc = buffer_rsrc(ops.out, owned_bytes(owns, out_bytes))
+        out_off = ((token * num_heads + kv_head * group + head) * HEAD_DIM + d0) * io_bytes
         store_vec8(out_rsrc, out_off, finish(o_all, l_all, v_scale), io)
     else:
-        ws_rsrc = buffer_rsrc(workspace, fx.Int64(ops.num_tokens) * fx.Int64(ops.num_kv_heads)
-                              * (num_splits * PARTIAL_BYTES))
+        ws_bytes = fx.Int64(ops.num_tokens) * fx.Int64(ops.num_kv_heads) * (num_splits * PARTIAL_BYTES)
+        ws_rsrc = buffer_rsrc(workspace, owned_bytes(owns, ws_bytes))
         record = ((token * ops.num_kv_heads + kv_head) * num_splits + split) * PARTIAL_BYTES
         store_vec8(ws_rsrc, record + (head * HEAD_DIM + d0) * 4, o_all, fx.Float32)
         # the 16 lanes of a head store the same (m, l) pair

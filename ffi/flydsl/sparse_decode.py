@@ -1,9 +1,9 @@
 """Sparse NVFP4 decode attention for gfx950 (SPEC §5.2, §5.3, §5.5), bf16 MFMA compute.
 
 Compiled variants: `sparse_decode_bf16`, `sparse_decode_f16`, `sparse_decode_f32` (the q / out dtype; the products are
-computed in bf16 either way, SPEC §5.5). Launcher arguments, in order (ffi/rocm/ passes them):
+computed in bf16 either way, SPEC §5.5), and the same for G = 8 (M3 at TP8) as `sparse_decode_g8_<dtype>`. Launcher arguments, in order (ffi/rocm/ passes them):
 
-    q            bf16|f16|f32 [T, Hq, D]            Hq = Hkv·G, D = 128, G = 16
+    q            bf16|f16|f32 [T, Hq, D]            Hq = Hkv·G, D = 128, G = 16 (or 8: the *_g8_* variants)
     kv_cache     uint8, SPEC §3 (4-D, or 5-D LBHNC / BLHNC; see page_stride / layer_stride)
     topk_indices int32 [Hkv, T, K]              K = 16 logical block ids, -1 = unused
     block_table  int32 [R, M]
@@ -78,16 +78,16 @@ from flydsl.expr import range_constexpr
 
 from attention_core import (
     COMPUTE_DTYPES, IO_DTYPES, NUM_WAVES, PARTIAL_BYTES, PARTIAL_O_BYTES, THREADS, TOPK, Operands, attend,
-    finish, lse_combine, shared_storage, store_vec8,
+    finish, lse_combine, owned_bytes, shared_storage, store_vec8,
 )
-from common import GROUP_HEADS, HEAD_DIM, buffer_rsrc, load_dwords
+from common import GROUP_HEADS, HEAD_DIM, buffer_rsrc, load_dwords, uniform
 
 COMPUTE = "bf16"            # SPEC §5.5: the gfx950 decode computes the products in bf16
 
 
 @functools.lru_cache(maxsize=None)
-def compile_sparse_decode(dtype: str = "bf16"):
-    """Launcher for q/out dtype `dtype` ("bf16", "f16" or "f32"); products in bf16."""
+def compile_sparse_decode(dtype: str = "bf16", group: int = GROUP_HEADS):
+    """Launcher for q/out dtype `dtype` ("bf16", "f16" or "f32") and G = `group` (16 or 8); products in bf16."""
     io = IO_DTYPES[dtype]
     compute = COMPUTE_DTYPES[COMPUTE]
     SharedStorage = shared_storage()
@@ -115,7 +115,7 @@ def compile_sparse_decode(dtype: str = "bf16"):
         ops = Operands(q, kv_cache, topk_indices, block_table, k_scale, v_scale, layer, out,
                        num_tokens, num_kv_heads, num_requests, max_blocks, num_pages, num_layers,
                        page_stride, layer_stride, scale)
-        attend(ops, compute, io, token, kv_head, req, vis, row_ok, lds_base)
+        attend(ops, compute, io, token, kv_head, req, vis, row_ok, lds_base, group=group)
 
     @flyc.jit
     def launch(
@@ -141,7 +141,7 @@ SPLIT_SLOTS_PER_WAVE = TOPK // (NUM_SPLITS * NUM_WAVES)   # 1 selected block per
 
 
 @functools.lru_cache(maxsize=None)
-def compile_sparse_decode_split(dtype: str = "bf16"):
+def compile_sparse_decode_split(dtype: str = "bf16", group: int = GROUP_HEADS):
     """Launcher of the split decode: grid (T, Hkv, 4) workgroups, each over 4 of the 16 slots (one
     per wave), writing partial (O, m, l) to `workspace` (float32, T·Hkv·4·8320 bytes, from the
     handler's scratch allocator); then the merge kernel, grid (T, Hkv), combines the 4 partials
@@ -173,17 +173,19 @@ def compile_sparse_decode_split(dtype: str = "bf16"):
                        num_tokens, num_kv_heads, num_requests, max_blocks, num_pages, num_layers,
                        page_stride, layer_stride, scale)
         attend(ops, compute, io, token, kv_head, req, vis, row_ok, lds_base,
-               slots_per_wave=SPLIT_SLOTS_PER_WAVE, split=split, workspace=workspace, num_splits=NUM_SPLITS)
+               slots_per_wave=SPLIT_SLOTS_PER_WAVE, split=split, workspace=workspace, num_splits=NUM_SPLITS,
+               group=group)
 
     @flyc.kernel(known_block_size=(THREADS, 1, 1))
     def sparse_decode_merge_kernel(
         workspace: fx.Pointer, v_scale: fx.Pointer, out: fx.Pointer, num_tokens: fx.Int32, num_kv_heads: fx.Int32,
     ):
-        # thread tid: head tid // 16, d = 8·(tid % 16) .. +7
+        # thread tid: head tid // 16, d = 8·(tid % 16) .. +7; with G = 8 waves 2, 3 store nothing
         token = fx.Int32(fx.block_idx.x)
         kv_head = fx.Int32(fx.block_idx.y)
         tid = fx.Int32(fx.thread_idx.x)
         head = tid // 16
+        owns = (uniform(tid // 64) * 4 < group) if group < GROUP_HEADS else None
         d0 = (tid % 16) * 8
         ws = buffer_rsrc(workspace, fx.Int64(num_tokens) * fx.Int64(num_kv_heads) * (NUM_SPLITS * PARTIAL_BYTES))
         first = (token * num_kv_heads + kv_head) * NUM_SPLITS * PARTIAL_BYTES
@@ -198,10 +200,11 @@ def compile_sparse_decode_split(dtype: str = "bf16"):
             os_.append(fx.Vector.from_elements([lo[i] for i in range(4)] + [hi[i] for i in range(4)],
                                                dtype=fx.Float32))
         _, l_all, o_all = lse_combine(ms, ls, os_)
-        num_heads = num_kv_heads * GROUP_HEADS
+        num_heads = num_kv_heads * group
         io_bytes = io.width // 8
-        out_rsrc = buffer_rsrc(out, fx.Int64(num_tokens) * fx.Int64(num_heads) * (HEAD_DIM * io_bytes))
-        out_off = ((token * num_heads + kv_head * GROUP_HEADS + head) * HEAD_DIM + d0) * io_bytes
+        out_bytes = fx.Int64(num_tokens) * fx.Int64(num_heads) * (HEAD_DIM * io_bytes)
+        out_rsrc = buffer_rsrc(out, owned_bytes(owns, out_bytes))
+        out_off = ((token * num_heads + kv_head * group + head) * HEAD_DIM + d0) * io_bytes
         store_vec8(out_rsrc, out_off, finish(o_all, l_all, fx.Float32(v_scale.load())), io)
 
     @flyc.jit
@@ -225,12 +228,12 @@ def compile_sparse_decode_split(dtype: str = "bf16"):
     return launch
 
 
-def placeholders_split(dtype: str = "bf16"):
+def placeholders_split(dtype: str = "bf16", group: int = GROUP_HEADS):
     base = placeholders(dtype)
     return base[:9] + (flyc.from_c_void_p(fx.Float32, None, assumed_align=16),) + base[9:]
 
 
-def placeholders(dtype: str = "bf16"):
+def placeholders(dtype: str = "bf16", group: int = GROUP_HEADS):
     """Arguments for flyc.compile without a GPU (null pointers, dummy scalars)."""
     io = IO_DTYPES[dtype]
     ptr = flyc.from_c_void_p

@@ -1,9 +1,10 @@
 """Sparse NVFP4 prefill attention for gfx950 (SPEC §5.2, §5.4, §5.5), fp16 MFMA compute.
 
 Compiled variants: `sparse_prefill_bf16`, `sparse_prefill_f16`, `sparse_prefill_f32` (the q / out dtype; the products are
-computed in fp16 either way, SPEC §5.5). Launcher arguments, in order:
+computed in fp16 either way, SPEC §5.5), and the same for G = 8 (M3 at TP8) as `sparse_prefill_g8_<dtype>`.
+Launcher arguments, in order:
 
-    q            bf16|f16|f32 [T, Hq, D]            Hq = Hkv·G, D = 128, G = 16
+    q            bf16|f16|f32 [T, Hq, D]            Hq = Hkv·G, D = 128, G = 16 (or 8: the *_g8_* variants)
     kv_cache     uint8, SPEC §3 (4-D, or 5-D LBHNC / BLHNC)
     topk_indices int32 [Hkv, T, K]              per-token selection, K = 16, -1 = unused
     block_table  int32 [R, M]
@@ -33,13 +34,14 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 
 from attention_core import COMPUTE_DTYPES, IO_DTYPES, THREADS, Operands, attend, shared_storage
+from common import GROUP_HEADS
 
 COMPUTE = "f16"             # SPEC §5.5: the gfx950 prefill computes the products in fp16
 
 
 @functools.lru_cache(maxsize=None)
-def compile_sparse_prefill(dtype: str = "f16"):
-    """Launcher for q/out dtype `dtype` ("bf16", "f16" or "f32"); products in fp16."""
+def compile_sparse_prefill(dtype: str = "f16", group: int = GROUP_HEADS):
+    """Launcher for q/out dtype `dtype` ("bf16", "f16" or "f32") and G = `group` (16 or 8); products in fp16."""
     io = IO_DTYPES[dtype]
     compute = COMPUTE_DTYPES[COMPUTE]
     SharedStorage = shared_storage()
@@ -67,7 +69,7 @@ def compile_sparse_prefill(dtype: str = "f16"):
         ops = Operands(q, kv_cache, topk_indices, block_table, k_scale, v_scale, layer, out,
                        num_tokens, num_kv_heads, num_requests, max_blocks, num_pages, num_layers,
                        page_stride, layer_stride, scale)
-        attend(ops, compute, io, token, kv_head, req, vis, row_ok, lds_base)
+        attend(ops, compute, io, token, kv_head, req, vis, row_ok, lds_base, group=group)
 
     @flyc.jit
     def launch(
@@ -88,7 +90,7 @@ def compile_sparse_prefill(dtype: str = "f16"):
     return launch
 
 
-def placeholders(dtype: str = "f16"):
+def placeholders(dtype: str = "f16", group: int = GROUP_HEADS):
     """Arguments for flyc.compile without a GPU (null pointers, dummy scalars)."""
     io = IO_DTYPES[dtype]
     ptr = flyc.from_c_void_p

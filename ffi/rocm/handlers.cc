@@ -1,6 +1,6 @@
 // XLA FFI handlers of the ROCm (gfx950) backend: m3sparse_<op>_rocm, with exactly the operands,
 // results and attributes of docs/ffi_targets.md. Each handler validates the buffers (shapes,
-// dtypes, the gfx950 geometry D = 128, G = 16, K = 16, N = 128, 32-bit index limits), makes sure
+// dtypes, the gfx950 geometry D = 128, G = 16 or 8, K = 16, N = 128, 32-bit index limits), makes sure
 // the device is a gfx950 with the kernel's module loaded (device.cc), and calls the FlyDSL
 // entry point exported by ffi/flydsl/export.py on XLA's stream. Semantics: SPEC §2–§5, §7.
 #include <cstdint>
@@ -16,7 +16,8 @@ namespace m3sparse::rocm {
 namespace {
 
 constexpr int64_t kHeadDim = 128;    // D
-constexpr int64_t kGroup = 16;       // G query heads per KV head
+constexpr int64_t kGroup = 16;       // G query heads per KV head (the *_g8_* kernels serve G = 8)
+constexpr int64_t kGroupTp8 = 8;     // MiniMax M3 at TP8
 constexpr int64_t kTopk = 16;        // K selected blocks
 constexpr int64_t kBlockSize = 128;  // N
 constexpr int64_t kPackTokensPerGroup = 4;   // pack_kv_pages: tokens per 64-lane workgroup
@@ -51,6 +52,9 @@ struct Variant {
                                   M3SPARSE_KERNEL_MODULE(NAME##_f16), NAME##_f16_call}   \
                              : Variant<decltype(&NAME##_bf16_call)>{                      \
                                   M3SPARSE_KERNEL_MODULE(NAME##_f32), NAME##_f32_call})
+// ... and per G (16, or 8 from the NAME_g8 modules; same entry-point signatures).
+#define M3SPARSE_GROUP_VARIANTS(NAME, T, G) \
+  ((G) == kGroupTp8 ? M3SPARSE_VARIANTS(NAME##_g8, T) : M3SPARSE_VARIANTS(NAME, T))
 
 // Cache geometry (SPEC §3) restricted to what the gfx950 kernels are compiled for.
 ffi::Error cache_geometry(const char* target, const ffi::AnyBuffer& cache, int64_t layout,
@@ -154,7 +158,7 @@ ffi::Error QueryTokenPositions(hipStream_t stream, int32_t device, ffi::Buffer<f
 // ---------------------------------------------------------------------------------------------
 struct AttendShape {
   CacheGeometry geo;
-  int64_t tokens, hkv, requests, max_blocks, page_stride, layer_stride;
+  int64_t tokens, hkv, group, requests, max_blocks, page_stride, layer_stride;
 };
 
 ffi::Error attend_shape(const char* target, const ffi::AnyBuffer& q, const ffi::AnyBuffer& cache,
@@ -165,9 +169,10 @@ ffi::Error attend_shape(const char* target, const ffi::AnyBuffer& q, const ffi::
   auto qd = q.dimensions();
   if (qd.size() != 3 || qd[2] != kHeadDim)
     return refuse(target, "q must be [T, Hq, 128], got " + dims_text(qd));
-  if (qd[1] != kGroup * s->hkv)
-    return refuse(target, "gfx950 kernels need G = Hq/Hkv = 16, got Hq=" + std::to_string(qd[1]) +
+  if (qd[1] != kGroup * s->hkv && qd[1] != kGroupTp8 * s->hkv)
+    return refuse(target, "gfx950 kernels need G = Hq/Hkv = 16 or 8, got Hq=" + std::to_string(qd[1]) +
                               ", Hkv=" + std::to_string(s->hkv));
+  s->group = qd[1] / s->hkv;
   if (!is_float(q.element_type()))
     return refuse(target, "q must be float32, bfloat16 or float16");
   if (out.element_type() != q.element_type() || dims_text(out.dimensions()) != dims_text(qd))
@@ -217,7 +222,7 @@ ffi::Error SparseDecode(hipStream_t stream, int32_t device, ffi::ScratchAllocato
     const int64_t ws_bytes = s.tokens * s.hkv * kDecodeSplits * kPartialBytes;
     std::optional<void*> workspace = scratch.Allocate(size_t(ws_bytes), 16);
     if (workspace.has_value()) {
-      const auto sv = M3SPARSE_VARIANTS(sparse_decode_split, q.element_type());
+      const auto sv = M3SPARSE_GROUP_VARIANTS(sparse_decode_split, q.element_type(), s.group);
       if (auto e = prepare_launch(kDecodeTarget, sv.kernel, device); e.failure()) return e;
       int32_t st = sv.call(q.untyped_data(), cache.untyped_data(), topk.typed_data(),
                            block_table.typed_data(), seq_lens.typed_data(), k_scale.typed_data(),
@@ -229,7 +234,7 @@ ffi::Error SparseDecode(hipStream_t stream, int32_t device, ffi::ScratchAllocato
     }
     // No scratch memory: the one-pass kernel below computes the same result.
   }
-  const auto v = M3SPARSE_VARIANTS(sparse_decode, q.element_type());
+  const auto v = M3SPARSE_GROUP_VARIANTS(sparse_decode, q.element_type(), s.group);
   if (auto e = prepare_launch(kDecodeTarget, v.kernel, device); e.failure()) return e;
   int32_t st = v.call(q.untyped_data(), cache.untyped_data(), topk.typed_data(), block_table.typed_data(),
                     seq_lens.typed_data(), k_scale.typed_data(), v_scale.typed_data(),
@@ -257,7 +262,7 @@ ffi::Error SparsePrefill(hipStream_t stream, int32_t device, ffi::AnyBuffer q, f
   if (int64_t(query_req_id.element_count()) != s.tokens || int64_t(query_abs_pos.element_count()) != s.tokens)
     return refuse(kPrefillTarget, "query_req_id and query_abs_pos must be [T]");
   if (s.tokens == 0) return ffi::Error::Success();
-  const auto v = M3SPARSE_VARIANTS(sparse_prefill, q.element_type());
+  const auto v = M3SPARSE_GROUP_VARIANTS(sparse_prefill, q.element_type(), s.group);
   if (auto e = prepare_launch(kPrefillTarget, v.kernel, device); e.failure()) return e;
   int32_t st = v.call(q.untyped_data(), cache.untyped_data(), topk.typed_data(), block_table.typed_data(),
                     query_req_id.typed_data(), query_abs_pos.typed_data(), k_scale.typed_data(),

@@ -23,6 +23,15 @@ extern "C" {
 #include "sparse_prefill_bf16.h"
 #include "sparse_prefill_f16.h"
 #include "sparse_prefill_f32.h"
+#include "sparse_decode_g8_bf16.h"
+#include "sparse_decode_g8_f16.h"
+#include "sparse_decode_g8_f32.h"
+#include "sparse_decode_split_g8_bf16.h"
+#include "sparse_decode_split_g8_f16.h"
+#include "sparse_decode_split_g8_f32.h"
+#include "sparse_prefill_g8_bf16.h"
+#include "sparse_prefill_g8_f16.h"
+#include "sparse_prefill_g8_f32.h"
 }
 
 namespace m3sparse::rocm {

@@ -24,14 +24,19 @@ def exported(tmp_path_factory) -> Exported:
     why = toolchain_missing()
     if why:
         pytest.skip(f"gfx950 toolchain missing: {why}")
-    out = tmp_path_factory.mktemp("gfx950_export")
     names = subprocess.run([sys.executable, str(EXPORT), "--list"], check=True, capture_output=True,
                            text=True).stdout.split()
-    env = dict(os.environ, FLYDSL_GPU_ARCH="gfx950", ARCH="gfx950")
-    proc = subprocess.run([sys.executable, str(EXPORT), "--arch", "gfx950", "--out", str(out)],
-                          capture_output=True, text=True, env=env)
-    if proc.returncode:
-        pytest.fail(f"export.py failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
+    # M3SPARSE_GFX950_KERNELS=DIR reuses an export of this tree (as CMake's PREBUILT_KERNEL_DIR)
+    prebuilt = os.environ.get("M3SPARSE_GFX950_KERNELS")
+    if prebuilt and all((Path(prebuilt) / f"{n}.o").is_file() for n in names):
+        out = Path(prebuilt)
+    else:
+        out = tmp_path_factory.mktemp("gfx950_export")
+        env = dict(os.environ, FLYDSL_GPU_ARCH="gfx950", ARCH="gfx950")
+        proc = subprocess.run([sys.executable, str(EXPORT), "--arch", "gfx950", "--out", str(out)],
+                              capture_output=True, text=True, env=env)
+        if proc.returncode:
+            pytest.fail(f"export.py failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
     result = Exported(out, names)
     for name in names:
         workdir = tmp_path_factory.mktemp(name)

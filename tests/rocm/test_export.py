@@ -49,7 +49,7 @@ ATTENTION_MFMAS = 4 * (8 * 4 + 4 * 8)
 
 
 def family(name: str) -> str:
-    return re.sub(r"_(bf16|f16|f32)$", "", name)
+    return re.sub(r"(_g8)?_(bf16|f16|f32)$", "", name)
 
 
 def test_every_kernel_exported(exported):

@@ -1,0 +1,235 @@
+"""Every exported gfx950 kernel, executed on tinygrad's CDNA emulator, against the CPU backend.
+
+gfx950: executed in CI on an ISA emulator (tinygrad's CDNA emulator plus our fixes, emu_fixes.py);
+never on hardware. The code objects are the ones the build links (conftest's `exported`), launched
+as ffi/rocm/handlers.cc launches them (emu_launch.Handlers). Bars: pack byte-identical to the CPU
+backend (SPEC §2.2 is exact); positions exact; attention SPEC §6 GPU bars (cosine >= 0.99,
+rel-F <= 0.06), exact zeros wherever the CPU gives a zero row, and no NaN anywhere (outputs start
+as NaN, so a row the kernels never wrote fails).
+
+The emulator is slow (~0.4 s per decode workgroup; the first launch of a kernel compiles its
+instructions), so grids are small: few tokens, Hkv 1-2, and each case covers several variants.
+Skips when the emulator (M3SPARSE_TINYGRAD or ../shared/emulator/tinygrad) or clang is absent.
+Set M3SPARSE_EMULATED_TABLE=path to write the (kernel, case, result, seconds) table.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import emu_launch
+import jax_m3sparse as m3
+from attention_problems import decode_problem, prefill_problem
+
+pytestmark = pytest.mark.skipif(emu_launch.emulator_missing() is not None,
+                                reason=emu_launch.emulator_missing() or "")
+
+COS, RELF = 0.99, 0.06      # SPEC §6, GPU paths
+SCALE = 1 / np.sqrt(128)
+INT32_MIN, INT32_MAX = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+RESULTS: list[tuple[str, str, str, float]] = []
+
+
+@pytest.fixture(scope="module")
+def gpu(exported):
+    """The handlers over the exported code objects (one CodeObject per module, loaded once)."""
+    loaded = {}
+
+    def modules(name):
+        if name not in loaded:
+            k = exported[name]
+            loaded[name] = emu_launch.CodeObject(k.code_object, k.notes)
+        return loaded[name]
+
+    yield emu_launch.Handlers(modules)
+    path = os.environ.get("M3SPARSE_EMULATED_TABLE")
+    if path:
+        with open(path, "w") as f:
+            f.write("| kernel | case | result | seconds |\n|---|---|---|---|\n")
+            for row in RESULTS:
+                f.write("| {} | {} | {} | {:.1f} |\n".format(*row))
+
+
+def timed(fn, *args, **kw):
+    t0 = time.perf_counter()
+    out = fn(*args, **kw)
+    return out, time.perf_counter() - t0
+
+
+def metrics(got, want):
+    got, want = np.asarray(got, np.float64).ravel(), np.asarray(want, np.float64).ravel()
+    cos = got @ want / (np.linalg.norm(got) * np.linalg.norm(want) + 1e-300)
+    return cos, np.linalg.norm(got - want) / (np.linalg.norm(want) + 1e-300)
+
+
+def check_attention(kernel, case, got, want, seconds):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert not np.isnan(got).any(), f"{kernel} {case}: NaN in the output (unwritten or leaked)"
+    zero_rows = ~np.any(want != 0, axis=-1)
+    assert (got[zero_rows] == 0).all(), f"{kernel} {case}: rows with nothing attended must be exact zeros"
+    if zero_rows.all():                 # nothing attended anywhere (a bad layer): all exact zeros
+        RESULTS.append((kernel, case, "all exact zeros", seconds))
+        return
+    cos, relf = metrics(got, want)
+    RESULTS.append((kernel, case, f"cos {cos:.5f}, rel-F {relf:.4f}", seconds))
+    assert cos >= COS and relf <= RELF, f"{kernel} {case}: cosine {cos:.6f}, rel-F {relf:.4f}"
+
+
+def poison(p, layout):
+    """Garbage the kernels must ignore (SPEC §5.2, §7): INT32_MIN/MAX ids and a block_table entry
+    equal to P beside the -1 / 10^6 / max_blocks ids attention_problems already leaves in the tails."""
+    p.topk[0, 0, -1] = INT32_MIN
+    p.topk[-1, -1, -2] = INT32_MAX
+    p.block_table[-1, -1] = emu_launch.Geometry.of(p.cache, layout).num_pages     # >= P: skipped
+    return p
+
+
+# ---- pack ------------------------------------------------------------------------------------
+HKV = 2
+
+
+def pack_inputs(rng, T, dtype):
+    k = (rng.standard_normal((T, HKV, 128)) * rng.uniform(0.1, 8.0, (T, HKV, 1))).astype(np.float32)
+    v = rng.standard_normal((T, HKV, 128)).astype(np.float32)
+    k[0, 0, 3] = np.nan
+    k[1, 1, 17] = np.inf
+    v[2, 0, 100] = -np.inf
+    k[3, 0, :16] = 0.0
+    v[5, 1, 16:32] = 0.0
+    return np.asarray(jnp.asarray(k, dtype)), np.asarray(jnp.asarray(v, dtype))
+
+
+@pytest.mark.parametrize("dtype,layout,layer", [
+    (jnp.bfloat16, None, 0), (jnp.bfloat16, "LBHNC", 1), (jnp.float16, "BLHNC", 2), (jnp.float32, "BLHNC", 0),
+    (jnp.bfloat16, "BLHNC", 3),             # layer out of range: writes nothing
+])
+def test_pack_byte_identical(gpu, rng, dtype, layout, layer):
+    P, L, T = 3, 3, 10
+    spec = m3.KVCacheSpec(num_kv_heads=HKV)
+    cache0 = rng.integers(0, 256, spec.cache_shape(P, L if layout else None, layout or "LBHNC"), np.uint8)
+    k, v = pack_inputs(rng, T, dtype)
+    slots = rng.permutation(P * 128)[:T].astype(np.int32)
+    slots[6], slots[7], slots[8] = -1, P * 128, INT32_MAX            # padding / out of range
+    kw = {} if layout is None else dict(layout=layout, layer=jnp.int32(layer))
+    want = np.asarray(m3.pack_kv_pages(jnp.asarray(cache0), k, v, jnp.asarray(slots), jnp.float32(0.37),
+                                       jnp.float32(1.0), **kw))
+    got, sec = timed(gpu.pack_kv_pages, cache0.copy(), k, v, slots, 0.37, 1.0, layer, layout)
+    name = f"pack_kv_pages_{emu_launch.io_name(k.dtype)}"
+    RESULTS.append((name, f"T={T} {layout or '4-D'} layer {layer}", "byte-identical"
+                    if np.array_equal(got, want) else "DIFFERENT", sec))
+    assert np.array_equal(got, want)
+    if layer >= L:
+        assert np.array_equal(got, cache0), "a layer out of range writes nothing"
+
+
+def test_pack_bad_global_scale(gpu, rng):
+    spec = m3.KVCacheSpec(num_kv_heads=HKV)
+    cache0 = rng.integers(0, 256, spec.cache_shape(1), np.uint8)
+    k, v = pack_inputs(rng, 6, jnp.bfloat16)
+    slots = np.arange(6, dtype=np.int32)
+    want = np.asarray(m3.pack_kv_pages(jnp.asarray(cache0), k, v, jnp.asarray(slots), jnp.float32(0.0),
+                                       jnp.float32(-1.0)))
+    got, sec = timed(gpu.pack_kv_pages, cache0.copy(), k, v, slots, 0.0, -1.0)
+    RESULTS.append(("pack_kv_pages_bf16", "g = 0 / -1 (NaN groups)", "byte-identical"
+                    if np.array_equal(got, want) else "DIFFERENT", sec))
+    assert np.array_equal(got, want)
+
+
+# ---- positions ---------------------------------------------------------------------------------
+def test_query_token_positions_exact(gpu):
+    cu = np.array([0, 3, 3, 10, 11, 11, 70], np.int32)           # zero-length requests 1 and 4
+    ctx = np.array([5, 0, 128, 7, 9, 1000], np.int32)
+    T = 75                                                       # padding past cu[R] = 70
+    want = [np.asarray(a) for a in m3.query_token_positions(jnp.asarray(cu), jnp.asarray(ctx), T)]
+    (rid, pos), sec = timed(gpu.query_token_positions, cu, ctx, T)
+    RESULTS.append(("query_token_positions", f"R=6 (2 empty), T={T}", "exact"
+                    if np.array_equal(rid, want[0]) and np.array_equal(pos, want[1]) else "DIFFERENT", sec))
+    np.testing.assert_array_equal(rid, want[0])
+    np.testing.assert_array_equal(pos, want[1])
+    assert (rid[70:] == -1).all() and (pos[70:] == -1).all()
+
+
+# ---- decode --------------------------------------------------------------------------------------
+def cpu_decode(p, layer=0, layout=None):
+    kw = {} if layout is None else dict(layout=layout, layer=jnp.int32(layer))
+    return np.asarray(m3.sparse_decode(jnp.asarray(p.q), p.cache, p.topk, p.block_table, p.seq_lens, p.k_scale,
+                                       p.v_scale, decode_query_len=p.dql, scale=SCALE, **kw), np.float64)
+
+
+# (G, dtype, Hkv, seq_lens, dql, split, layout, layer): each row a few workgroups; together they
+# cover every decode module (plain and split, 3 dtypes, G 16 and 8), Hkv 1 and 2, dql 1/2/4,
+# seq 1/127/128/129 and a few blocks, padding requests, LBHNC/BLHNC with a layer, a bad layer.
+DECODE_CASES = [
+    (16, jnp.bfloat16, 2, [129, 300], 2, False, None, 0),
+    (16, jnp.bfloat16, 1, [1, 127, 128, 129], 1, None, None, 0),
+    (16, jnp.float16, 1, [0, 260], 1, False, "LBHNC", 1),
+    (16, jnp.float16, 1, [4, 385], 4, True, "BLHNC", 2),
+    (16, jnp.float32, 1, [640], 1, False, None, 0),
+    (16, jnp.float32, 2, [200], 1, True, "LBHNC", 5),        # layer out of range: zeros
+    (8, jnp.bfloat16, 2, [129, 300], 2, False, "BLHNC", 1),
+    (8, jnp.bfloat16, 1, [1, 128, 257], 1, None, None, 0),
+    (8, jnp.float16, 1, [0, 500], 1, False, None, 0),
+    (8, jnp.float16, 2, [140], 1, True, None, 0),
+    (8, jnp.float32, 1, [131], 1, False, None, 0),
+    (8, jnp.float32, 1, [77, 1000], 2, True, "LBHNC", 0),
+]
+
+
+@pytest.mark.parametrize("G,dtype,hkv,seq_lens,dql,split,layout,layer", DECODE_CASES)
+def test_decode(gpu, rng, G, dtype, hkv, seq_lens, dql, split, layout, layer):
+    num_layers = None if layout is None else 3
+    p = poison(decode_problem(rng, hkv, G, seq_lens, dql, dtype=dtype, extra_pages=1, num_layers=num_layers,
+                              layout=layout or "LBHNC", layer=min(layer, 2), fill_layers=False), layout)
+    want = cpu_decode(p, layer, layout)
+    q = np.asarray(p.q)
+    got, sec = timed(gpu.sparse_decode, q, p.cache, p.topk, p.block_table, p.seq_lens, p.k_scale, p.v_scale,
+                     layer, SCALE, dql, layout=layout, split=split, group=G)
+    used_split = split if split is not None else q.shape[0] * hkv < emu_launch.SPLIT_BELOW_PAIRS
+    kernel = f"sparse_decode{'_split' if used_split else ''}{'_g8' if G == 8 else ''}_{emu_launch.io_name(q.dtype)}"
+    case = f"Hkv={hkv} seq={seq_lens} dql={dql} {layout or '4-D'}" + (f" layer {layer}" if layout else "")
+    check_attention(kernel, case, got, want, sec)
+    if layout is not None and layer >= num_layers:
+        assert (got == 0).all()
+
+
+def test_decode_split_and_plain_agree(gpu, rng):
+    """The split kernel + merge and the one-pass kernel on the same problem (same bf16 products,
+    a different merge order): within the GPU bars of each other, the same exact zeros."""
+    p = poison(decode_problem(rng, 1, 16, [0, 129, 400], 1, dtype=jnp.bfloat16, extra_pages=1), None)
+    args = (np.asarray(p.q), p.cache, p.topk, p.block_table, p.seq_lens, p.k_scale, p.v_scale, 0, SCALE, 1)
+    plain, sec = timed(gpu.sparse_decode, *args, split=False)
+    split = gpu.sparse_decode(*args, split=True)
+    check_attention("sparse_decode_split_bf16", "vs one-pass, seq=[0, 129, 400]", split, plain, sec)
+
+
+# ---- prefill ----------------------------------------------------------------------------------
+PREFILL_CASES = [   # (G, dtype, hkv, q_lens, kv_lens, pad, layout, layer)
+    (16, jnp.float16, 1, (3, 2), (130, 260), 2, None, 0),
+    (16, jnp.bfloat16, 2, (2,), (129,), 1, "BLHNC", 1),
+    (16, jnp.float32, 1, (1, 2), (1, 300), 1, "LBHNC", 2),
+    (8, jnp.float16, 2, (2, 1), (128, 257), 1, None, 0),
+    (8, jnp.bfloat16, 1, (3,), (200,), 2, "LBHNC", 1),
+    (8, jnp.float32, 1, (1,), (700,), 1, None, 0),
+]
+
+
+@pytest.mark.parametrize("G,dtype,hkv,q_lens,kv_lens,pad,layout,layer", PREFILL_CASES)
+def test_prefill(gpu, rng, G, dtype, hkv, q_lens, kv_lens, pad, layout, layer):
+    num_layers = None if layout is None else 3
+    p = poison(prefill_problem(rng, hkv, G, q_lens, kv_lens, pad=pad, dtype=dtype, extra_pages=1,
+                               num_layers=num_layers, layout=layout or "LBHNC", layer=layer, fill_layers=False), layout)
+    kw = {} if layout is None else dict(layout=layout, layer=jnp.int32(layer))
+    want = np.asarray(m3.sparse_prefill(jnp.asarray(p.q), p.cache, p.topk, p.block_table, p.req, p.pos, p.k_scale,
+                                        p.v_scale, scale=SCALE, **kw), np.float64)
+    q = np.asarray(p.q)
+    got, sec = timed(gpu.sparse_prefill, q, p.cache, p.topk, p.block_table, p.req, p.pos, p.k_scale, p.v_scale,
+                     layer, SCALE, layout=layout, group=G)
+    kernel = f"sparse_prefill{'_g8' if G == 8 else ''}_{emu_launch.io_name(q.dtype)}"
+    check_attention(kernel, f"Hkv={hkv} q={q_lens} kv={kv_lens} pad={pad} {layout or '4-D'}", got, want, sec)
+    assert (np.asarray(got)[-pad:] == 0).all(), "padding rows are exact zeros"
