@@ -1,7 +1,8 @@
 """``python -m jax_m3sparse.bench gfx950-static [--kernels DIR]``: static report of the gfx950 kernels.
 
 No GPU needed. Compiles every FlyDSL kernel for gfx950 with ffi/flydsl/export.py (or reads the
-objects a previous export wrote to DIR), then prints, per GPU kernel: VGPR, AGPR, SGPR, LDS bytes,
+objects a previous export wrote to DIR), then prints, per GPU kernel (G = 16 and the G = 8 `_g8_`
+modules): VGPR, AGPR, SGPR, LDS bytes,
 scratch, spills, the occupancy bound in waves per SIMD, and counts of MFMA, buffer-load and
 conversion instructions in the disassembly (llvm-objdump-22 --mcpu=gfx950). Then the MI355X
 roofline floors (8 TB/s HBM, 2.5 PFLOP/s dense bf16/fp16) for MiniMax M3 decode and prefill.
@@ -99,20 +100,20 @@ def kernel_rows(elf_tools, out: Path, names: list[str]):
 
 
 def print_kernels(rows) -> None:
-    head = (f"{'kernel':<24} {'fn':>2} {'VGPR':>4} {'AGPR':>4} {'SGPR':>4} {'LDS B':>6} {'scr':>3} "
+    head = (f"{'kernel':<28} {'fn':>2} {'VGPR':>4} {'AGPR':>4} {'SGPR':>4} {'LDS B':>6} {'scr':>3} "
             f"{'spill':>5} {'w/SIMD':>6} " + " ".join(f"{c:>9}" for c, _ in COLUMNS))
     print(head)
     print("-" * len(head))
     for name, fn, r, waves, c in rows:
         spills = r["vgpr_spills"] + r["sgpr_spills"]
-        print(f"{name:<24} {fn.rsplit('_', 1)[-1]:>2} {r['vgpr']:>4} {r['agpr']:>4} {r['sgpr']:>4} {r['lds_bytes']:>6} "
+        print(f"{name:<28} {fn.rsplit('_', 1)[-1]:>2} {r['vgpr']:>4} {r['agpr']:>4} {r['sgpr']:>4} {r['lds_bytes']:>6} "
               f"{r['scratch_bytes']:>3} {spills:>5} {waves:>6} " + " ".join(f"{c[k]:>9}" for k, _ in COLUMNS))
 
 
-def roofline() -> list[tuple[str, float, float]]:
-    """(workload, bytes, flops) of the MiniMax M3 cases (SPEC §5)."""
+def roofline(g: int = G) -> list[tuple[str, float, float]]:
+    """(workload, bytes, flops) of the MiniMax M3 cases (SPEC §5) with G = g query heads per KV head."""
     keys = TOPK * N                                        # 2048 attended keys per (token, KV head)
-    flops_per_key = 4 * G * D                              # QK and PV: 2·G·D each
+    flops_per_key = 4 * g * D                              # QK and PV: 2·G·D each
     cases = []
     for t in DECODE_TOKENS:
         kv_bytes = t * HKV * TOPK * N * TOKEN_BYTES * 2    # each selected K and V byte once
@@ -123,11 +124,13 @@ def roofline() -> list[tuple[str, float, float]]:
     return cases
 
 
-def print_roofline() -> None:
+def print_roofline(g: int = G) -> None:
     print(f"MI355X roofline floor (HBM {HBM_BYTES_PER_S / 1e12:.0f} TB/s, dense bf16/fp16 "
-          f"{DENSE_FLOPS_16BIT / 1e15:.1f} PFLOP/s; G={G}, D={D}, top-{TOPK}x{N}, {TOKEN_BYTES} B/token/slot)")
+          f"{DENSE_FLOPS_16BIT / 1e15:.1f} PFLOP/s; G={g}, D={D}, top-{TOPK}x{N}, {TOKEN_BYTES} B/token/slot)")
+    if g < 16:
+        print(f"(the G={g} kernels run the G=16 MFMA tiles with {16 - g} idle columns: their MFMA time is G=16's)")
     print(f"{'workload':<34} {'bytes':>12} {'GFLOP':>9} {'t_mem us':>9} {'t_flop us':>9} {'floor us':>9}")
-    for what, nbytes, flops in roofline():
+    for what, nbytes, flops in roofline(g):
         t_mem = nbytes / HBM_BYTES_PER_S * 1e6
         t_flop = flops / DENSE_FLOPS_16BIT * 1e6
         print(f"{what:<34} {nbytes:>12,d} {flops / 1e9:>9.2f} {t_mem:>9.2f} {t_flop:>9.2f} {max(t_mem, t_flop):>9.2f}")
@@ -153,8 +156,9 @@ def main(argv=None) -> int:
     print("gfx950 kernels (FlyDSL 0.5.0 AOT; fn = GPU kernel index in the module (pack launches K and V);"
           " waves/SIMD from VGPR+AGPR and LDS)")
     print_kernels(rows)
-    print()
-    print_roofline()
+    for g in (16, 8):       # M3 at TP4-style G = 16 and at TP8 (G = 8, the *_g8_* kernels)
+        print()
+        print_roofline(g)
     return 0
 
 
