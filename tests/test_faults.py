@@ -46,10 +46,11 @@ def test_unsupported_reason():
     assert m3.unsupported_reason(64, 4, 128, 16, 128) is None
     assert m3.unsupported_reason(8, 1, 128, 16, 128, "cpu") is None
     assert m3.unsupported_reason(64, 4, 128, 16, 128, "rocm") is None
+    assert m3.unsupported_reason(32, 4, 128, 16, 128, "rocm") is None      # G = 8 (M3 at TP8)
     assert m3.unsupported_reason(64, 4, 128, 16, 128, "cuda") is None
-    why = m3.unsupported_reason(32, 4, 64, 8, 128, "rocm")
+    why = m3.unsupported_reason(16, 4, 64, 8, 128, "rocm")
     assert why == ("the rocm (gfx950) kernels cannot serve this geometry: head_dim must be 128 "
-                   "(got 64); num_heads / num_kv_heads must be 16 (got 8); topk_blocks must be 16 "
+                   "(got 64); num_heads / num_kv_heads must be one of [8, 16] (got 4); topk_blocks must be 16 "
                    "(got 8).")
     why = m3.unsupported_reason(6, 4, 100, 0, 64)
     assert "num_heads (6) must be a positive multiple of num_kv_heads (4)" in why
