@@ -2,10 +2,11 @@
 # One device call for the CUDA backend (H200, kind nvidia-h200): builds the standalone harness
 # and the Python modules, runs correctness (harness + tests/cuda through the public API), then
 # the timings. Logs go to $OUT (the device tool brings them back) or ./out.
-#   tools/device_check.sh [quick|full|sanitize|profile]
+#   tools/device_check.sh [quick|full|sanitize|profile|final|variants]
 #     quick: smaller benchmark set; sanitize: compute-sanitizer memcheck + racecheck on the
 #     harness and memcheck on the public-API GPU tests (no timings); profile: ncu on the harness;
-#     final: the bench.cuda table, sanitizers and the scan gap analysis in one call
+#     final: the bench.cuda table, sanitizers and the scan gap analysis in one call;
+#     variants: harness only (every launch variant's correctness and timings, ncu of one variant)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -47,6 +48,34 @@ if [ "$MODE" = profile ]; then
   exit 0
 fi
 
+if [ "$MODE" = variants ]; then  # harness only: correctness of every variant, then its timings
+  FLAGS="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda -lineinfo"
+  nvcc $FLAGS -Xptxas -v -c ffi/cuda/attention.cu -o "$B/attention.o" >"$OUT/ptxas.log" 2>&1 &
+  nvcc $FLAGS -c ffi/cuda/pack.cu -o "$B/pack.o" &
+  nvcc $FLAGS -c tests/cuda/harness.cu -o "$B/harness.o" &
+  wait
+  nvcc $FLAGS "$B/attention.o" "$B/pack.o" "$B/harness.o" -o "$B/harness" || exit 1
+  date -u
+  echo "=== harness correctness (all variants)"
+  timeout 120 "$B/harness" --no-bench >"$OUT/harness_tests.log" 2>&1
+  echo "rc=$?"; grep -cE "PASS" "$OUT/harness_tests.log"; grep -E "FAIL|failure" "$OUT/harness_tests.log" | tail -12
+  date -u
+  echo "=== harness timings (--quick)"
+  timeout 120 "$B/harness" --bench-only --quick >"$OUT/harness_bench.log" 2>&1
+  grep -E "TABLE|^decode|v[0-9] splits auto|prefill" "$OUT/harness_bench.log"
+  date -u
+  # ncu of the 4-CTA bit-placement kernel (variant 2) at decode T = 128
+  M="smsp__inst_executed.sum,smsp__cycles_active.avg,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__warps_active.avg.per_cycle_active"
+  for st in long_scoreboard short_scoreboard math_pipe_throttle wait mio_throttle lg_throttle barrier not_selected dispatch_stall no_instruction selected; do
+    M="$M,smsp__average_warps_issue_stalled_${st}_per_issue_active.ratio"
+  done
+  timeout 90 ncu --clock-control none --kernel-name-base mangled -k regex:VariantILi4ELi2ELb0ELb1EEELb0E \
+    --launch-skip 2 --launch-count 1 --metrics "$M" "$B/harness" --profile >"$OUT/ncu_v2.txt" 2>&1
+  grep -E "^\s+(smsp|sm__|dram)" "$OUT/ncu_v2.txt" | awk '{print $1, $NF}'
+  date -u
+  exit 0
+fi
+
 # Python modules (_m3sparse_cpu, _m3sparse_cuda) in the background: CPU-only work.
 (
   cmake -S ffi -B "$B/cmake" -G Ninja -DM3SPARSE_ENABLE_CUDA=ON -DM3SPARSE_NATIVE=OFF \
@@ -70,25 +99,38 @@ nvcc $FLAGS "$B/attention.o" "$B/pack.o" "$B/harness.o" -o "$B/harness" || { ech
 grep -E "registers|spill" "$OUT/ptxas.log" | sort | uniq -c
 # opcode histogram of the 4-CTA bf16 attention kernel (static SASS)
 cuobjdump -sass "$B/attention.o" > "$OUT/attention.sass" 2>/dev/null &&
-  awk '/Function : .*nv_bfloat16.*VariantILi4ELi2E/{f=1;next} /Function :/{f=0} f' "$OUT/attention.sass" |
+  awk '/Function : .*nv_bfloat16.*VariantILi4ELi2ELb0ELb1EEELb0E/{f=1;next} /Function :/{f=0} f' "$OUT/attention.sass" |
   grep -oE '^ +/\*[0-9a-f]{4}\*/ +[A-Z0-9_.]+' | awk '{print $2}' | sed 's/\..*//' |
   sort | uniq -c | sort -rn | head -24 | tr '\n' ' '; echo
 
-if [ "$MODE" = final ]; then  # one call: the bench table, sanitizers, the gap analysis
-  wait $CMAKE_PID; tail -1 "$OUT/cmake.log"
-  export PYTHONPATH=$ROOT
-  echo "=== python -m jax_m3sparse.bench.cuda"
-  M3SPARSE_BENCH_TRACE=1 timeout 200 python3 -m jax_m3sparse.bench.cuda 2>&1 |
-    tee "$OUT/bench_cuda.log" | grep -v "^  trace"
+if [ "$MODE" = final ]; then  # one call: correctness, kernel and through-JAX tables, sanitizers
+  # BENCH_ARGS=--quick: bench.cuda on decode T in {1, 128} only; SKIP_GAP=1: no scan gap analysis
+  echo "=== harness correctness (every variant)"
+  timeout 60 "$B/harness" --no-bench >"$OUT/harness_tests.log" 2>&1
+  echo "rc=$? PASS $(grep -c '^PASS' "$OUT/harness_tests.log")"
+  grep -E "^FAIL|failure" "$OUT/harness_tests.log" | tail -5
+  # kernel-only figures (every variant) and the sanitizers while the Python modules build
+  echo "=== harness --bench-only --quick"
+  timeout 100 "$B/harness" --bench-only --quick >"$OUT/harness_bench.log" 2>&1
+  grep -E "TABLE|v[0-9] splits auto|prefill" "$OUT/harness_bench.log"
   for tool in racecheck memcheck; do
     echo "=== compute-sanitizer $tool: harness --no-bench --short"
     timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 "$B/harness" --no-bench \
       --short >"$OUT/sanitize_$tool.log" 2>&1
     echo "rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL |failure" "$OUT/sanitize_$tool.log" | tail -3
   done
-  echo "=== gap analysis"
-  M3SPARSE_BENCH_TRACE=1 timeout 100 python3 -m jax_m3sparse.bench.cuda --gap 2>&1 |
-    tee "$OUT/gap.log" | grep -v "^  trace"
+  date -u
+  wait $CMAKE_PID; tail -1 "$OUT/cmake.log"
+  export PYTHONPATH=$ROOT
+  echo "=== python -m jax_m3sparse.bench.cuda ${BENCH_ARGS:-}"
+  M3SPARSE_BENCH_TRACE=1 timeout 200 python3 -m jax_m3sparse.bench.cuda ${BENCH_ARGS:-} 2>&1 |
+    tee "$OUT/bench_cuda.log" | grep -v "^  trace"
+  date -u
+  if [ -z "${SKIP_GAP:-}" ]; then
+    echo "=== gap analysis"
+    M3SPARSE_BENCH_TRACE=1 timeout 100 python3 -m jax_m3sparse.bench.cuda --gap 2>&1 |
+      tee "$OUT/gap.log" | grep -v "^  trace"
+  fi
   echo "=== compute-sanitizer memcheck: pytest tests/cuda/test_gpu.py -k 'small_group or decode_matches'"
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 70 compute-sanitizer --tool memcheck \
     --error-exitcode 9 python3 -m pytest -q -x tests/cuda/test_gpu.py -p no:cacheprovider \

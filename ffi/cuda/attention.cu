@@ -46,17 +46,20 @@ constexpr int kMergeBytes =
 
 // Launch variants: (CTAs per SM, cp.async stages). Variant 1 trades prefetch depth for a
 // fourth resident CTA (16 warps / SM); both were timed on the H200 (BENCHMARKS.md).
-template <int kMinBlocks, int kStages, bool kQinRegs = false>
+template <int kMinBlocks, int kStages, bool kQinRegs = false, bool kImadDq = true>
 struct Variant {
   static constexpr int kBlocks = kMinBlocks;
   static constexpr int kNumStages = kStages;
   static constexpr bool kQregs = kQinRegs;  // Q A-fragments held in registers (else shared)
+  // bf16 bit placement by the multiply form (device_utils.cuh); false: the shift/mask form
+  static constexpr bool kImad = kImadDq;
   static constexpr int kSmemBytes =
       kStages * kStageBytes > kMergeBytes ? kStages * kStageBytes : kMergeBytes;
 };
 using Variant0 = Variant<3, 3>;
 using Variant1 = Variant<4, 2>;
 using Variant2 = Variant<3, 3, true>;
+using Variant3 = Variant<4, 2, false, false>;  // Variant1 with the older shift/mask dequantization
 
 static_assert(kHeadDim == 128 && kBlockSize == 128 && kGroup == 16, "kernel geometry");
 
@@ -279,10 +282,10 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
             dequant8_cvt(kd.z, s1x2, b[u] + 8);
             dequant8_cvt(kd.w, s1x2, b[u] + 12);
           } else {
-            dequant8<T>(kd.x, s0x2, b[u] + 0);
-            dequant8<T>(kd.y, s0x2, b[u] + 4);
-            dequant8<T>(kd.z, s1x2, b[u] + 8);
-            dequant8<T>(kd.w, s1x2, b[u] + 12);
+            dequant8<T, V::kImad>(kd.x, s0x2, b[u] + 0);
+            dequant8<T, V::kImad>(kd.y, s0x2, b[u] + 4);
+            dequant8<T, V::kImad>(kd.z, s1x2, b[u] + 8);
+            dequant8<T, V::kImad>(kd.w, s1x2, b[u] + 12);
           }
         }
 #pragma unroll
@@ -406,8 +409,8 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
             const uint32_t wc = (tq < 2) ? w[2].x : w[2].y;
             const uint32_t we = (tq < 2) ? w[3].x : w[3].y;
             uint32_t b0[4], b1[4];
-            dequant8<T>(prmt(wa, wb, sel), sab, b0);
-            dequant8<T>(prmt(wc, we, sel), sce, b1);
+            dequant8<T, V::kImad>(prmt(wa, wb, sel), sab, b0);
+            dequant8<T, V::kImad>(prmt(wc, we, sel), sce, b1);
 #pragma unroll
             for (int k = 0; k < 4; ++k) Traits<T>::mma(acc[4 * tq + k], pa, b0[k], b1[k]);
           }
@@ -531,7 +534,9 @@ cudaError_t launch_typed(const AttentionParams& p, int splits, cudaStream_t stre
 }
 
 // variant 1: Variant0, 2: Variant1 (bit-placement dequantization, mma in q's dtype);
-// 3: Variant0, 4: Variant1, 5: Variant2 (fp8-conversion dequantization, fp16 mma).
+// 3: Variant0, 4: Variant1, 5: Variant2 (fp8-conversion dequantization, fp16 mma);
+// 6: Variant3 (variant 2 with the older shift/mask bit placement, kept to time the two side by
+// side).
 // 0 (auto): q's dtype decides the path — bf16 q keeps bf16 products (no fp16 range limit on q),
 // f16 q takes the conversion path — and Variant1 once there are two CTAs per SM to run, Variant0
 // below that (timed on the H200, BENCHMARKS.md).
@@ -547,7 +552,8 @@ cudaError_t launch_variant(const AttentionParams& p, int splits, cudaStream_t st
     case 2: return launch_typed<T, Variant1, false>(p, splits, stream);
     case 3: return launch_typed<T, Variant0, true>(p, splits, stream);
     case 4: return launch_typed<T, Variant1, true>(p, splits, stream);
-    default: return launch_typed<T, Variant2, true>(p, splits, stream);
+    case 5: return launch_typed<T, Variant2, true>(p, splits, stream);
+    default: return launch_typed<T, Variant3, false>(p, splits, stream);
   }
 }
 

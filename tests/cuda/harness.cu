@@ -69,6 +69,16 @@ __global__ void dequant_probe(uint16_t* out) {
   if ((r[0] & 0xFFFF) != (r[0] >> 16) || (r[1] & 0xFFFF) != (r[1] >> 16) ||
       (r[2] & 0xFFFF) != (r[0] & 0xFFFF) || (r[3] & 0xFFFF) != (r[1] & 0xFFFF))
     out[2 * 65536] = 1;
+  // the multiply form (default for bf16) against the shift/mask form on words whose 8 nibbles
+  // differ: 65536 mixed words per scale byte
+  for (int i = 0; i < 256; ++i) {
+    const uint32_t x = (uint32_t(byte) << 8 | uint32_t(i)) * 0x9E3779B1u;
+    const uint32_t v = x ^ (x >> 15) ^ (uint32_t(i) << 24);
+    uint32_t a[4], b[4];
+    dequant8<T, true>(v, s2, a);
+    dequant8<T, false>(v, s2, b);
+    if (a[0] != b[0] || a[1] != b[1] || a[2] != b[2] || a[3] != b[3]) out[2 * 65536] = 1;
+  }
 }
 
 template <typename T>
@@ -725,7 +735,7 @@ static void bench_decode(std::mt19937& rng, const BenchDecode& b, double copy_tb
          T, dql, Hkv, K, (long long)b.seq, bytes / 1e6, nv, autos);
   double best = 1e30;
   // auto variant with every split count, then every variant with the automatic split count
-  for (int var : {0, 1, 2, 3, 4, 5})
+  for (int var : {0, 1, 2, 3, 4, 5, 6})
   for (int s : {0, 1, 2, 4, 8, 16}) {
     if (s > K || (var != 0 && s != 0)) continue;
     AttentionParams ps = p;
@@ -853,7 +863,7 @@ static void bench_prefill(std::mt19937& rng, int T, int ctx, double copy_tbs) {
   p.is_prefill = 1;
   p.scale = 1.0f / std::sqrt(128.f);
   p.dtype = DType::kBF16;
-  for (int var : {1, 2, 3, 4, 5, 0}) {
+  for (int var : {1, 2, 3, 4, 5, 6, 0}) {
     p.variant = var;
     auto launch = [&](int, cudaStream_t st) { CK(launch_sparse_attention(p, st)); };
     const double us = time_graph(launch, 1, 5, 5);
@@ -926,7 +936,7 @@ int main(int argc, char** argv) {
   test_dequant<__half>("f16", false);
 
   const std::vector<int> all_splits = {0, 1, 2, 4, 8, 16};
-  for (g_variant = shorter ? 2 : 1; g_variant <= (shorter ? 3 : 5); ++g_variant) {
+  for (g_variant = shorter ? 2 : 1; g_variant <= (shorter ? 3 : 6); ++g_variant) {
   test_attention(rng, "decode bf16 dql=1", false, 2, 6, 1, 16, 1, 0, 0, false, all_splits);
   test_attention(rng, "decode bf16 dql=2", false, 2, 5, 2, 16, 1, 0, 0, false, {0, 1, 4});
   test_attention(rng, "decode f16 dql=1", false, 1, 4, 1, 16, 1, 0, 0, true, {0, 1, 16});
