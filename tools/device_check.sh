@@ -115,7 +115,7 @@ if [ "$MODE" = final ]; then  # one call: correctness, kernel and through-JAX ta
   grep -E "TABLE|v[0-9] splits auto|prefill" "$OUT/harness_bench.log"
   for tool in racecheck memcheck; do
     echo "=== compute-sanitizer $tool: harness --no-bench --short"
-    timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 "$B/harness" --no-bench \
+    timeout $([ $tool = racecheck ] && echo 110 || echo 70) compute-sanitizer --tool $tool --error-exitcode 9 "$B/harness" --no-bench \
       --short >"$OUT/sanitize_$tool.log" 2>&1
     echo "rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL |failure" "$OUT/sanitize_$tool.log" | tail -3
   done
@@ -123,7 +123,7 @@ if [ "$MODE" = final ]; then  # one call: correctness, kernel and through-JAX ta
   wait $CMAKE_PID; tail -1 "$OUT/cmake.log"
   export PYTHONPATH=$ROOT
   echo "=== python -m jax_m3sparse.bench.cuda ${BENCH_ARGS:-}"
-  M3SPARSE_BENCH_TRACE=1 timeout 200 python3 -m jax_m3sparse.bench.cuda ${BENCH_ARGS:-} 2>&1 |
+  M3SPARSE_BENCH_TRACE=1 timeout 150 python3 -m jax_m3sparse.bench.cuda ${BENCH_ARGS:-} 2>&1 |
     tee "$OUT/bench_cuda.log" | grep -v "^  trace"
   date -u
   if [ -z "${SKIP_GAP:-}" ]; then
