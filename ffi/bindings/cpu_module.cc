@@ -1,8 +1,12 @@
 // The nanobind module `jax_m3sparse._m3sparse_cpu`: hands out the CPU FFI handlers
 // as capsules for jax.ffi.register_ffi_target (platform "cpu").
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <string>
 
 #include "xla/ffi/api/c_api.h"
+#include "../cpu/isa.h"
 
 namespace nb = nanobind;
 
@@ -11,6 +15,10 @@ XLA_FFI_Error* m3sparse_pack_kv_pages_cpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_query_token_positions_cpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_sparse_decode_cpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_sparse_prefill_cpu(XLA_FFI_CallFrame*);
+}
+
+namespace m3sparse {
+double peak_gflops(const std::string& kind, int threads);
 }
 
 namespace {
@@ -29,5 +37,19 @@ NB_MODULE(_m3sparse_cpu, m) {
     d["m3sparse_sparse_prefill_cpu"] = capsule(m3sparse_sparse_prefill_cpu);
     return d;
   });
+  // The attention paths (ffi/cpu/isa.h): those this machine supports, narrowest first,
+  // and the one a call takes now (M3SPARSE_CPU_ISA caps it; None if that names no path).
+  m.def("cpu_paths", []() {
+    nb::list paths;
+    for (int i = 0; i <= int(m3sparse::machine_cpu_path()); ++i) paths.append(m3sparse::kCpuPathNames[i]);
+    return paths;
+  });
+  m.def("cpu_path", []() -> nb::object {
+    m3sparse::CpuPath path;
+    if (!m3sparse::current_cpu_path(&path)) return nb::none();
+    return nb::str(m3sparse::kCpuPathNames[int(path)]);
+  });
+  m.def("peak_gflops", &m3sparse::peak_gflops,
+        "GFLOP/s of a register-resident multiply-add loop on `threads` threads (bench only).");
   m.attr("XLA_FFI_API_VERSION") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
 }

@@ -1,0 +1,119 @@
+// Pieces every CPU attention path shares: the operands of a call, NVFP4 lookup tables,
+// SPEC §5.2 block validity, a scalar exp2, and the cache of dequantized tiles.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "elements.h"
+#include "m3sparse/cache.h"
+#include "m3sparse/nvfp4.h"
+
+namespace m3sparse {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct AttendArgs {
+  CacheGeometry geo;
+  const uint8_t* cache;
+  int64_t layer;
+  ffi::DataType dtype;
+  const void* q;        // [T, Hq, D]
+  void* out;            // [T, Hq, D]
+  const int32_t* topk;  // [Hkv, T, K]
+  const int32_t* block_table;  // [R, max_blocks]
+  int64_t num_tokens, num_heads, num_kv_heads, topk_blocks, num_requests, max_blocks;
+  float logit_scale;    // scale · k_scale · log2(e)
+  float v_scale;
+  std::shared_ptr<std::vector<int32_t>> req, pos;  // per token: request (−1: none), absolute position
+};
+
+// Lookup tables: the two E2M1 values of a data byte, and the value of an E4M3 scale byte.
+struct Nvfp4Tables {
+  std::array<float, 512> pair;
+  std::array<float, 256> scale;
+  Nvfp4Tables() {
+    for (int b = 0; b < 256; ++b) {
+      pair[2 * b] = e2m1_to_float(b & 15);
+      pair[2 * b + 1] = e2m1_to_float(b >> 4);
+      scale[b] = e4m3_to_float(uint8_t(b));
+    }
+  }
+};
+
+inline const Nvfp4Tables& nvfp4_tables() {
+  static const Nvfp4Tables tables;
+  return tables;
+}
+
+// 2^x for x <= 0 (x = −inf gives 0, NaN gives NaN), relative error ~2e-7; branch-free so
+// loops vectorize. The exponent is converted to int only after fmax/fmin bring it into
+// [−127, 127]: converting a NaN or huge float to int is undefined behaviour in C++.
+inline float fast_exp2(float x) {
+  x = std::max(x, -127.0f);  // keeps NaN (the comparison is false)
+  const float n = std::floor(x);
+  const float f = x - n;     // NaN for NaN x, so p and the result are NaN
+  float p = 1.5353362e-4f;
+  p = p * f + 1.3398874e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5503340e-2f;
+  p = p * f + 2.4022652e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  const int32_t e = int32_t(std::fmin(std::fmax(n, -127.0f), 127.0f)) + 127;  // fmax(NaN, ·) = ·
+  return p * bits_float(uint32_t(e) << 23);
+}
+
+// SPEC §5.2: the page of a selected block, or −1 if the slot is invalid.
+inline int64_t selected_page(const AttendArgs& a, int64_t r, int64_t b, int64_t vis) {
+  if (b < 0 || b >= a.max_blocks || b * a.geo.block_size >= vis) return -1;
+  int64_t page = a.block_table[r * a.max_blocks + b];
+  return a.geo.valid_page(page) ? page : -1;
+}
+
+// A small LRU cache of dequantized (K, V) tiles, keyed by the K tile's address (one
+// (layer, page, KV head)) and the number of attended keys n: consecutive tokens of a prefill
+// chunk mostly select the same blocks, so each tile is dequantized once per run of tokens.
+// Only tokens [0, n) of an entry are ever read. Cleared per task (the cache bytes change
+// between calls).
+template <typename T>
+struct TileCache {
+  static constexpr int kEntries = 20;
+  int64_t tile_elems;
+  std::vector<T> k, v;
+  const uint8_t* key[kEntries];
+  int64_t key_n[kEntries];
+  uint64_t used[kEntries];
+  uint64_t clock = 0;
+
+  explicit TileCache(int64_t elems)
+      : tile_elems(elems), k(kEntries * elems), v(kEntries * elems) { clear(); }
+
+  void clear() {
+    std::fill(key, key + kEntries, nullptr);
+    std::fill(used, used + kEntries, uint64_t{0});
+  }
+
+  // True if (tile, n) is cached; else the least recently used entry now holds that key
+  // and the caller fills it. Either way *k_out / *v_out point at the entry.
+  bool find(const uint8_t* tile, int64_t n, T** k_out, T** v_out) {
+    int victim = 0;
+    bool hit = false;
+    for (int e = 0; e < kEntries; ++e) {
+      if (key[e] == tile && key_n[e] == n) { victim = e; hit = true; break; }
+      if (used[e] < used[victim]) victim = e;
+    }
+    key[victim] = tile;
+    key_n[victim] = n;
+    used[victim] = ++clock;
+    *k_out = k.data() + victim * tile_elems;
+    *v_out = v.data() + victim * tile_elems;
+    return hit;
+  }
+};
+
+}  // namespace m3sparse

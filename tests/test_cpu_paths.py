@@ -1,0 +1,96 @@
+"""Every CPU attention path this machine supports (ffi/cpu/isa.h), forced one at a time with
+M3SPARSE_CPU_ISA, against the float64 oracle (SPEC §5, §6); plus the NaN / exp2 regression."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_m3sparse as m3
+from jax_m3sparse import _m3sparse_cpu
+
+from attention_problems import decode_problem, prefill_problem
+from test_attention import assert_close, expected, run_decode, run_prefill
+
+PATHS = _m3sparse_cpu.cpu_paths()
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    """The handlers read M3SPARSE_CPU_ISA on every call (no recompile needed)."""
+    monkeypatch.setenv("M3SPARSE_CPU_ISA", request.param)
+    assert _m3sparse_cpu.cpu_path() == request.param
+    return request.param
+
+
+def test_paths_listed():
+    assert PATHS[0] == "generic" and set(PATHS) <= {"generic", "avx2", "avx512", "amx"}
+
+
+@pytest.mark.parametrize("Hkv,G,dql,seq_lens,D", [
+    (1, 16, 1, [1, 128, 129, 4097], 128), (2, 8, 3, [300, 1500, 2049], 128),
+    (4, 4, 1, [700, 5000], 128), (1, 6, 2, [257, 1000], 128), (2, 4, 2, [300, 700], 64),
+    (1, 16, 1, [300, 900], 256)])
+def test_decode(rng, path, Hkv, G, dql, seq_lens, D):
+    p = decode_problem(rng, Hkv, G, seq_lens, dql, D=D, extra_pages=1)
+    assert_close(run_decode(p, "native"), expected(p))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_q(rng, path, dtype):
+    p = decode_problem(rng, 2, 16, [300, 1000], 2, dtype=dtype)
+    assert_close(run_decode(p, "native"), expected(p))
+
+
+def test_prefill(rng, path):
+    p = prefill_problem(rng, 2, 16, (65, 129, 257), (129, 257, 385), pad=3)
+    out = run_prefill(p, "native")
+    assert_close(out, expected(p))
+    assert (out[-3:] == 0).all()
+
+
+def test_prefill_tokens_sharing_blocks(rng, path):
+    """Consecutive tokens that select the same blocks (the tile cache's case), including the
+    local block, whose attended length n grows by one per token, and a page shared between
+    two requests."""
+    p = prefill_problem(rng, 1, 16, (200, 150), (700, 400))
+    for t in range(len(p.req)):
+        nb = p.pos[t] // 128 + 1
+        chosen = [b for b in (0, 1, 2, nb - 2, nb - 1) if 0 <= b < nb]
+        ids = list(dict.fromkeys(chosen))
+        p.topk[:, t, :] = -1
+        p.topk[:, t, :len(ids)] = ids
+    assert_close(run_prefill(p, "native"), expected(p))
+
+
+def test_cache_changes_between_calls(rng, path):
+    """Tiles cached by one call are never served to the next (the bytes may have changed)."""
+    p = decode_problem(rng, 1, 16, [300, 700], 1)
+    assert_close(run_decode(p, "native"), expected(p))
+    page = p.block_table[0, 0]
+    k = rng.standard_normal((128, 1, 128)).astype(np.float32)
+    p.cache = np.array(m3.pack_kv_pages(p.cache, k, -k, jnp.arange(page * 128, page * 128 + 128,
+                                                                     dtype=jnp.int32), 0.75, 0.85))
+    assert_close(run_decode(p, "native"), expected(p))
+
+
+def test_nan_logits_give_nan_rows(path):
+    """Issue 12 finding 4: every scale byte 0xFF (E4M3 NaN) makes the attended logits NaN;
+    the rows must be NaN (no undefined float→int conversion on the way, see the sanitizer
+    job), and a NaN must not leak into rows that attend nothing."""
+    D = 32
+    cache = jnp.full((2, 2, 128, D // 2 + D // 16), 0xFF, jnp.uint8)
+    q = jnp.ones((2, 1, D), jnp.float32)
+    out = np.asarray(jax.jit(lambda *a: m3.sparse_decode(*a, 1.0, 1.0))(
+        q, cache, jnp.zeros((1, 2, 1), jnp.int32), jnp.asarray([[0], [1]], jnp.int32),
+        jnp.asarray([1, 0], jnp.int32)))
+    assert np.isnan(out[0]).all()
+    assert (out[1] == 0).all()
+
+
+def test_unknown_path_is_an_error(monkeypatch, rng):
+    monkeypatch.setenv("M3SPARSE_CPU_ISA", "sse9")
+    assert _m3sparse_cpu.cpu_path() is None
+    p = decode_problem(rng, 1, 4, [130], 1)
+    with pytest.raises(Exception, match="M3SPARSE_CPU_ISA"):
+        run_decode(p, "native")
