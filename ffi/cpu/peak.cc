@@ -20,9 +20,11 @@ namespace {
 // Independent accumulator chains (more than FMA latency × ports) so the loop runs at issue rate.
 __attribute__((target("avx2,fma"))) double fma_avx2(int64_t iters) {
   __m256 acc[12];
+#pragma GCC unroll 16
   for (int k = 0; k < 12; ++k) acc[k] = _mm256_set1_ps(float(k));
   const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
   for (int64_t i = 0; i < iters; ++i)
+#pragma GCC unroll 16
     for (int k = 0; k < 12; ++k) acc[k] = _mm256_fmadd_ps(acc[k], a, b);
   float sink = 0;
   for (int k = 0; k < 12; ++k) sink += _mm256_cvtss_f32(acc[k]);
@@ -31,9 +33,11 @@ __attribute__((target("avx2,fma"))) double fma_avx2(int64_t iters) {
 
 __attribute__((target("avx512f"))) double fma_avx512(int64_t iters) {
   __m512 acc[16];
+#pragma GCC unroll 16
   for (int k = 0; k < 16; ++k) acc[k] = _mm512_set1_ps(float(k));
   const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
   for (int64_t i = 0; i < iters; ++i)
+#pragma GCC unroll 16
     for (int k = 0; k < 16; ++k) acc[k] = _mm512_fmadd_ps(acc[k], a, b);
   float sink = 0;
   for (int k = 0; k < 16; ++k) sink += _mm512_reduce_add_ps(acc[k]);
@@ -42,9 +46,11 @@ __attribute__((target("avx512f"))) double fma_avx512(int64_t iters) {
 
 __attribute__((target("avx512f,avx512bf16"))) double dot_bf16(int64_t iters) {
   __m512 acc[16];
+#pragma GCC unroll 16
   for (int k = 0; k < 16; ++k) acc[k] = _mm512_set1_ps(float(k));
   const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3F80), b = (__m512bh)_mm512_set1_epi16(0x3A83);
   for (int64_t i = 0; i < iters; ++i)
+#pragma GCC unroll 16
     for (int k = 0; k < 16; ++k) acc[k] = _mm512_dpbf16_ps(acc[k], a, b);
   float sink = 0;
   for (int k = 0; k < 16; ++k) sink += _mm512_reduce_add_ps(acc[k]);

@@ -1,8 +1,11 @@
 """Timing tables for pack, decode and prefill: our op vs the pure-XLA reference, on any
-JAX platform, against the device's measured copy bandwidth."""
+JAX platform, against the device's measured copy bandwidth; on the CPU one row per attention
+path (ffi/cpu/isa.h) and the machine's measured ceilings (``bench peak``)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import time
 
@@ -66,14 +69,14 @@ def row(name, ours, ref, nbytes, copy_bw, flops=None):
     cells = [name, f"{ours * 1e6:10.1f}", f"{ref * 1e6:12.1f}", f"{ref / ours:7.1f}x",
              f"{nbytes / ours / 1e9:8.2f}", f"{100 * nbytes / ours / copy_bw:6.1f}%"]
     if flops is not None:
-        cells.append(f"{flops / ours / 1e12:8.3f}")
+        cells.append(f"{flops / ours / 1e9:8.1f}")
     return " | ".join(cells)
 
 
 def header(first, flops=False):
     cols = [first, "ours (µs)", "XLA ref (µs)", "ratio", "GB/s", "% copy"]
     if flops:
-        cols.append("TFLOP/s")
+        cols.append("GFLOP/s")
     line = " | ".join(cols)
     return line + "\n" + "-" * len(line)
 
@@ -84,12 +87,69 @@ def device_name(device):
     return device.platform if kind == device.platform else f"{device.platform} ({kind})"
 
 
+def cpu_paths(device):
+    """The CPU attention paths to time: every one this machine supports (one row each);
+    [None] elsewhere or without the native module."""
+    if device.platform != "cpu":
+        return [None]
+    try:
+        from jax_m3sparse import _m3sparse_cpu  # noqa: PLC0415
+    except ImportError:
+        return [None]
+    return _m3sparse_cpu.cpu_paths()
+
+
+@contextlib.contextmanager
+def cpu_path(path):
+    """Caps the CPU handlers at ``path`` (M3SPARSE_CPU_ISA, read on every call)."""
+    old = os.environ.get("M3SPARSE_CPU_ISA")
+    if path is not None:
+        os.environ["M3SPARSE_CPU_ISA"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("M3SPARSE_CPU_ISA", None)
+        else:
+            os.environ["M3SPARSE_CPU_ISA"] = old
+
+
+def read_bandwidth(device, nbytes=256 << 20):
+    """Bytes read per second by a jitted sum over ``nbytes`` (decode only reads the cache)."""
+    x = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), device)
+    return nbytes / median_time(jax.jit(jnp.sum), (x,), 5)
+
+
+def cpu_peaks():
+    """{name: GFLOP/s} of the register-resident multiply-add loops in ffi/cpu/peak.cc on all
+    cores, for the instructions this machine has."""
+    from jax_m3sparse import _m3sparse_cpu  # noqa: PLC0415
+    threads = os.cpu_count() or 1
+    out = {}
+    for kind in ("fp32_fma_avx2", "fp32_fma_avx512", "bf16_dot_avx512", "bf16_amx"):
+        g = max(_m3sparse_cpu.peak_gflops(kind, threads) for _ in range(3))
+        if g > 0:
+            out[kind] = g
+    return out
+
+
+def bench_peak(device, quick=False):
+    print(f"ceilings on {device_name(device)}: {os.cpu_count()} cores; best of 3 for the "
+          "multiply-add loops (ffi/cpu/peak.cc, every core), median of 5 for the jitted passes")
+    print("ceiling | value\n" + "-" * 24)
+    if device.platform == "cpu":
+        for kind, g in cpu_peaks().items():
+            print(f"{kind} | {g:8.1f} GFLOP/s")
+    print(f"copy (x + 1, donated, read + write) | {copy_bandwidth(device) / 1e9:8.1f} GB/s")
+    print(f"read (sum) | {read_bandwidth(device) / 1e9:8.1f} GB/s")
+
+
 def bench_decode(device, quick=False, seq=32768, Hkv=4, G=16):
     rng = np.random.default_rng(0)
     copy_bw = copy_bandwidth(device)
     print(f"decode on {device_name(device)}; copy bandwidth "
           f"{copy_bw / 1e9:.1f} GB/s; Hkv={Hkv} G={G} seq={seq} top-{K}x{N}")
-    print(header("T (dql)"))
+    print(header("T (dql) path", flops=True))
     shapes = [(1, 1), (32, 1), (128, 1)] if device.platform == "cpu" else \
         [(1, 1), (8, 1), (32, 1), (128, 1), (512, 1), (128, 4)]
     for T, dql in tqdm(shapes[:2] if quick else shapes, desc="decode", leave=False):
@@ -97,10 +157,14 @@ def bench_decode(device, quick=False, seq=32768, Hkv=4, G=16):
         ours = jax.jit(lambda *a: m3.sparse_decode(*a, 1.0, 1.0, decode_query_len=dql))
         ref = jax.jit(lambda *a: reference.sparse_decode(*a, 1.0, 1.0, decode_query_len=dql))
         iters = (10 if T <= 32 else 3) if device.platform == "cpu" else 50
-        t_ours = median_time(ours, args, iters)
         t_ref = median_time(ref, args, max(1, iters // 3))
         nbytes = T * Hkv * K * N * TOKEN_BYTES * 2
-        tqdm.write(row(f"{T} ({dql})", t_ours, t_ref, nbytes, copy_bw))
+        flops = 4 * G * D * K * N * T * Hkv
+        for path in cpu_paths(device):
+            with cpu_path(path):
+                t_ours = median_time(ours, args, iters)
+            name = f"{T} ({dql})" + (f" {path}" if path else "")
+            tqdm.write(row(name, t_ours, t_ref, nbytes, copy_bw, flops))
 
 
 def bench_prefill(device, quick=False, Hkv=4, G=16):
@@ -110,7 +174,7 @@ def bench_prefill(device, quick=False, Hkv=4, G=16):
     sizes = [2048] if device.platform == "cpu" else [2048, 8192]
     print(f"prefill on {device_name(device)}; context {context}; Hkv={Hkv} "
           f"G={G}; flops = 4·G·D per attended key per token and KV head")
-    print(header("tokens", flops=True))
+    print(header("tokens path", flops=True))
     for T in (sizes[:1] if quick else sizes):
         T = 256 if quick else T
         kv_len = context + T
@@ -126,11 +190,14 @@ def bench_prefill(device, quick=False, Hkv=4, G=16):
         ours = jax.jit(lambda *a: m3.sparse_prefill(*a, 1.0, 1.0))
         ref = jax.jit(lambda *a: reference.sparse_prefill(*a, 1.0, 1.0))
         iters = 1 if device.platform == "cpu" else 20
-        t_ours = median_time(ours, args, iters)
         t_ref = median_time(ref, args, iters)
         nbytes = T * Hkv * K * N * TOKEN_BYTES * 2
         flops = 4 * G * D * K * N * T * Hkv
-        tqdm.write(row(str(T), t_ours, t_ref, nbytes, copy_bw, flops))
+        for path in cpu_paths(device):
+            with cpu_path(path):
+                t_ours = median_time(ours, args, iters)
+            tqdm.write(row(f"{T}" + (f" {path}" if path else ""), t_ours, t_ref, nbytes, copy_bw,
+                           flops))
 
 
 def bench_pack(device, quick=False, Hkv=4):
