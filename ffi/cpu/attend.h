@@ -45,6 +45,8 @@ void attend_item(const AttendArgs& a, Kernel& w, std::vector<float>& q, int64_t 
   const int64_t r = (*a.req)[t];
   const int64_t vis = int64_t((*a.pos)[t]) + 1;
   bool attended = false;  // a NaN in attended bytes must stay visible, so track this apart from l
+  const bool reuse = (t > 0 && (*a.req)[t - 1] == r) ||
+                     (t + 1 < a.num_tokens && (*a.req)[t + 1] == r);  // tiles worth caching
   if (r >= 0 && r < a.num_requests && vis > 0 && a.geo.valid_layer(a.layer)) {
     load_floats(a.dtype, a.q, row, q.size(), q.data());
     w.begin(q.data(), a.logit_scale);
@@ -54,7 +56,7 @@ void attend_item(const AttendArgs& a, Kernel& w, std::vector<float>& q, int64_t 
       if (page < 0) continue;
       w.block(a.geo, a.cache + a.geo.tile_offset(a.layer, page, 2 * g),
               a.cache + a.geo.tile_offset(a.layer, page, 2 * g + 1),
-              std::min(N, vis - int64_t(ids[k]) * N));
+              std::min(N, vis - int64_t(ids[k]) * N), reuse);
       attended = true;
     }
   }

@@ -234,9 +234,12 @@ struct Kernel {
     std::fill(m.begin(), m.end(), -INFINITY);
   }
 
-  void block(const CacheGeometry& geo, const uint8_t* k_tile, const uint8_t* v_tile, int64_t n) {
+  // reuse: a neighbouring token of the same request may select this tile too.
+  void block(const CacheGeometry& geo, const uint8_t* k_tile, const uint8_t* v_tile, int64_t n,
+             bool reuse) {
     float *k, *v;
-    if (!tiles.find(k_tile, n, &k, &v)) {
+    if (!reuse) tiles.scratch(&k, &v);
+    if (!reuse || !tiles.find(k_tile, n, &k, &v)) {
       dequantize_rows(geo, k_tile, n, k);
       dequantize_rows(geo, v_tile, n, v);
     }

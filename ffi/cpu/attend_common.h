@@ -98,6 +98,14 @@ struct TileCache {
     std::fill(used, used + kEntries, uint64_t{0});
   }
 
+  // Entry 0 as plain scratch (for a token whose neighbours belong to other requests: caching
+  // its tiles would only spread the writes over megabytes that no later token reads).
+  void scratch(T** k_out, T** v_out) {
+    key[0] = nullptr;
+    *k_out = k.data();
+    *v_out = v.data();
+  }
+
   // True if (tile, n) is cached; else the least recently used entry now holds that key
   // and the caller fills it. Either way *k_out / *v_out point at the entry.
   bool find(const uint8_t* tile, int64_t n, T** k_out, T** v_out) {

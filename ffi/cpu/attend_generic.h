@@ -117,7 +117,8 @@ struct Kernel {
 
   // Folds one selected block (n attended keys) into the running softmax of G heads.
   // Scores of lanes j >= n (stale tile columns) are computed but never read.
-  void block(const CacheGeometry& geo, const uint8_t* k_tile, const uint8_t* v_tile, int64_t n) {
+  void block(const CacheGeometry& geo, const uint8_t* k_tile, const uint8_t* v_tile, int64_t n,
+             bool /*reuse: no tile cache here*/) {
     dequantize_tile(geo, k_tile, n, kt.data(), N, /*transposed=*/true, scales.data());
     dequantize_tile(geo, v_tile, n, v.data(), D, /*transposed=*/false, scales.data());
     for (int64_t j0 = 0; j0 < n; j0 += 8)
