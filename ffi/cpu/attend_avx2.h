@@ -7,8 +7,8 @@
 //    Low nibbles (even dims) and high nibbles (odd dims) land in separate vectors, so a tile
 //    row holds the dims of each group as [0,2,…,14,1,3,…,15]. q is loaded in the same order
 //    and the output is put back in natural order at the end: dot products do not care.
-// 2. K and V are both dequantized token-major ([N][D]); QK reduces 3 heads × 4 keys per
-//    register block with a horizontal-add tree; PV broadcasts p and streams V rows.
+// 2. K and V are both dequantized token-major ([N][D]); QK reduces 2 heads × 4 keys per
+//    register block with a horizontal-add tree; PV broadcasts p to 6 heads and streams V rows.
 // 3. Online softmax in base 2, 8 lanes at a time; lanes past the n attended keys are masked
 //    to −inf before the max and to 0 in the sum, and PV reads only keys j < n, so bytes past
 //    n (page tails, possibly NaN) never reach the output.
@@ -98,51 +98,38 @@ inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// s[h][j] = q_h · k_j for heads [h0, h0+H) (H = 1, 2 or 3), keys [j0, j0+4), rows of length
-// D. Accumulators by name (an indexed __m256 array would live on the stack); K rows are read
-// straight into the FMAs, so 12 accumulators and 3 q vectors fit the 16 registers.
+// s[h][j] = q_h · k_j for heads [h0, h0+H) (H = 1 or 2), keys [j0, j0+4), rows of length D.
+// Accumulators by name (an indexed __m256 array would live on the stack). The four K vectors
+// are pinned in registers (the empty asm): folded into the FMAs as memory operands they
+// would be loaded once per head, and the loads, not the FMAs, would set the pace.
 template <int H>
 inline void qk_block(const float* q, const float* k, float* s, int64_t D, int64_t N, int64_t h0,
                      int64_t j0) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-  __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
   const float* q0 = q + h0 * D;
-  const float* q1 = q0 + (H >= 2 ? D : 0);
-  const float* q2 = q0 + (H == 3 ? 2 * D : 0);
+  const float* q1 = q0 + (H == 2 ? D : 0);
   const float* k0 = k + j0 * D;
-  const float* k1 = k0 + D;
-  const float* k2 = k0 + 2 * D;
-  const float* k3 = k0 + 3 * D;
   for (int64_t d = 0; d < D; d += 8) {
+    __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k0 + D + d);
+    __m256 x2 = _mm256_loadu_ps(k0 + 2 * D + d), x3 = _mm256_loadu_ps(k0 + 3 * D + d);
+    __asm__("" : "+x"(x0), "+x"(x1), "+x"(x2), "+x"(x3));
     const __m256 qa = _mm256_loadu_ps(q0 + d);
-    a0 = _mm256_fmadd_ps(qa, _mm256_loadu_ps(k0 + d), a0);
-    a1 = _mm256_fmadd_ps(qa, _mm256_loadu_ps(k1 + d), a1);
-    a2 = _mm256_fmadd_ps(qa, _mm256_loadu_ps(k2 + d), a2);
-    a3 = _mm256_fmadd_ps(qa, _mm256_loadu_ps(k3 + d), a3);
-    if (H >= 2) {
+    a0 = _mm256_fmadd_ps(qa, x0, a0);
+    a1 = _mm256_fmadd_ps(qa, x1, a1);
+    a2 = _mm256_fmadd_ps(qa, x2, a2);
+    a3 = _mm256_fmadd_ps(qa, x3, a3);
+    if (H == 2) {
       const __m256 qb = _mm256_loadu_ps(q1 + d);
-      b0 = _mm256_fmadd_ps(qb, _mm256_loadu_ps(k0 + d), b0);
-      b1 = _mm256_fmadd_ps(qb, _mm256_loadu_ps(k1 + d), b1);
-      b2 = _mm256_fmadd_ps(qb, _mm256_loadu_ps(k2 + d), b2);
-      b3 = _mm256_fmadd_ps(qb, _mm256_loadu_ps(k3 + d), b3);
-    }
-    if (H == 3) {
-      const __m256 qc = _mm256_loadu_ps(q2 + d);
-      c0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + d), c0);
-      c1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k1 + d), c1);
-      c2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k2 + d), c2);
-      c3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k3 + d), c3);
+      b0 = _mm256_fmadd_ps(qb, x0, b0);
+      b1 = _mm256_fmadd_ps(qb, x1, b1);
+      b2 = _mm256_fmadd_ps(qb, x2, b2);
+      b3 = _mm256_fmadd_ps(qb, x3, b3);
     }
   }
-  alignas(32) float r[12];
+  alignas(32) float r[8];
   _mm256_store_ps(r, reduce8(a0, a1, a2, a3, b0, b1, b2, b3));
   std::memcpy(s + h0 * N + j0, r, 4 * sizeof(float));
-  if (H >= 2) std::memcpy(s + (h0 + 1) * N + j0, r + 4, 4 * sizeof(float));
-  if (H == 3) {
-    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(c0, c1), _mm256_hadd_ps(c2, c3));
-    _mm_storeu_ps(s + (h0 + 2) * N + j0,
-                  _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
-  }
+  if (H == 2) std::memcpy(s + (h0 + 1) * N + j0, r + 4, 4 * sizeof(float));
 }
 
 // acc[h][d0..d0+16) += Σ_{j<n} p[h][j] · v[j][d0..d0+16) for heads [h0, h0+4), the eight
@@ -174,6 +161,41 @@ inline void pv_block4(const float* p, const float* v, float* acc, int64_t D, int
   _mm256_storeu_ps(a0 + D, l1), _mm256_storeu_ps(a0 + D + 8, u1);
   _mm256_storeu_ps(a0 + 2 * D, l2), _mm256_storeu_ps(a0 + 2 * D + 8, u2);
   _mm256_storeu_ps(a0 + 3 * D, l3), _mm256_storeu_ps(a0 + 3 * D + 8, u3);
+}
+
+// The same for heads [h0, h0+6): twelve accumulator chains, more than the FMA pipes' latency
+// needs, and 8 loads per 12 FMAs.
+inline void pv_block6(const float* p, const float* v, float* acc, int64_t D, int64_t N, int64_t n,
+                      int64_t h0, int64_t d0) {
+  float* a0 = acc + h0 * D + d0;
+  const float* p0 = p + h0 * N;
+  __m256 l0 = _mm256_loadu_ps(a0), u0 = _mm256_loadu_ps(a0 + 8);
+  __m256 l1 = _mm256_loadu_ps(a0 + D), u1 = _mm256_loadu_ps(a0 + D + 8);
+  __m256 l2 = _mm256_loadu_ps(a0 + 2 * D), u2 = _mm256_loadu_ps(a0 + 2 * D + 8);
+  __m256 l3 = _mm256_loadu_ps(a0 + 3 * D), u3 = _mm256_loadu_ps(a0 + 3 * D + 8);
+  __m256 l4 = _mm256_loadu_ps(a0 + 4 * D), u4 = _mm256_loadu_ps(a0 + 4 * D + 8);
+  __m256 l5 = _mm256_loadu_ps(a0 + 5 * D), u5 = _mm256_loadu_ps(a0 + 5 * D + 8);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 vl = _mm256_loadu_ps(v + j * D + d0), vh = _mm256_loadu_ps(v + j * D + d0 + 8);
+    __m256 pj = _mm256_broadcast_ss(p0 + j);
+    l0 = _mm256_fmadd_ps(pj, vl, l0), u0 = _mm256_fmadd_ps(pj, vh, u0);
+    pj = _mm256_broadcast_ss(p0 + N + j);
+    l1 = _mm256_fmadd_ps(pj, vl, l1), u1 = _mm256_fmadd_ps(pj, vh, u1);
+    pj = _mm256_broadcast_ss(p0 + 2 * N + j);
+    l2 = _mm256_fmadd_ps(pj, vl, l2), u2 = _mm256_fmadd_ps(pj, vh, u2);
+    pj = _mm256_broadcast_ss(p0 + 3 * N + j);
+    l3 = _mm256_fmadd_ps(pj, vl, l3), u3 = _mm256_fmadd_ps(pj, vh, u3);
+    pj = _mm256_broadcast_ss(p0 + 4 * N + j);
+    l4 = _mm256_fmadd_ps(pj, vl, l4), u4 = _mm256_fmadd_ps(pj, vh, u4);
+    pj = _mm256_broadcast_ss(p0 + 5 * N + j);
+    l5 = _mm256_fmadd_ps(pj, vl, l5), u5 = _mm256_fmadd_ps(pj, vh, u5);
+  }
+  _mm256_storeu_ps(a0, l0), _mm256_storeu_ps(a0 + 8, u0);
+  _mm256_storeu_ps(a0 + D, l1), _mm256_storeu_ps(a0 + D + 8, u1);
+  _mm256_storeu_ps(a0 + 2 * D, l2), _mm256_storeu_ps(a0 + 2 * D + 8, u2);
+  _mm256_storeu_ps(a0 + 3 * D, l3), _mm256_storeu_ps(a0 + 3 * D + 8, u3);
+  _mm256_storeu_ps(a0 + 4 * D, l4), _mm256_storeu_ps(a0 + 4 * D + 8, u4);
+  _mm256_storeu_ps(a0 + 5 * D, l5), _mm256_storeu_ps(a0 + 5 * D + 8, u5);
 }
 
 // The same for one head.
@@ -245,9 +267,8 @@ struct Kernel {
     }
     for (int64_t j0 = 0; j0 < n; j0 += 4) {  // rows past n: stale or zero, their scores unread
       int64_t h = 0;
-      for (; h + 3 <= G; h += 3) qk_block<3>(q.data(), k, s.data(), D, N, h, j0);
-      if (G - h == 2) qk_block<2>(q.data(), k, s.data(), D, N, h, j0);
-      if (G - h == 1) qk_block<1>(q.data(), k, s.data(), D, N, h, j0);
+      for (; h + 2 <= G; h += 2) qk_block<2>(q.data(), k, s.data(), D, N, h, j0);
+      if (h < G) qk_block<1>(q.data(), k, s.data(), D, N, h, j0);
     }
     for (int64_t h = 0; h < G; ++h) {
       const __m256 alpha = _mm256_set1_ps(softmax_row(&s[h * N], n, &m[h], &l[h]));
@@ -256,6 +277,7 @@ struct Kernel {
     }
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       int64_t h = 0;
+      for (; h + 6 <= G; h += 6) pv_block6(s.data(), v, acc.data(), D, N, n, h, d0);
       for (; h + 4 <= G; h += 4) pv_block4(s.data(), v, acc.data(), D, N, n, h, d0);
       for (; h < G; ++h) pv_block1(s.data(), v, acc.data(), D, N, n, h, d0);
     }
