@@ -19,6 +19,7 @@ XLA_FFI_Error* m3sparse_sparse_prefill_cpu(XLA_FFI_CallFrame*);
 
 namespace m3sparse {
 double peak_gflops(const std::string& kind, int threads);
+double kernel_gflops(const std::string& path, bool cached);
 }
 
 namespace {
@@ -51,5 +52,7 @@ NB_MODULE(_m3sparse_cpu, m) {
   });
   m.def("peak_gflops", &m3sparse::peak_gflops,
         "GFLOP/s of a register-resident multiply-add loop on `threads` threads (bench only).");
+  m.def("kernel_gflops", &m3sparse::kernel_gflops,
+        "GFLOP/s of one CPU path's per-block attention math on one thread (bench only).");
   m.attr("XLA_FFI_API_VERSION") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
 }

@@ -3,11 +3,13 @@
 // Not used by any handler.
 #include <algorithm>
 #include <chrono>
+#include <random>
 #include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "attend.h"
 #include "isa.h"
 #if M3_X86
 #include <immintrin.h>
@@ -87,6 +89,42 @@ __attribute__((target("amx-tile,amx-bf16"))) double amx_bf16(int64_t iters) {
 #endif
 
 }  // namespace
+
+// GFLOP/s of one path's per-block attention math on one thread (bench only): G = 16 heads,
+// D = 128, full 128-key blocks of a 64-page random cache (its tiles stay in L2/L3, so this is
+// the kernel without DRAM), each block dequantized (cached = false) or the same tile every
+// time (cached = true: what the tile cache saves). Flops = 4·G·D per key. −1 for a path
+// this machine lacks.
+template <typename Kernel>
+double kernel_rate(bool cached) {
+  const int64_t G = 16, D = 128, N = 128, P = 64, blocks = 3000;
+  const CacheGeometry geo{P, 1, 2, N, D, kLBHNC};
+  std::vector<uint8_t> cache(geo.total_bytes());
+  std::mt19937 rng(1);
+  for (auto& b : cache) b = uint8_t(rng() & 0x6F);  // finite scale bytes
+  std::vector<float> q(G * D);
+  for (auto& x : q) x = float(int(rng() % 200) - 100) / 100.0f;
+  Kernel w(G, D, N);
+  w.reset();
+  w.begin(q.data(), 0.1f);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < blocks; ++i) {
+    const int64_t page = cached ? 0 : int64_t(rng() % P);
+    w.block(geo, cache.data() + geo.tile_offset(0, page, 0), cache.data() + geo.tile_offset(0, page, 1),
+            N, cached);
+  }
+  const float sink = w.finish(true, 1.0f)[0];
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return sink == 12345.0f ? 0.0 : 4.0 * G * D * N * blocks / s / 1e9;
+}
+
+double kernel_gflops(const std::string& path, bool cached) {
+  if (path == "generic") return kernel_rate<generic::Kernel>(cached);
+#if M3_X86
+  if (path == "avx2" && machine_cpu_path() >= CpuPath::kAvx2) return kernel_rate<avx2::Kernel>(cached);
+#endif
+  return -1.0;
+}
 
 // GFLOP/s of `kind` ("fp32_fma_avx2", "fp32_fma_avx512", "bf16_dot_avx512", "bf16_amx") on
 // `threads` threads, or −1 if this machine (or build) lacks it.

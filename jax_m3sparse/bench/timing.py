@@ -140,6 +140,19 @@ def bench_peak(device, quick=False):
     if device.platform == "cpu":
         for kind, g in cpu_peaks().items():
             print(f"{kind} | {g:8.1f} GFLOP/s")
+    if device.platform == "cpu":
+        from jax_m3sparse import _m3sparse_cpu  # noqa: PLC0415
+        print("\nattention block math, one thread (no jit, no DRAM; % of the FMA loop on one "
+              "thread, measured just before)")
+        print("path | GFLOP/s | % loop | tile cached: GFLOP/s\n" + "-" * 48)
+        for path in cpu_paths(device):
+            loop = _m3sparse_cpu.peak_gflops("fp32_fma_avx2", 1)
+            g = _m3sparse_cpu.kernel_gflops(path, False)
+            # the generic path has no tile cache
+            c = f"{_m3sparse_cpu.kernel_gflops(path, True):7.1f}" if path != "generic" else "    n/a"
+            pct = f"{100 * g / loop:5.0f}%" if loop > 0 else "  n/a"
+            print(f"{path} | {g:7.1f} | {pct} | {c}")
+        print()
     print(f"copy (x + 1, donated, read + write) | {copy_bandwidth(device) / 1e9:8.1f} GB/s")
     print(f"read (sum) | {read_bandwidth(device) / 1e9:8.1f} GB/s")
 
