@@ -4,11 +4,20 @@ Each backend module exposes ``registrations() -> {target_name: capsule}``:
 ``_m3sparse_cpu`` (always built), ``_m3sparse_rocm`` (``M3SPARSE_ENABLE_ROCM=ON``),
 ``_m3sparse_cuda`` (``M3SPARSE_ENABLE_CUDA=ON``). A module that is absent leaves its
 platform on the pure-JAX reference lowering (see ``_primitives.py``).
+
+A module that should be there and is not is said once, loudly: a :class:`NativeModuleWarning`
+naming the platform, the import error and the fix (the CPU module always; the CUDA/ROCm modules
+when JAX has that platform's plugin installed or the module exists but fails to load). The
+environment variable ``JAX_M3SPARSE_REQUIRE_NATIVE`` (a comma-separated list of platforms, or
+``1`` for every platform that would warn) turns that into an ImportError.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
+import warnings
 
 import jax
 
@@ -19,8 +28,18 @@ _MODULES = {
     "cuda": ("jax_m3sparse._m3sparse_cuda", "CUDA"),
 }
 
+# JAX plugin packages whose presence means the platform is in use here.
+_PLUGINS = {"cuda": ("jax_cuda12_plugin", "jax_cuda13_plugin"),
+            "rocm": ("jax_rocm60_plugin", "jax_rocm7_plugin")}
+REQUIRE_ENV = "JAX_M3SPARSE_REQUIRE_NATIVE"
+
 _registered: dict[str, set[str]] = {}
 _import_errors: dict[str, str] = {}
+
+
+class NativeModuleWarning(UserWarning):
+    """A compiled jax_m3sparse module that should be loaded is not: its platform runs the
+    pure-JAX reference (correct, much slower)."""
 
 
 def _load(platform: str) -> set[str]:
@@ -28,13 +47,54 @@ def _load(platform: str) -> set[str]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        _import_errors[platform] = str(e)
+        _import_errors[platform] = f"{type(e).__name__}: {e}"
+        _report_missing(platform, e)
         return set()
     names = set()
     for name, capsule in module.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform=xla_platform)
         names.add(name)
     return names
+
+
+def _expected(platform: str, error: ImportError) -> bool:
+    """Whether a missing module of ``platform`` is worth saying (see the module docstring)."""
+    if platform == "cpu" or not isinstance(error, ModuleNotFoundError):
+        return True
+    return any(importlib.util.find_spec(p) is not None for p in _PLUGINS.get(platform, ()))
+
+
+def _required(platform: str) -> bool:
+    wanted = {p.strip().lower() for p in os.environ.get(REQUIRE_ENV, "").split(",")}
+    return platform in wanted or bool(wanted & {"1", "all", "true"})
+
+
+def _report_missing(platform: str, error: ImportError) -> None:
+    if not (_expected(platform, error) or _required(platform)):
+        return
+    module_name = _MODULES[platform][0]
+    here = os.path.dirname(os.path.abspath(__file__))
+    message = (
+        f"jax_m3sparse: the native {platform} module {module_name} did not load "
+        f"({type(error).__name__}: {error}); every jax_m3sparse op on {platform} now runs the "
+        f"pure-JAX reference (correct but much slower). The package was imported from {here}. "
+        "Fix: build it (`pip install --no-build-isolation -e .` in the source tree, or install "
+        "the wheel); if that directory is a source checkout without the built module, it is "
+        "shadowing the installed package: run from another directory. "
+        f"Set {REQUIRE_ENV}={platform} to make this an error.")
+    if _required(platform):
+        raise ImportError(message) from error
+    warnings.warn(message, NativeModuleWarning, stacklevel=2)
+
+
+def native_platforms() -> tuple[str, ...]:
+    """The platforms ("cpu", "rocm", "cuda") whose compiled jax_m3sparse module is loaded.
+
+    On a platform not listed, every op lowers to the pure-JAX reference (``cpu``/``cuda``),
+    or (``rocm``) to the FFI call that needs the module where the program runs. Why a module
+    did not load: the :class:`NativeModuleWarning` given at import.
+    """
+    return tuple(p for p in _MODULES if registered_targets(p))
 
 
 def registered_targets(platform: str) -> set[str]:

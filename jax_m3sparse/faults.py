@@ -2,53 +2,103 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import checkify
+
+from jax_m3sparse.nvfp4 import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN
+
+BLOCK_SIZE = 128  # N, the one block size the kernels serve (SPEC §1)
 
 
 def check_inputs(*, topk_indices=None, block_table=None, num_pages=None, seq_lens=None,
                  cu_seqlens_q=None, slot_mapping=None, k_scale=None, v_scale=None):
     """Checks engine inputs for data faults (SPEC §7); every argument is optional.
 
-    Eagerly this raises ``jax.experimental.checkify.JaxRuntimeError`` at the first fault;
-    inside ``jax.jit`` wrap the caller in ``checkify.checkify`` and call ``err.throw()``.
-    The kernels themselves never fault on these (they give SPEC's defined results); this
-    is the debug view.
+    Every fault found is reported, not only the first. Eagerly (concrete inputs) this raises
+    ``jax.experimental.checkify.JaxRuntimeError`` with one line per fault; inside
+    ``jax.jit`` wrap the caller in ``checkify.checkify`` and call ``err.throw()``: the
+    message then lists each check with ``True`` where its fault is present. The kernels
+    themselves never fault on these (they give SPEC's defined results); this is the debug
+    view.
 
     Reports:
       * ``topk_indices`` (``int32[Hkv, T, K]``): ids < −1, ids ≥ max_blocks (with
         ``block_table``), and duplicate ids within a row (−1 excluded).
       * ``block_table`` with ``num_pages``: entries ≥ num_pages (−1 is "no page").
-      * ``seq_lens``: negative lengths.
+      * ``seq_lens`` (``int32[R_dec]``, the first rows of ``block_table``): negative lengths;
+        with ``block_table``, lengths beyond what the request's row covers (max_blocks·128)
+        and rows with no page (−1) in a block the sequence covers.
       * ``cu_seqlens_q``: ``cu[0] != 0`` or a decrease.
-      * ``slot_mapping`` with ``num_pages`` and ``block_table``'s N=128: slots ≥ P·N.
-      * ``k_scale``/``v_scale``: g ≤ 0 or not finite (SPEC §2.2 step 5).
+      * ``slot_mapping`` with ``num_pages``: slots ≥ P·N (N = 128).
+      * ``k_scale``/``v_scale``: g outside ``[2^-126, 2^126]`` (≤ 0, NaN, ±Inf, subnormal, or
+        1/g subnormal), which packs NaN groups (SPEC §2.2 step 5, docs/spec_decisions.md).
     """
+    faults = []  # (fault present: bool scalar, message, {name: value shown in the message})
+
+    def add(bad, message, **values):
+        faults.append((bad, message, values))
+
     if topk_indices is not None:
         ids = jnp.asarray(topk_indices)
-        checkify.check(jnp.all(ids >= -1), "topk_indices has ids < -1 (min {m})", m=jnp.min(ids))
+        add(jnp.any(ids < -1), "topk_indices has ids < -1 (min {m})", m=jnp.min(ids, initial=0))
         if block_table is not None:
             m = jnp.asarray(block_table).shape[1]
-            checkify.check(jnp.all(ids < m), f"topk_indices has ids >= max_blocks = {m} (max {{x}})",
-                           x=jnp.max(ids))
+            add(jnp.any(ids >= m), f"topk_indices has ids >= max_blocks = {m} (max {{x}})",
+                x=jnp.max(ids, initial=-1))
         s = jnp.sort(ids, axis=-1)
         dup = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
-        checkify.check(~jnp.any(dup), "topk_indices has {n} duplicate ids within a row",
-                       n=jnp.sum(dup))
+        add(jnp.any(dup), "topk_indices has {n} duplicate ids within a row", n=jnp.sum(dup))
     if block_table is not None and num_pages is not None:
         bt = jnp.asarray(block_table)
-        checkify.check(jnp.all(bt < num_pages), f"block_table has pages >= num_pages = {num_pages}")
+        add(jnp.any(bt >= num_pages), f"block_table has pages >= num_pages = {num_pages}")
     if seq_lens is not None:
-        checkify.check(jnp.all(jnp.asarray(seq_lens) >= 0), "seq_lens has negative lengths")
+        sl = jnp.asarray(seq_lens)
+        add(jnp.any(sl < 0), "seq_lens has negative lengths")
+        if block_table is not None:
+            bt = jnp.asarray(block_table)[:sl.shape[0]]
+            cover = bt.shape[1] * BLOCK_SIZE
+            add(jnp.any(sl > cover), f"seq_lens exceeds what a block_table row covers "
+                f"(max_blocks·{BLOCK_SIZE} = {cover} tokens; max seq_len {{x}})",
+                x=jnp.max(sl, initial=0))
+            blocks = (jnp.clip(sl, 0, cover) + BLOCK_SIZE - 1) // BLOCK_SIZE
+            needed = jnp.arange(bt.shape[1])[None, :] < blocks[:, None]
+            add(jnp.any(needed & (bt < 0)), "block_table has no page (-1) in {n} blocks that "
+                "seq_lens covers", n=jnp.sum(needed & (bt < 0)))
     if cu_seqlens_q is not None:
         cu = jnp.asarray(cu_seqlens_q)
-        checkify.check(cu[0] == 0, "cu_seqlens_q[0] must be 0, got {c}", c=cu[0])
-        checkify.check(jnp.all(cu[1:] >= cu[:-1]), "cu_seqlens_q is not non-decreasing")
+        add(cu[0] != 0, "cu_seqlens_q[0] must be 0, got {c}", c=cu[0])
+        add(jnp.any(cu[1:] < cu[:-1]), "cu_seqlens_q is not non-decreasing")
     if slot_mapping is not None and num_pages is not None:
-        checkify.check(jnp.all(jnp.asarray(slot_mapping) < num_pages * 128),
-                       f"slot_mapping has slots >= num_pages·128 = {num_pages * 128}")
+        add(jnp.any(jnp.asarray(slot_mapping) >= num_pages * BLOCK_SIZE),
+            f"slot_mapping has slots >= num_pages·{BLOCK_SIZE} = {num_pages * BLOCK_SIZE}")
     for name, g in (("k_scale", k_scale), ("v_scale", v_scale)):
         if g is not None:
             g = jnp.asarray(g, jnp.float32)
-            checkify.check((g > 0) & jnp.isfinite(g), f"{name} must be finite and > 0, got {{g}}",
-                           g=g)
+            ok = (g >= jnp.float32(GLOBAL_SCALE_MIN)) & (g <= jnp.float32(GLOBAL_SCALE_MAX))
+            add(~ok, f"{name} must be in [2^-126, 2^126] (finite, > 0, normal, 1/g normal), "
+                f"got {{g}}", g=g)
+    _report(faults)
+
+
+def _report(faults):
+    if not faults:
+        return
+    if not any(isinstance(x, jax.core.Tracer) for bad, _, values in faults
+               for x in (bad, *values.values())):
+        found = [message.format(**{k: np.asarray(v) for k, v in values.items()})
+                 for bad, message, values in faults if bool(bad)]
+        if found:
+            raise checkify.JaxRuntimeError("check_inputs found " + "; ".join(found))
+        return
+    # Traced: one check whose message shows every check's flag (checkify keeps one error).
+    parts, kwargs = [], {}
+    for i, (bad, message, values) in enumerate(faults):
+        renamed = {f"{k}_{i}": v for k, v in values.items()}
+        for k in values:
+            message = message.replace("{" + k + "}", "{" + f"{k}_{i}" + "}")
+        parts.append(f"[{{bad_{i}}}] {message}")
+        kwargs.update(renamed, **{f"bad_{i}": bad})
+    checkify.check(~jnp.any(jnp.stack([jnp.asarray(b) for b, _, _ in faults])),
+                   "check_inputs found faults ([True] = present): " + "; ".join(parts), **kwargs)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_m3sparse import _checks
+from jax_m3sparse.ops.positions import query_token_positions
 
 
 @jax.tree_util.register_dataclass
@@ -74,26 +75,8 @@ def build_attention_metadata(query_lens, context_lens, block_table, *, num_decod
     seq_lens = jnp.where(dec_q > 0, context_lens[:r_dec] + dql, 0)
     pre_q = query_lens[r_dec:]
     cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(pre_q, dtype=jnp.int32)])
-    from jax_m3sparse.ops.positions import query_token_positions  # noqa: PLC0415 (import cycle)
     req, pos = query_token_positions(cu, context_lens[r_dec:], num_tokens - r_dec * dql)
     req = jnp.where(req >= 0, req + r_dec, -1)
     return SparseAttentionMetadata(block_table.astype(jnp.int32), seq_lens, req, pos,
                                    num_decode_tokens=r_dec * dql, decode_query_len=dql)
-
-
-def run_mixed_batch(decode_fn, prefill_fn, q, kv_cache, topk_indices, metadata, k_scale, v_scale,
-                    **kw):
-    """Decode on the first ``num_decode_tokens`` rows, prefill on the rest (SPEC §5.6)."""
-    nd = metadata.num_decode_tokens
-    r_dec = nd // metadata.decode_query_len
-    parts = []
-    if nd:
-        parts.append(decode_fn(q[:nd], kv_cache, topk_indices[:, :nd], metadata.block_table[:r_dec],
-                               metadata.seq_lens, k_scale, v_scale,
-                               decode_query_len=metadata.decode_query_len, **kw))
-    if q.shape[0] > nd:
-        parts.append(prefill_fn(q[nd:], kv_cache, topk_indices[:, nd:], metadata.block_table,
-                                metadata.query_req_id, metadata.query_abs_pos, k_scale, v_scale,
-                                **kw))
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 

@@ -27,12 +27,20 @@ _TIES_UP = (0.75, 1.75, 3.5)
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
+GLOBAL_SCALE_MIN = 2.0 ** -126   # smallest normal fp32
+GLOBAL_SCALE_MAX = 2.0 ** 126    # the largest g whose 1/g is still normal
+
+
 def inverse_global_scale(global_scale):
-    """r = 1/g, NaN where g is not finite and > 0 or 1/g overflows (SPEC §2.2 steps 1, 5)."""
+    """r = 1/g for 2^-126 <= g <= 2^126, else NaN (SPEC §2.2 steps 1, 5; spec_decisions.md).
+
+    Outside that range g or 1/g is subnormal, zero, infinite or NaN, and runtimes that flush
+    subnormals to zero (XLA's CPU threads) would disagree with IEEE arithmetic: every group
+    quantized with such a g is a NaN group instead, on every backend.
+    """
     g = jnp.asarray(global_scale, jnp.float32)
-    r = jnp.float32(1.0) / g
-    ok = (g > 0) & jnp.isfinite(g) & jnp.isfinite(r)
-    return jnp.where(ok, r, jnp.float32(jnp.nan))
+    ok = (g >= jnp.float32(GLOBAL_SCALE_MIN)) & (g <= jnp.float32(GLOBAL_SCALE_MAX))
+    return jnp.where(ok, jnp.float32(1.0) / jnp.where(ok, g, 1.0), jnp.float32(jnp.nan))
 
 
 def e2m1_codes(y):
@@ -55,8 +63,9 @@ def nvfp4_quantize(x, global_scale):
     Args:
       x: float32/bfloat16/float16 ``[..., D]``, ``D % 16 == 0``.
       global_scale: g, the fp32 dequantization multiplier (scalar: Python float, or
-        0-d array, may be traced). Non-finite or non-positive g makes every group a NaN
-        group (scale byte 0x7F, codes 0).
+        0-d array, may be traced). A g outside ``[2^-126, 2^126]`` (non-positive, NaN,
+        ±Inf, subnormal, or so large that 1/g is subnormal) makes every group a NaN group
+        (scale byte 0x7F, codes 0).
 
     Returns:
       ``(data, scales)``: ``uint8[..., D/2]`` (element 2j in the low nibble of byte j)

@@ -22,9 +22,10 @@ _TOKEN_CHUNK = 16  # tokens per step of the attention reference: bounds its memo
 # ----------------------------------------------------------------------------- cache views
 def tile_view(kv_cache, layout_code: int):
     """The cache as ``[L, P, 2Hkv, N·C]`` tiles (a free reshape/transpose of SPEC §3.3)."""
+    tile_bytes = kv_cache.shape[-2] * kv_cache.shape[-1]     # explicit: the cache may be empty
     if kv_cache.ndim == 4:
-        return kv_cache.reshape(1, kv_cache.shape[0], kv_cache.shape[1], -1)
-    tiles = kv_cache.reshape(*kv_cache.shape[:3], -1)
+        return kv_cache.reshape(1, kv_cache.shape[0], kv_cache.shape[1], tile_bytes)
+    tiles = kv_cache.reshape(*kv_cache.shape[:3], tile_bytes)
     return tiles if layout_code == 0 else jnp.swapaxes(tiles, 0, 1)
 
 
@@ -62,7 +63,7 @@ def pack_impl(kv_cache, key, value, slot_mapping, k_scale, v_scale, layer, *, la
     idx_page = page[:, None, None, None]
     idx_slot = head_slot[None, :, :, None]
     idx_byte = byte[:, None, None, :]
-    flat = kv_cache.reshape(*kv_cache.shape[:-2], -1)
+    flat = kv_cache.reshape(*kv_cache.shape[:-2], N * kv_cache.shape[-1])
     if kv_cache.ndim == 4:
         idx_page = jnp.where(layer == 0, idx_page, num_pages)
         flat = flat.at[idx_page, idx_slot, idx_byte].set(values, mode="drop")
@@ -88,10 +89,13 @@ def unpack_kv_pages(kv_cache, page_ids, k_scale, v_scale, *, layer=None, layout=
     Page ids outside ``[0, P)`` and a layer outside ``[0, L)`` give zeros.
     """
     tiles = tile_view(kv_cache, check_layout(layout))
-    num_layers, num_pages = tiles.shape[:2]
+    num_layers, num_pages, num_slots = tiles.shape[:3]
     head_dim = kv_cache.shape[-1] * 16 // 9
     layer = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
     page_ids = jnp.asarray(page_ids, jnp.int32)
+    if not num_layers * num_pages:                                       # nothing to read
+        zeros = jnp.zeros((page_ids.shape[0], num_slots // 2, kv_cache.shape[-2], head_dim))
+        return zeros, zeros
     ok = (page_ids >= 0) & (page_ids < num_pages) & (layer >= 0) & (layer < num_layers)
     picked = tiles[jnp.clip(layer, 0, num_layers - 1), jnp.clip(page_ids, 0, num_pages - 1)]
     picked = jnp.where(ok[:, None, None], picked, 0)                     # [n, 2Hkv, N·C]
@@ -169,12 +173,15 @@ def attend_impl(q, kv_cache, topk, block_table, req, pos, k_scale, v_scale, laye
     """Sparse attention of rows with known (request, position), in token chunks."""
     T = q.shape[0]
     tiles = tile_view(kv_cache, layout)
+    if 0 in (T, *tiles.shape[:2], *block_table.shape):
+        # No row, layer, page, request or block: nothing can be attended (SPEC §5.2).
+        return jnp.zeros(q.shape, q.dtype)
     layer = jnp.asarray(layer, jnp.int32)
     chunk = min(_TOKEN_CHUNK, max(T, 1))
     n = -(-T // chunk)
     pad = n * chunk - T
     qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(n, chunk, *q.shape[1:])
-    tp = jnp.pad(topk, ((0, 0), (0, pad), (0, 0))).reshape(topk.shape[0], n, chunk, -1)
+    tp = jnp.pad(topk, ((0, 0), (0, pad), (0, 0))).reshape(topk.shape[0], n, chunk, topk.shape[2])
     rp = jnp.pad(req, (0, pad), constant_values=-1).reshape(n, chunk)
     pp = jnp.pad(pos, (0, pad), constant_values=-1).reshape(n, chunk)
 
@@ -187,11 +194,16 @@ def attend_impl(q, kv_cache, topk, block_table, req, pos, k_scale, v_scale, laye
 
 
 def decode_rows(seq_lens, num_tokens, decode_query_len):
-    """(request, position) of each decode row (SPEC §5.3)."""
+    """(request, position) of each decode row (SPEC §5.3); −1 where the position is negative.
+
+    ``seq_lens[r] − back`` with ``back = dql − t % dql`` in [1, dql] is only formed where it
+    cannot wrap around in int32 (a seq_len near INT32_MIN must not become a huge position).
+    """
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     r = t // decode_query_len
-    pos = jnp.asarray(seq_lens, jnp.int32)[r] - decode_query_len + t % decode_query_len
-    return r, jnp.maximum(pos, -1)
+    back = decode_query_len - t % decode_query_len
+    seq = jnp.asarray(seq_lens, jnp.int32)[r]
+    return r, jnp.where(seq >= back, seq - back, -1)
 
 
 def decode_impl(q, kv_cache, topk, block_table, seq_lens, k_scale, v_scale, layer, *, scale,
@@ -232,6 +244,27 @@ def sparse_prefill(q, kv_cache, topk_indices, block_table, query_req_id, query_a
 def sparse_attention(q, kv_cache, topk_indices, metadata, k_scale, v_scale, *, scale=None,
                      layer=None, layout="LBHNC"):
     """Reference of :func:`jax_m3sparse.sparse_attention` (SPEC §5.6)."""
-    from jax_m3sparse.metadata import run_mixed_batch  # noqa: PLC0415 (import cycle)
     return run_mixed_batch(sparse_decode, sparse_prefill, q, kv_cache, topk_indices, metadata,
                            k_scale, v_scale, scale=scale, layer=layer, layout=layout)
+
+
+def run_mixed_batch(decode_fn, prefill_fn, q, kv_cache, topk_indices, metadata, k_scale, v_scale,
+                    **kw):
+    """Decode on the first ``num_decode_tokens`` rows, prefill on the rest (SPEC §5.6).
+
+    Shared by :func:`jax_m3sparse.sparse_attention` (with the primitives) and
+    :func:`sparse_attention` here (with the references). A batch with no row at all
+    (T = 0, which an engine step can have) runs prefill on its zero rows.
+    """
+    nd = metadata.num_decode_tokens
+    r_dec = nd // metadata.decode_query_len
+    parts = []
+    if nd:
+        parts.append(decode_fn(q[:nd], kv_cache, topk_indices[:, :nd], metadata.block_table[:r_dec],
+                               metadata.seq_lens, k_scale, v_scale,
+                               decode_query_len=metadata.decode_query_len, **kw))
+    if q.shape[0] > nd or not parts:
+        parts.append(prefill_fn(q[nd:], kv_cache, topk_indices[:, nd:], metadata.block_table,
+                                metadata.query_req_id, metadata.query_abs_pos, k_scale, v_scale,
+                                **kw))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)

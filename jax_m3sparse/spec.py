@@ -21,7 +21,8 @@ class KVCacheSpec:
     Args:
       num_kv_heads: Hkv, KV heads on this device.
       head_dim: D, a multiple of 32 (128 for MiniMax M3).
-      block_size: N, tokens per page (= tokens per sparse block, 128).
+      block_size: N, tokens per page (= tokens per sparse block); 128, the one value every
+        op serves (SPEC §1), so any other is rejected here rather than by every op later.
 
     Slot ``2h`` of a page holds K of KV head ``h``, slot ``2h + 1`` its V. Each
     (page, slot) tile is ``N * full_dim`` bytes: the data plane (``D/2`` bytes per
@@ -39,6 +40,9 @@ class KVCacheSpec:
                 raise ValueError(f"KVCacheSpec.{name} must be a positive int, got {v!r}")
         if self.head_dim % 32:
             raise ValueError(f"KVCacheSpec.head_dim must be a multiple of 32, got {self.head_dim}")
+        if self.block_size != 128:
+            raise ValueError(f"KVCacheSpec.block_size must be 128 (SPEC §1: the ops serve "
+                             f"N = 128 only), got {self.block_size}")
 
     @property
     def num_head_slots(self) -> int:

@@ -30,7 +30,7 @@ def quantize(x, g):
     g = np.float32(g)
     with np.errstate(all="ignore"):
         r = np.float32(1) / g
-    bad_g = not (g > 0 and np.isfinite(g) and np.isfinite(r))
+    bad_g = not (2.0 ** -126 <= g <= 2.0 ** 126)     # docs/spec_decisions.md
     D = x.shape[-1]
     flat = x.reshape(-1, D)
     data = np.zeros((flat.shape[0], D // 2), np.uint8)

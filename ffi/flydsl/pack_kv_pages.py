@@ -28,7 +28,7 @@ group's scale byte. Inside the (page, slot) tile (SPEC §3.2): data at t·64, sc
 
 Arithmetic (SPEC §2.2), all fp32 with round-to-nearest-even, the same operations in the same order
 as ``nvfp4_inverse_scale`` / ``nvfp4_quantize_group`` in ffi/include/m3sparse/nvfp4.h:
-1. r = 1 / g (IEEE division); r is NaN unless g > 0, g finite and r finite (§2.2 step 5).
+1. r = 1 / g (IEEE division); r is NaN unless 2^-126 <= g <= 2^126 (§2.2 step 5).
 2. a = max |x_i| (NaNs ignored here, caught by step 4); s = (a / 6) · r;
    sf = e4m3_rne(min(max(s, 2^-9), 448)) by integer rounding of the fp32 bits (3 mantissa bits,
    ties to even; below 2^-6 the subnormal units of 2^-9 via roundeven(v·512)).
@@ -79,14 +79,10 @@ def _is_nan(x):
     return (x.bitcast(fx.Uint32) & F32_ABS_MASK) > F32_EXP_MASK
 
 
-def _is_finite(x):
-    return (x.bitcast(fx.Uint32) & F32_EXP_MASK) != F32_EXP_MASK
-
-
 def inverse_scale(g):
-    """SPEC §2.2 steps 1 and 5 (nvfp4_inverse_scale): 1/g, or NaN for a g that cannot be inverted."""
+    """SPEC §2.2 steps 1 and 5 (nvfp4_inverse_scale): 1/g for 2^-126 <= g <= 2^126, else NaN."""
     r = fx.Float32(1.0) / g
-    ok = (g > 0.0) & _is_finite(g) & _is_finite(r)
+    ok = (g >= 2.0 ** -126) & (g <= 2.0 ** 126)
     return ok.select(r, fx.Uint32(F32_QNAN).bitcast(fx.Float32))
 
 

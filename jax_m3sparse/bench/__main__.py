@@ -22,6 +22,7 @@ def main(argv=None):
     if args.what == "gfx950-static":
         from jax_m3sparse.bench import gfx950_static  # noqa: PLC0415 (needs flydsl)
         return gfx950_static.main(rest)
+    print(timed_path(args.platform), flush=True)
     if args.platform == "cuda":
         # CUDA: per-call device time amortized over many calls in one jit (bench/cuda.py);
         # it prints the decode, prefill and pack tables of BENCHMARKS.md together.
@@ -36,6 +37,22 @@ def main(argv=None):
         getattr(timing, f"bench_{what}")(device, quick=args.quick)
         print()
     return 0
+
+
+def timed_path(platform=None) -> str:
+    """Which implementation "ours" is on ``platform``: the compiled module or the reference."""
+    import jax  # noqa: PLC0415
+
+    from jax_m3sparse import _ffi  # noqa: PLC0415
+    platform = platform or jax.default_backend()
+    if platform == "gpu":
+        platform = "rocm" if "rocm" in jax.devices()[0].client.platform_version.lower() else "cuda"
+    if platform in _ffi.native_platforms():
+        module = _ffi._MODULES[platform][0]
+        return f"timed path on {platform}: native module {module} (FFI custom calls)"
+    why = _ffi.import_error(platform) or "not built"
+    return (f"timed path on {platform}: THE PURE-JAX REFERENCE, no native module ({why}); "
+            "'ours' below is the reference, not the kernels")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from jax_m3sparse.metadata import SparseAttentionMetadata, run_mixed_batch
+from jax_m3sparse.metadata import SparseAttentionMetadata
 from jax_m3sparse.ops.decode import sparse_decode
 from jax_m3sparse.ops.prefill import sparse_prefill
+from jax_m3sparse.reference import run_mixed_batch
 
 
 def sparse_attention(q, kv_cache, topk_indices, metadata: SparseAttentionMetadata, k_scale,

@@ -36,7 +36,8 @@ def sparse_decode(q, kv_cache, topk_indices, block_table, seq_lens, k_scale, v_s
     ``scale`` (SPEC §5.5). Query head h reads KV head ``h // (Hq / Hkv)``.
 
     Args:
-      q: ``[T, Hq, D]`` float32/bfloat16/float16, ``T = R · decode_query_len``.
+      q: ``[T, Hq, D]`` float32/bfloat16/float16 (the cuda kernels: bfloat16/float16),
+        ``T = R · decode_query_len``.
       kv_cache: ``uint8`` NVFP4 cache, 4-D or 5-D (see :func:`pack_kv_pages`). Only read.
       topk_indices: ``int32[Hkv, T, K]`` logical block ids (indices into the request's
         ``block_table`` row); −1 / out-of-range / future blocks are skipped.
@@ -51,7 +52,8 @@ def sparse_decode(q, kv_cache, topk_indices, block_table, seq_lens, k_scale, v_s
       layout: "LBHNC" or "BLHNC".
 
     Returns:
-      ``[T, Hq, D]`` in q's dtype; rows with no attended key are exact zeros.
+      ``[T, Hq, D]`` in q's dtype (SPEC §5.5); rows with no attended key are exact zeros.
+      Inference-only: differentiating through it raises NotImplementedError (SPEC §7).
 
     Raises:
       ValueError / TypeError at trace time for wrong shapes, dtypes or geometry (naming the

@@ -34,7 +34,7 @@ def sparse_prefill(q, kv_cache, topk_indices, block_table, query_req_id, query_a
     its selected blocks at positions ≤ its own (SPEC §5.2, §5.5).
 
     Args:
-      q: ``[T, Hq, D]`` float32/bfloat16/float16.
+      q: ``[T, Hq, D]`` float32/bfloat16/float16 (the cuda kernels: bfloat16/float16).
       kv_cache: ``uint8`` NVFP4 cache, 4-D or 5-D (see :func:`pack_kv_pages`). Only read.
       topk_indices: ``int32[Hkv, T, K]`` logical block ids per (KV head, token).
       block_table: ``int32[R, max_blocks]``; rows indexed by ``query_req_id``.
@@ -45,7 +45,8 @@ def sparse_prefill(q, kv_cache, topk_indices, block_table, query_req_id, query_a
       layout: "LBHNC" or "BLHNC".
 
     Returns:
-      ``[T, Hq, D]`` in q's dtype; rows with no attended key are exact zeros.
+      ``[T, Hq, D]`` in q's dtype (SPEC §5.5); rows with no attended key are exact zeros.
+      Inference-only: differentiating through it raises NotImplementedError (SPEC §7).
 
     Raises:
       ValueError / TypeError at trace time, as :func:`sparse_decode`.

@@ -23,7 +23,7 @@ def kernel_inverse_scale(g):
     g = f32(g)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         r = f32(1.0) / g
-    ok = (g > 0) and np.isfinite(g) and np.isfinite(r)
+    ok = (g >= f32(2.0 ** -126)) and (g <= f32(2.0 ** 126))
     return r if ok else f32(np.nan)
 
 

@@ -66,11 +66,16 @@ M3_HD uint8_t e2m1_from_float(float y) {
   return uint8_t(m | (sign << 3));
 }
 
-// r = 1/g, or NaN when g cannot be inverted to a finite positive number (SPEC §2.2 step 1, 5):
-// every group quantized with such an r becomes a NaN group.
+constexpr float kGlobalScaleMin = 1.17549435e-38f;  // 2^-126: smallest normal fp32
+constexpr float kGlobalScaleMax = 8.50705917e+37f;  // 2^126: 1/g is still normal
+
+// r = 1/g for 2^-126 <= g <= 2^126, else NaN, so every group quantized with it becomes a NaN
+// group (SPEC §2.2 steps 1, 5; docs/spec_decisions.md). Both g and r are then normal numbers:
+// flushing subnormals to zero (XLA's CPU threads do; GPUs may not) cannot change the result.
+// NaN g fails both comparisons.
 M3_HD float nvfp4_inverse_scale(float g) {
-  float r = 1.0f / g;
-  return (g > 0.0f && is_finite(g) && is_finite(r)) ? r : bits_float(0x7FC00000u);
+  bool ok = g >= kGlobalScaleMin && g <= kGlobalScaleMax;
+  return ok ? 1.0f / g : bits_float(0x7FC00000u);
 }
 
 // Quantizes 16 fp32 values: data[8] (element 2j in the low nibble of byte j) and one scale byte.

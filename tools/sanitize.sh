@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The sanitizer job of .ci/run: the CPU module built with AddressSanitizer + UndefinedBehavior-
+# Sanitizer (+ float-cast-overflow, which GCC's `undefined` leaves out) into build/asan (not the
+# normal build dir), next to a copy of the Python package, and the fault, pack, attention and
+# fuzz tests run against it. Fails when a test fails and on any sanitizer report.
+#   tools/sanitize.sh [pytest args]     # default: the CI selection below
+# Needs the test environment of .ci/run (jax, nanobind, pytest, hypothesis) and GCC's libasan.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+B=$ROOT/build/asan
+PY=$(command -v python)
+SAN="-fsanitize=address,undefined,float-cast-overflow -fno-sanitize-recover=all"
+
+# 1. Build (-O1 -g: readable reports; the targets' own -O3 comes later on the line and wins
+#    for the handlers, which keeps the vector code the users run).
+cmake -S ffi -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$PY" \
+  -DCMAKE_CXX_FLAGS="$SAN -fno-omit-frame-pointer -g" \
+  -DCMAKE_MODULE_LINKER_FLAGS="$SAN" -DCMAKE_SHARED_LINKER_FLAGS="$SAN" >/dev/null
+cmake --build "$B" -j2 >/dev/null
+
+# 2. A package directory with the sanitized module only (no editable-install hook, no build/).
+SITE=$B/site
+rm -rf "$SITE" && mkdir -p "$SITE"
+cp -r jax_m3sparse "$SITE/"
+find "$SITE" \( -name '*.so' -o -name __pycache__ \) -prune -exec rm -rf {} +
+cp "$B"/_m3sparse_cpu*.so "$SITE/jax_m3sparse/"
+
+# 3. Run from outside the repository root: python -S skips site-packages' .pth files (the
+#    editable install's import hook would bring back the normal module), so site-packages
+#    goes on PYTHONPATH after the sanitized package.
+SITE_PACKAGES=$("$PY" -c "import site; print(':'.join(site.getsitepackages()))")
+export PYTHONPATH=$SITE:$SITE_PACKAGES
+export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)"
+export ASAN_OPTIONS=detect_leaks=0:abort_on_error=0:exitcode=86
+export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:exitcode=86
+export JAX_M3SPARSE_REQUIRE_NATIVE=cpu   # a missing module must not test the fallback instead
+export M3SPARSE_FUZZ_EXAMPLES=${M3SPARSE_FUZZ_EXAMPLES:-60}
+RUN=$B/run && mkdir -p "$RUN" && cd "$RUN"
+"$PY" -S -c "
+import jax_m3sparse as m3, jax_m3sparse._m3sparse_cpu as cpu
+assert m3.__file__.startswith('$SITE'), m3.__file__
+assert cpu.__file__.startswith('$SITE') and 'cpu' in m3.native_platforms(), cpu.__file__
+print('sanitized module:', cpu.__file__)"
+if [ $# -eq 0 ]; then
+  set -- "$ROOT/tests/test_faults.py" "$ROOT/tests/test_reliability.py" "$ROOT/tests/test_fuzz.py" \
+         "$ROOT/tests/test_pack.py" "$ROOT/tests/test_attention.py" -k "not vmap and not export"
+fi
+LOG=$B/sanitize.log
+status=0
+"$PY" -S -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$LOG" || status=$?
+# A report must not scroll past: any sanitizer line fails the job even if pytest survived it.
+if grep -nE "runtime error:|ERROR: AddressSanitizer|SUMMARY: (Address|UndefinedBehavior)Sanitizer" \
+    "$LOG"; then
+  echo "sanitize.sh: sanitizer report above (full log: $LOG)" >&2
+  exit 1
+fi
+[ "$status" -eq 0 ] || { echo "sanitize.sh: pytest failed (exit $status)" >&2; exit "$status"; }
+echo "sanitize.sh: no sanitizer report"
