@@ -77,8 +77,8 @@ def check_inputs(*, topk_indices=None, block_table=None, num_pages=None, seq_len
         if g is not None:
             g = jnp.asarray(g, jnp.float32)
             ok = (g >= jnp.float32(GLOBAL_SCALE_MIN)) & (g <= jnp.float32(GLOBAL_SCALE_MAX))
-            add(~ok, f"{name} must be in [2^-126, 2^126] (finite, > 0, normal, 1/g normal), "
-                f"got {{g}}", g=g)
+            add(~ok, f"{name} must be finite and > 0, in [2^-126, 2^126] (g and 1/g normal "
+                f"numbers), got {{g}}", g=g)
     _report(faults)
 
 

@@ -146,7 +146,7 @@ def test_pack_extreme_global_scale_is_one_rule(g, rng):
 
 @pytest.mark.parametrize("g", [3.4e38, 2.0 ** 127, 1e-45, 0.0, np.nan])
 def test_check_inputs_reports_extreme_global_scale(g):
-    with pytest.raises(checkify.JaxRuntimeError, match=r"v_scale must be in \[2\^-126, 2\^126\]"):
+    with pytest.raises(checkify.JaxRuntimeError, match=r"v_scale must be finite and > 0, in \[2\^-126, 2\^126\]"):
         m3.check_inputs(v_scale=np.float32(g))
     m3.check_inputs(v_scale=np.float32(2.0 ** 126), k_scale=np.float32(2.0 ** -126))
 
@@ -172,7 +172,7 @@ def test_check_inputs_reports_every_fault_not_only_the_first():
                         cu_seqlens_q=np.array([0, 5, 2], np.int32))
     msg = str(e.value)
     for part in ("ids < -1 (min -9)", "1 duplicate ids", "negative lengths", "not non-decreasing",
-                 "k_scale must be in"):
+                 "k_scale must be finite and > 0"):
         assert part in msg, (part, msg)
 
 
@@ -183,7 +183,7 @@ def test_check_inputs_under_checkify_lists_every_check():
     err, _ = f(jnp.array([-3], jnp.int32), jnp.float32(np.inf))
     msg = err.get()
     assert "[True] seq_lens has negative lengths" in msg
-    assert "[True] k_scale must be in" in msg
+    assert "[True] k_scale must be finite and > 0" in msg
 
 
 def test_kv_cache_spec_rejects_block_sizes_the_ops_cannot_serve():

@@ -3,7 +3,7 @@
 # Sanitizer (+ float-cast-overflow, which GCC's `undefined` leaves out) into build/asan (not the
 # normal build dir), next to a copy of the Python package, and the fault, pack, attention and
 # fuzz tests run against it. Fails when a test fails and on any sanitizer report.
-#   tools/sanitize.sh [pytest args]     # default: the CI selection below
+#   tools/sanitize.sh [pytest args]     # default: the CI selection below; paths from the repo root
 # Needs the test environment of .ci/run (jax, nanobind, pytest, hypothesis) and GCC's libasan.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +32,7 @@ cp "$B"/_m3sparse_cpu*.so "$SITE/jax_m3sparse/"
 SITE_PACKAGES=$("$PY" -c "import site; print(':'.join(site.getsitepackages()))")
 export PYTHONPATH=$SITE:$SITE_PACKAGES
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)"
-export ASAN_OPTIONS=detect_leaks=0:abort_on_error=0:exitcode=86
+export ASAN_OPTIONS=detect_leaks=0:exitcode=86
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:exitcode=86
 export JAX_M3SPARSE_REQUIRE_NATIVE=cpu   # a missing module must not test the fallback instead
 export M3SPARSE_FUZZ_EXAMPLES=${M3SPARSE_FUZZ_EXAMPLES:-60}
@@ -42,17 +42,24 @@ import jax_m3sparse as m3, jax_m3sparse._m3sparse_cpu as cpu
 assert m3.__file__.startswith('$SITE'), m3.__file__
 assert cpu.__file__.startswith('$SITE') and 'cpu' in m3.native_platforms(), cpu.__file__
 print('sanitized module:', cpu.__file__)"
+args=()
+for a in "$@"; do   # test paths relative to the repository root
+  if [ -e "$ROOT/${a%%::*}" ]; then args+=("$ROOT/$a"); else args+=("$a"); fi
+done
+set -- ${args[@]+"${args[@]}"}
 if [ $# -eq 0 ]; then
   set -- "$ROOT/tests/test_faults.py" "$ROOT/tests/test_reliability.py" "$ROOT/tests/test_fuzz.py" \
          "$ROOT/tests/test_pack.py" "$ROOT/tests/test_attention.py" -k "not vmap and not export"
 fi
 LOG=$B/sanitize.log
 status=0
-"$PY" -S -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$LOG" || status=$?
-# A report must not scroll past: any sanitizer line fails the job even if pytest survived it.
-if grep -nE "runtime error:|ERROR: AddressSanitizer|SUMMARY: (Address|UndefinedBehavior)Sanitizer" \
-    "$LOG"; then
-  echo "sanitize.sh: sanitizer report above (full log: $LOG)" >&2
+# --capture=sys: pytest must not capture fd 2, where the sanitizers write (a process that dies
+# would take a captured report along with it).
+"$PY" -S -m pytest -q -p no:cacheprovider --capture=sys "$@" 2>&1 | tee "$LOG" || status=$?
+# A report must not scroll past: any report line fails the job and is repeated at the end.
+if grep -qE "runtime error:|ERROR: AddressSanitizer|^SUMMARY: [A-Za-z]+Sanitizer" "$LOG"; then
+  grep -nE -A3 "runtime error:|ERROR: AddressSanitizer|^SUMMARY: [A-Za-z]+Sanitizer" "$LOG" >&2
+  echo "sanitize.sh: SANITIZER REPORT (above; full log $LOG)" >&2
   exit 1
 fi
 [ "$status" -eq 0 ] || { echo "sanitize.sh: pytest failed (exit $status)" >&2; exit "$status"; }
