@@ -64,8 +64,8 @@ def sharding_rule(heads: HeadAxes, in_types, out_types):
     a need-replication factor on every other dimension."""
     shapes = [ir.RankedTensorType(t).shape for t in in_types]
     num_kv_heads = shapes[heads.cache][heads.axis(heads.cache, len(shapes[heads.cache]))] // 2
-    if num_kv_heads == 1:
-        return None  # nothing to split (Shardy rejects a size-1 factor in a compound)
+    if num_kv_heads <= 1:
+        return None  # nothing to split (Shardy rejects a size-1 factor in a compound; Hkv = 0)
     sizes = [num_kv_heads]  # factor 0 is h
     mappings = []
     for i, shape in enumerate(shapes):
