@@ -31,12 +31,6 @@ from jax_m3sparse.ops.prefill import sparse_prefill
 from jax_m3sparse.select import select_blocks
 from jax_m3sparse.spec import KVCacheSpec, allocate_kv_cache, unsupported_reason
 
-from jax_m3sparse import _inference_only as _io
-from jax_m3sparse.ops import decode as _decode, pack as _pack, positions as _pos, prefill as _prefill
-
-_io.forbid_derivatives(_pack.pack_kv_pages_p, _pos.query_token_positions_p,
-                       _decode.sparse_decode_p, _prefill.sparse_prefill_p)
-
 __version__ = "0.1.0"
 
 __all__ = [

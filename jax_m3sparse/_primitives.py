@@ -10,6 +10,8 @@
   and for ``cpu``/``cuda`` when their module is not built,
 * a batching rule: ``vmap`` over any operands runs the primitive once per batch element
   (``lax.map``), which is exact for every op, including the in-place cache update,
+* a JVP rule that raises "inference-only" (SPEC §7): JAX's own error would not say why; it runs
+  only when a tangent reaches the op, so operands under ``stop_gradient`` are fine,
 * for ops with a KV-head axis, partitioning over KV heads under plain ``jax.jit``: a Shardy
   sharding rule on the custom call and an XLA partitioner for its target
   (``_partitioning.py``), so a cache sharded over head slots is never gathered.
@@ -25,7 +27,7 @@ from typing import Callable
 import jax
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 
 from jax_m3sparse import _ffi, _partitioning
 from jax_m3sparse._partitioning import HeadAxes
@@ -74,7 +76,15 @@ def define_primitive(op: str, *, abstract_eval: Callable, reference: Callable,
                 _partitioning.register(target, platform, head_axes, operand_output_aliases)
 
     batching.primitive_batchers[prim] = functools.partial(_batch_by_map, prim)
+    ad.primitive_jvps[prim] = functools.partial(_no_derivative, op)
     return prim
+
+
+def _no_derivative(op, primals, tangents, **params):
+    raise NotImplementedError(
+        f"jax_m3sparse.{op} is inference-only: it has no derivative (SPEC §7). Put "
+        "jax.lax.stop_gradient on its float operands (q, key, value, k_scale, v_scale) where "
+        "they depend on what you differentiate, or differentiate a pure-jnp model instead.")
 
 
 def _ffi_rule(target: str, attributes: Callable, aliases, reason: Callable | None,
