@@ -14,9 +14,9 @@ import time
 import jax
 import numpy as np
 
+from . import model as m3_model
 from . import parallel
 from .config import ModelConfig
-from .model import allocate_caches, forward_step
 
 
 # ----------------------------------------------------------------------------- pages
@@ -136,9 +136,11 @@ class EngineConfig:
 class Engine:
     """Continuous batching: admit, chunked prefill, batched decode, greedy (+ speculative)."""
 
-    def __init__(self, params, cfg: ModelConfig, ecfg: EngineConfig):
-        self.params, self.cfg, self.ecfg = params, cfg, ecfg
-        self.caches = allocate_caches(cfg, ecfg.num_pages, ecfg.compare)
+    def __init__(self, params, cfg: ModelConfig, ecfg: EngineConfig, model=m3_model):
+        # model: a module with allocate_caches(cfg, num_pages, compare) and the jitted
+        # forward_step of model.py's signature (examples/real_model passes its Llama here).
+        self.params, self.cfg, self.ecfg, self.model = params, cfg, ecfg, model
+        self.caches = model.allocate_caches(cfg, ecfg.num_pages, ecfg.compare)
         if ecfg.tp > 1:
             self.mesh = parallel.make_mesh(ecfg.tp)
             self.params, self.caches = parallel.shard(params, self.caches, cfg, self.mesh)
@@ -232,7 +234,7 @@ class Engine:
         key = tuple((k, v.shape) for k, v in sorted(batch.items()))
         before = _COMPILES.count
         t0 = time.perf_counter()
-        self.caches, out = forward_step(
+        self.caches, out = self.model.forward_step(
             self.params, self.caches, batch, cfg=self.cfg,
             num_decode_requests=self.ecfg.max_running,
             decode_query_len=self.ecfg.decode_query_len, compare=self.ecfg.compare)

@@ -1,0 +1,41 @@
+"""The independent check: our bf16-dense path vs Hugging Face transformers on the same GGUF.
+
+transformers' ``LlamaForCausalLM.from_pretrained(dir, gguf_file=...)`` dequantizes the same file
+with its own loader (its own q/k row order, tied head, RoPE, RMSNorm) and runs it in CPU torch
+float32. Nothing is fetched: the file is local and ``HF_HUB_OFFLINE=1`` is set.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import gguf_model, quality
+
+
+def transformers_logits(token_ids) -> np.ndarray:
+    """``float32[T, V]`` logits of transformers' LlamaForCausalLM on one prompt."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch  # noqa: PLC0415
+    from transformers import LlamaForCausalLM  # noqa: PLC0415
+
+    path = gguf_model.gguf_path()
+    m = LlamaForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                         dtype=torch.float32)
+    with torch.no_grad():
+        return m(torch.tensor([list(token_ids)])).logits[0].numpy()
+
+
+def our_logits(params, cfg, token_ids, path="bf16-dense", chunk_size=32) -> np.ndarray:
+    """``float32[T, V]`` logits of every prompt position through our engine (chunked prefill)."""
+    ecfg = quality.engine_config([len(token_ids)], max_running=1, chunk_size=chunk_size)
+    engine = quality.score_windows(params, cfg.with_path(path), ecfg, [(0, list(token_ids))],
+                                   keep_logits=True)
+    return np.stack(engine.prefill_logits[0])
+
+
+def per_position_cosine(a, b) -> np.ndarray:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.sum(a * b, -1) / np.maximum(np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1),
+                                          1e-30)
