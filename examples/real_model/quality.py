@@ -1,8 +1,10 @@
 """Perplexity of SmolLM2 on real text through each K/V path, on the M3 example's engine.
 
-A window of C tokens is one request: prefilled in chunks by the engine (continuous batching,
-several windows in flight), each prefill row's logits give log p(next token). Perplexity @C
-= exp(mean NLL) over every predicted token of the windows of C tokens (C − 1 per window).
+A window of the longest context is one request: prefilled in chunks by the engine
+(continuous batching, several windows in flight); each prefill row's logits give log p(next
+token). Perplexity @C = exp(mean NLL) over the predictions of the window's first C tokens
+(C − 1 per window). Attention is causal, so these are exactly the perplexities of C-token
+windows starting at the same place: one run of the longest window serves every context.
 """
 
 from __future__ import annotations
@@ -100,18 +102,13 @@ def score_windows(params, cfg, ecfg, requests, keep_logits=False) -> ScoringEngi
     return engine
 
 
-def run_path(params, base_cfg, path, wins: dict[int, list[list[int]]], ecfg) -> PathResult:
-    """Perplexity of one K/V path on the windows ``{context: [window, ...]}``."""
+def run_path(params, base_cfg, path, wins: list[list[int]], contexts, ecfg) -> PathResult:
+    """Perplexity of one K/V path @ each context (a prefix of every window, see above)."""
     cfg = base_cfg.with_path(path)
-    reqs, ctx_of = [], {}
-    for c, ws in sorted(wins.items(), reverse=True):     # longest first: best packing
-        for w in ws:
-            ctx_of[len(reqs)] = c
-            reqs.append((len(reqs), w))
-    engine = score_windows(params, cfg, ecfg, reqs)
+    engine = score_windows(params, cfg, ecfg, list(enumerate(wins)))
     ppl, count = {}, {}
-    for c in wins:
-        nll = [x for rid, v in engine.nll.items() if ctx_of[rid] == c for x in v]
+    for c in contexts:
+        nll = [x for v in engine.nll.values() for x in v[:c - 1]]
         ppl[c], count[c] = math.exp(float(np.mean(nll))), len(nll)
     s = engine.stats
     tok_s = s.prefill_tokens / s.prefill_seconds if s.prefill_seconds else float("nan")
