@@ -120,7 +120,10 @@ def main(argv=None):
 
     prompt, req, engine = generate(params, cfg, tokenizer, args, ecfg)
     s = engine.stats
-    out = tokenizer.decode(req.generated, skip_special_tokens=True)
+    gen = list(req.generated)
+    stop = tokenizer.token_to_id("<|im_end|>")          # the engine has no stop tokens
+    gen = gen[:gen.index(stop)] if stop in gen else gen
+    out = tokenizer.decode(gen, skip_special_tokens=True)
     print(f"greedy generation through {args.gen_path} ({len(prompt)}-token prompt: "
           f"{args.gen_doc} + a question):")
     print(f"  {out.strip()!r}")

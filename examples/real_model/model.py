@@ -18,8 +18,8 @@ The K/V path is chosen by ``LlamaConfig.kv_format`` and ``topk_blocks`` (the stu
 * ``topk_blocks = 0`` attends every block; ``K > 0`` selects K blocks of 128 tokens per
   (KV head, token) with :func:`select_by_attention` (SmolLM2 has no trained indexer).
 
-Reused from the M3 example (not copied): RoPE, the paged writes, the bf16 paged attention and
-the per-token (request, position) rows.
+Reused from the M3 example (not copied): RoPE, the bf16 paged attention and the per-token
+(request, position) rows.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import numpy as np
 
 import jax_m3sparse as m3
 from jax_m3sparse.select import indexer_block_scores, top_blocks
-from minimax_m3.model import paged_attention_bf16, rope, token_rows, write_pages
+from minimax_m3.model import paged_attention_bf16, rope, token_rows
 
 KV_LAYOUT = "LBHNC"
 DENSE_FORMATS = {"bf16": jnp.bfloat16, "f32": jnp.float32}   # plain paged caches
@@ -127,11 +127,15 @@ def allocate_caches(cfg: LlamaConfig, num_pages: int, compare: bool) -> dict:
 
 
 def _write_layer(cache, layer, values, slots, block_size):
-    """Writes ``values [T, Hkv, D]`` at ``slots`` into layer ``layer`` of ``cache [L, P, Hkv,
-    N, D]``; returns (cache, that layer ``[P, Hkv, N, D]``)."""
-    c = jnp.swapaxes(cache[layer], 1, 2)                  # write_pages wants (P, N) first
-    c = jnp.swapaxes(write_pages(c, values, slots, block_size), 1, 2)
-    return cache.at[layer].set(c), c
+    """Writes ``values [T, Hkv, D]`` at ``slots`` (< 0: dropped) into layer ``layer`` of
+    ``cache [L, P, Hkv, N, D]`` with one scatter into the whole (scan-carried) cache, which XLA
+    updates in place (slicing out the layer and setting it back copies it every layer);
+    returns (cache, that layer ``[P, Hkv, N, D]``)."""
+    P = cache.shape[1]
+    page = jnp.where(slots >= 0, slots // block_size, P)                # P: out of range, dropped
+    cache = cache.at[layer, page, :, slots % block_size].set(values.astype(cache.dtype),
+                                                              mode="drop")
+    return cache, cache[layer]
 
 
 # ----------------------------------------------------------------------------- layers
