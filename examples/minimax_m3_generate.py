@@ -29,7 +29,7 @@ def parse_args(argv=None):
     io.add_argument("--prompt-file", action="append", help="a text file to serve (repeatable); "
                     "default: a few files under /usr/share/common-licenses cut to 300-2800 bytes")
     io.add_argument("--max-prompt-tokens", type=int, default=None, help="cut every prompt to this")
-    io.add_argument("--max-new-tokens", type=int, default=24)
+    io.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per prompt")
     io.add_argument("--plot", metavar="FILE.png", help="draw accuracy per layer and decode step")
     io.add_argument("--platform", help="JAX backend (cpu, cuda, rocm, ...); default: JAX's choice")
     io.add_argument("--tp", type=int, default=1,
@@ -37,12 +37,12 @@ def parse_args(argv=None):
                          "them (simulated CPU devices on the CPU; real GPUs when present)")
     model = p.add_argument_group("model")
     d = ModelConfig()
-    model.add_argument("--hidden", type=int, default=d.hidden_size)
-    model.add_argument("--layers", type=int, default=d.num_layers)
-    model.add_argument("--dense-layers", type=int, default=d.num_dense_layers)
-    model.add_argument("--heads", type=int, default=d.num_heads)
-    model.add_argument("--kv-heads", type=int, default=d.num_kv_heads)
-    model.add_argument("--intermediate", type=int, default=d.intermediate_size)
+    model.add_argument("--hidden", type=int, default=d.hidden_size, help="model width")
+    model.add_argument("--layers", type=int, default=d.num_layers, help="decoder layers")
+    model.add_argument("--dense-layers", type=int, default=d.num_dense_layers, help="first layers that attend densely")
+    model.add_argument("--heads", type=int, default=d.num_heads, help="query heads Hq")
+    model.add_argument("--kv-heads", type=int, default=d.num_kv_heads, help="KV heads Hkv")
+    model.add_argument("--intermediate", type=int, default=d.intermediate_size, help="SwiGLU width")
     model.add_argument("--checkpoint", metavar="PATH", help="safetensors weights (else random)")
     model.add_argument("--seed", type=int, default=0, help="random-weight seed")
     eng = p.add_argument_group("engine")
@@ -88,7 +88,7 @@ def main(argv=None):
                         spec_tokens=args.spec_tokens, max_seq_len=longest,
                         compare=not args.no_compare, tp=args.tp)
     params = load_checkpoint(args.checkpoint, cfg) if args.checkpoint else init_params(cfg, args.seed)
-    print(f"backend {jax.default_backend()}; {cfg.num_layers} layers ({cfg.num_dense_layers} dense), "
+    print(f"backend {jax.default_backend()}, tp {args.tp} of {jax.device_count()} devices; {cfg.num_layers} layers ({cfg.num_dense_layers} dense), "
           f"hidden {cfg.hidden_size}, Hq {cfg.num_heads}, Hkv {cfg.num_kv_heads}, D {cfg.head_dim}, "
           f"top-{cfg.topk_blocks} of {cfg.block_size}-token blocks; weights: "
           f"{args.checkpoint or f'random (seed {args.seed})'}")

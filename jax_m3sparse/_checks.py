@@ -95,9 +95,11 @@ def cache_sharding(kv_cache):
         return
     axis = kv_cache.ndim - 3
     spec = tuple(spec) + (None,) * (kv_cache.ndim - len(spec))
-    want = ", ".join("'<axis>'" if d == axis else "None" for d in range(kv_cache.ndim))
-    hint = (f"jax_m3sparse partitions only over the KV-head slot axis: PartitionSpec({want}) "
-            f"(jax_m3sparse.sharding.cache_spec)")
+    name = next((s for s in spec if s is not None), "tp")
+    want = ", ".join(repr(name) if d == axis else "None" for d in range(kv_cache.ndim))
+    hint = (f"jax_m3sparse partitions only over the KV-head slot axis: shard the cache as "
+            f"PartitionSpec({want}) (jax_m3sparse.sharding.cache_spec) and replicate its other "
+            f"axes")
     bad = [d for d, s in enumerate(spec) if s is not None and d != axis]
     if bad:
         raise ValueError(f"kv_cache {kv_cache.shape} is sharded {spec} along axis {bad}; {hint}")

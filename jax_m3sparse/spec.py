@@ -19,7 +19,8 @@ class KVCacheSpec:
     """Geometry of an NVFP4 paged KV cache (SPEC §3.1).
 
     Args:
-      num_kv_heads: Hkv, KV heads on this device.
+      num_kv_heads: Hkv, KV heads the cache stores (the global count for a cache sharded over
+        devices: jax_m3sparse.sharding.tp_cache_spec).
       head_dim: D, a multiple of 32 (128 for MiniMax M3).
       block_size: N, tokens per page (= tokens per sparse block); 128, the one value every
         op serves (SPEC §1), so any other is rejected here rather than by every op later.
