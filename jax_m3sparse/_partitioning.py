@@ -35,9 +35,6 @@ from jax.interpreters import mlir
 
 _log = logging.getLogger("jax_m3sparse.partitioning")
 
-# Platform names of our lowerings -> names XLA plugins register under.
-_PLUGIN_NAMES = {"cuda": "CUDA", "rocm": "ROCM"}
-
 
 @dataclasses.dataclass(frozen=True)
 class HeadAxes:
@@ -100,7 +97,7 @@ def attach_rule(results, heads: HeadAxes, operand_types):
 
 # ---- the partitioner XLA calls at compile time ----------------------------------------------
 
-def _tiling(sharding, rank):
+def _tiling(sharding):
     """(device array [data dims..., subgroup dims...], subgroup types) of a tiled sharding,
     or None for replicated / maximal / manual shardings."""
     if not sharding.is_tiled():
@@ -113,7 +110,7 @@ def _tiling(sharding, rank):
     return devices, types
 
 
-def _sharding(devices, rank, types):
+def _sharding(devices, types):
     proto = xla_client.OpSharding()
     proto.type = xla_client.OpSharding.Type.OTHER
     proto.tile_assignment_dimensions = list(devices.shape)
@@ -129,7 +126,7 @@ def _with_head_tiling(cache_sharding, cache_rank, cache_axis, rank, axis):
     """The cache's sharding re-expressed for an operand of ``rank`` with its head axis at
     ``axis`` (None: replicated over the head shards). Same devices, same subgroups (manual or
     replicated tails from ``shard_map`` / other mesh axes)."""
-    tiling = _tiling(cache_sharding, cache_rank)
+    tiling = _tiling(cache_sharding)
     if tiling is None:
         return cache_sharding
     devices, types = tiling
@@ -137,7 +134,7 @@ def _with_head_tiling(cache_sharding, cache_rank, cache_axis, rank, axis):
     if axis is not None:
         shape = [1] * rank
         shape[axis] = heads.shape[0]
-        return _sharding(heads.reshape(*shape, *heads.shape[1:]), rank, types)
+        return _sharding(heads.reshape(*shape, *heads.shape[1:]), types)
     replicated = xla_client.OpSharding.Type.REPLICATED
     if replicated in types:  # fold the head shards into the existing replication group
         k = types.index(replicated) + 1
@@ -147,11 +144,11 @@ def _with_head_tiling(cache_sharding, cache_rank, cache_axis, rank, axis):
         heads, types = np.moveaxis(heads, 0, -1), types + [replicated]
     if heads.size == heads.shape[-1] and types == [replicated]:
         return xla_client.HloSharding.replicate()
-    return _sharding(heads.reshape(*([1] * rank), *heads.shape), rank, types)
+    return _sharding(heads.reshape(*([1] * rank), *heads.shape), types)
 
 
 def _check_cache_sharding(sharding, shape, axis, op):
-    tiling = _tiling(sharding, len(shape))
+    tiling = _tiling(sharding)
     if tiling is None:
         return
     dims = tiling[0].shape

@@ -262,6 +262,15 @@ def paged_attention_bf16(q, k_cache, v_cache, topk, block_table, req, pos, scale
 
 
 # ----------------------------------------------------------------------------- one step
+def batch_rows(batch: dict, num_decode_requests: int, decode_query_len: int):
+    """A step's mixed-batch metadata and per-row ``(request, position)`` (token_rows)."""
+    T = batch["tokens"].shape[0]
+    meta = m3.build_attention_metadata(batch["query_lens"], batch["context_lens"],
+                                       batch["block_table"], num_decode_requests=num_decode_requests,
+                                       num_tokens=T, decode_query_len=decode_query_len)
+    return (meta, *token_rows(meta, T))
+
+
 def token_rows(meta: m3.SparseAttentionMetadata, num_tokens: int):
     """(request row, absolute position) per token, ``int32[T]`` each; −1 for padding."""
     nd, dql = meta.num_decode_tokens, meta.decode_query_len
@@ -368,11 +377,7 @@ def forward_step(params, caches, batch, *, cfg: ModelConfig, num_decode_requests
       ``compare``, ``ref_logits [T, V]`` and ``attn_stats [L, 2, 4]`` (per layer; decode rows,
       prefill rows; sums a·b, a·a, b·b, |a−b|² of served vs reference attention outputs).
     """
-    T = batch["tokens"].shape[0]
-    meta = m3.build_attention_metadata(batch["query_lens"], batch["context_lens"],
-                                       batch["block_table"], num_decode_requests=num_decode_requests,
-                                       num_tokens=T, decode_query_len=decode_query_len)
-    req, pos = token_rows(meta, T)
+    meta, req, pos = batch_rows(batch, num_decode_requests, decode_query_len)
     x = params["embed"][batch["tokens"]]
     carry = (x, x, caches)
     all_stats, all_blocks = [], []

@@ -33,7 +33,7 @@ import numpy as np
 
 import jax_m3sparse as m3
 from jax_m3sparse.select import indexer_block_scores, top_blocks
-from minimax_m3.model import paged_attention_bf16, rope, token_rows
+from minimax_m3.model import batch_rows, paged_attention_bf16, rope
 
 KV_LAYOUT = "LBHNC"
 DENSE_FORMATS = {"bf16": jnp.bfloat16, "f32": jnp.float32}   # plain paged caches
@@ -239,11 +239,7 @@ def forward_step(params, caches, batch, *, cfg: LlamaConfig, num_decode_requests
     """
     if compare:
         raise ValueError("compare=True is not supported by the real-model step")
-    T = batch["tokens"].shape[0]
-    meta = m3.build_attention_metadata(batch["query_lens"], batch["context_lens"],
-                                       batch["block_table"], num_decode_requests=num_decode_requests,
-                                       num_tokens=T, decode_query_len=decode_query_len)
-    req, pos = token_rows(meta, T)
+    meta, req, pos = batch_rows(batch, num_decode_requests, decode_query_len)
     x = params["embed"][batch["tokens"]]
     body = functools.partial(_layer, cfg, meta, batch["slot_mapping"], req, pos)
     L = cfg.num_layers
