@@ -93,19 +93,27 @@ def cache_sharding(kv_cache):
     spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
     if not spec or mesh is None or mesh.empty:
         return
-    axis = kv_cache.ndim - 3
     spec = tuple(spec) + (None,) * (kv_cache.ndim - len(spec))
-    name = next((s for s in spec if s is not None), "tp")
-    want = ", ".join(repr(name) if d == axis else "None" for d in range(kv_cache.ndim))
-    hint = (f"jax_m3sparse partitions only over the KV-head slot axis: shard the cache as "
-            f"PartitionSpec({want}) (jax_m3sparse.sharding.cache_spec) and replicate its other "
-            f"axes")
-    bad = [d for d, s in enumerate(spec) if s is not None and d != axis]
+    names = [s if isinstance(s, tuple) else (s,) for s in spec]
+    shards = [int(np.prod([mesh.shape[n] for n in ns if n is not None])) for ns in names]
+    axis_name = next((s for s in spec if s is not None), "tp")
+    reject_cache_sharding(kv_cache.shape, shards, axis_name, f"spec {spec}")
+
+
+def reject_cache_sharding(shape, shards, axis_name="tp", how=""):
+    """ValueError unless a cache of ``shape`` split ``shards[d]`` ways along each dim d keeps
+    every K/V slot pair on one device and splits nothing but the head-slot axis. Shared by the
+    trace-time check above and the XLA partitioner (_partitioning.py)."""
+    axis = len(shape) - 3
+    want = ", ".join(repr(axis_name) if d == axis else "None" for d in range(len(shape)))
+    fix = (f"jax_m3sparse partitions only over the KV-head slot axis: shard the cache as "
+           f"PartitionSpec({want}) (jax_m3sparse.sharding.cache_spec) and replicate its other "
+           f"axes; for more devices than KV heads replicate KV heads "
+           f"(jax_m3sparse.sharding.replicate_kv_heads).")
+    bad = [d for d in range(len(shape)) if d != axis and shards[d] != 1]
     if bad:
-        raise ValueError(f"kv_cache {kv_cache.shape} is sharded {spec} along axis {bad}; {hint}")
-    names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
-    shards = int(np.prod([mesh.shape[n] for n in names if n is not None]))
-    if (kv_cache.shape[axis] // shards) % 2:
-        raise ValueError(f"kv_cache head-slot axis ({kv_cache.shape[axis]} slots = 2·Hkv) split "
-                         f"into {shards} shards cuts a K/V slot pair (SPEC §3.1); {hint}, with "
-                         f"KV heads replicated past Hkv (jax_m3sparse.sharding.replicate_kv_heads)")
+        raise ValueError(f"kv_cache {list(shape)} is sharded along axis {bad}"
+                         f"{f' ({how})' if how else ''}. {fix}")
+    if shape[axis] % shards[axis] or (shape[axis] // shards[axis]) % 2:
+        raise ValueError(f"kv_cache head-slot axis ({shape[axis]} slots = 2·Hkv) split into "
+                         f"{shards[axis]} shards cuts a K/V slot pair (SPEC §3.1). {fix}")

@@ -33,6 +33,8 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import sdy
 from jax.interpreters import mlir
 
+from jax_m3sparse import _checks
+
 _log = logging.getLogger("jax_m3sparse.partitioning")
 
 
@@ -147,23 +149,14 @@ def _with_head_tiling(cache_sharding, cache_rank, cache_axis, rank, axis):
     return _sharding(heads.reshape(*([1] * rank), *heads.shape), types)
 
 
-def _check_cache_sharding(sharding, shape, axis, op):
+def _check_cache_sharding(sharding, shape, op):
     tiling = _tiling(sharding)
-    if tiling is None:
-        return
-    dims = tiling[0].shape
-    bad = [d for d in range(len(shape)) if d != axis and dims[d] != 1]
-    spec = ", ".join("'tp'" if d == axis else "None" for d in range(len(shape)))
-    fix = (f"jax_m3sparse partitions only over the KV-head slot axis: shard the cache as "
-           f"PartitionSpec({spec}) (jax_m3sparse.sharding.cache_spec) and replicate its other "
-           f"axes; for more devices than KV heads replicate KV heads "
-           f"(jax_m3sparse.sharding.replicate_kv_heads).")
-    if bad:
-        raise ValueError(f"{op}: kv_cache {list(shape)} is sharded along axis {bad} "
-                         f"({sharding}). {fix}")
-    if (shape[axis] // dims[axis]) % 2 or shape[axis] % dims[axis]:
-        raise ValueError(f"{op}: kv_cache head-slot axis ({shape[axis]} slots = 2·Hkv) split "
-                         f"into {dims[axis]} shards cuts a K/V slot pair (SPEC §3.1). {fix}")
+    if tiling is not None:
+        try:
+            _checks.reject_cache_sharding(shape, tiling[0].shape[:len(shape)],
+                                          how=str(sharding))
+        except ValueError as e:
+            raise ValueError(f"{op}: {e}") from None
 
 
 def _tensor_type(shape) -> str:
@@ -204,7 +197,7 @@ def _partition(target, heads: HeadAxes, aliases, arg_shapes, arg_shardings, resu
     cache_shape = arg_shapes[heads.cache].dimensions()
     cache_axis = heads.axis(heads.cache, len(cache_shape))
     cache_sharding = arg_shardings[heads.cache]
-    _check_cache_sharding(cache_sharding, cache_shape, cache_axis, target)
+    _check_cache_sharding(cache_sharding, cache_shape, target)
     shardings = [
         _with_head_tiling(cache_sharding, len(cache_shape), cache_axis,
                           len(s.dimensions()), heads.axis(i, len(s.dimensions())))
