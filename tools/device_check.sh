@@ -57,21 +57,24 @@ if [ "$MODE" = variants ]; then  # harness only: correctness of every variant, t
   nvcc $FLAGS "$B/attention.o" "$B/pack.o" "$B/harness.o" -o "$B/harness" || exit 1
   date -u
   echo "=== harness correctness (all variants)"
-  timeout 120 "$B/harness" --no-bench >"$OUT/harness_tests.log" 2>&1
+  timeout 150 "$B/harness" --no-bench >"$OUT/harness_tests.log" 2>&1
   echo "rc=$?"; grep -cE "PASS" "$OUT/harness_tests.log"; grep -E "FAIL|failure" "$OUT/harness_tests.log" | tail -12
   date -u
   echo "=== harness timings (--quick)"
-  timeout 120 "$B/harness" --bench-only --quick >"$OUT/harness_bench.log" 2>&1
+  timeout 150 "$B/harness" --bench-only --quick >"$OUT/harness_bench.log" 2>&1
   grep -E "TABLE|^decode|v[0-9] splits auto|prefill" "$OUT/harness_bench.log"
   date -u
-  # ncu of the 4-CTA bit-placement kernel (variant 2) at decode T = 128
-  M="smsp__inst_executed.sum,smsp__cycles_active.avg,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__warps_active.avg.per_cycle_active"
+  # ncu of the kernels named in NCU_KERNELS (mangled-name fragments) at decode T = 128
+  M="smsp__inst_executed.sum,smsp__cycles_active.avg,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__warps_active.avg.per_cycle_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__inst_executed_pipe_alu.sum,smsp__inst_executed_pipe_fma.sum,smsp__inst_executed_pipe_lsu.sum"
   for st in long_scoreboard short_scoreboard math_pipe_throttle wait mio_throttle lg_throttle barrier not_selected dispatch_stall no_instruction selected; do
     M="$M,smsp__average_warps_issue_stalled_${st}_per_issue_active.ratio"
   done
-  timeout 90 ncu --clock-control none --kernel-name-base mangled -k regex:VariantILi4ELi2ELb0ELb1EEELb0E \
-    --launch-skip 2 --launch-count 1 --metrics "$M" "$B/harness" --profile >"$OUT/ncu_v2.txt" 2>&1
-  grep -E "^\s+(smsp|sm__|dram)" "$OUT/ncu_v2.txt" | awk '{print $1, $NF}'
+  for kn in ${NCU_KERNELS:-PairVariantILi3ELi2E PairVariantILi2ELi3E}; do
+    echo "--- ncu $kn"
+    timeout 90 ncu --clock-control none --kernel-name-base mangled -k regex:"$kn" \
+      --launch-skip 2 --launch-count 1 --metrics "$M" "$B/harness" --profile >"$OUT/ncu_$kn.txt" 2>&1
+    grep -E "^\s+(smsp|sm__|dram|l1tex)" "$OUT/ncu_$kn.txt" | awk '{print $1, $NF}'
+  done
   date -u
   exit 0
 fi
@@ -100,6 +103,9 @@ grep -E "registers|spill" "$OUT/ptxas.log" | sort | uniq -c
 # opcode histogram of the 4-CTA bf16 attention kernel (static SASS)
 cuobjdump -sass "$B/attention.o" > "$OUT/attention.sass" 2>/dev/null &&
   awk '/Function : .*nv_bfloat16.*VariantILi4ELi2ELb0ELb1EEELb0E/{f=1;next} /Function :/{f=0} f' "$OUT/attention.sass" |
+  grep -oE '^ +/\*[0-9a-f]{4}\*/ +[A-Z0-9_.]+' | awk '{print $2}' | sed 's/\..*//' |
+  sort | uniq -c | sort -rn | head -24 | tr '\n' ' '; echo
+awk '/Function : .*pair_kernel.*nv_bfloat16.*PairVariantILi3ELi2E/{f=1;next} /Function :/{f=0} f' "$OUT/attention.sass" |
   grep -oE '^ +/\*[0-9a-f]{4}\*/ +[A-Z0-9_.]+' | awk '{print $2}' | sed 's/\..*//' |
   sort | uniq -c | sort -rn | head -24 | tr '\n' ' '; echo
 

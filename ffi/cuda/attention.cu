@@ -63,6 +63,197 @@ using Variant3 = Variant<4, 2, false, false>;  // Variant1 with the older shift/
 
 static_assert(kHeadDim == 128 && kBlockSize == 128 && kGroup == 16, "kernel geometry");
 
+// ---- steps shared by both kernels
+
+struct TokenPos {
+  int64_t r;      // request
+  int64_t vis;    // the attended keys are [0, vis) (0: none)
+  int64_t layer;
+};
+
+// Position of token t (SPEC §5.3 / §5.4).
+__device__ __forceinline__ TokenPos token_position(const AttentionParams& p, int64_t t) {
+  TokenPos tp;
+  int64_t pos;
+  bool live;
+  if (!p.is_prefill) {
+    const int dql = p.decode_query_len;
+    tp.r = t / dql;
+    live = tp.r < p.num_requests;
+    pos = live ? int64_t(p.seq_lens[tp.r]) - dql + (t % dql) : -1;
+  } else {
+    tp.r = p.query_req_id[t];
+    live = tp.r >= 0 && tp.r < p.num_requests;
+    pos = live ? int64_t(p.query_abs_pos[t]) : -1;
+  }
+  tp.layer = *p.layer;
+  live = live && p.geom.valid_layer(tp.layer);
+  tp.vis = (live && pos >= 0) ? pos + 1 : 0;
+  return tp;
+}
+
+// Validity of every top-k slot before any load (SPEC §5.2: 0 <= b < max_blocks, 128·b < vis,
+// 0 <= block_table[r, b] < P, layer valid), checked by threads 0..K-1 (warps 0, 1; K <= 64).
+// The valid slots are compacted into s_off / s_nvalid (slot k's entry is the number of valid
+// slots before it, from warp ballots). Every thread calls it (two barriers); returns the count.
+__device__ __forceinline__ int compact_slots(const AttentionParams& p, const TokenPos& tp, int g,
+                                             int64_t bsel, int64_t* s_off, int* s_nvalid,
+                                             uint32_t* s_mask) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  bool ok = false;
+  int nv = 0;
+  int64_t off = 0;
+  if (tid < p.topk && tp.vis > 0) {
+    const int64_t b = bsel;
+    if (b >= 0 && b < p.max_blocks && b * kBlockSize < tp.vis) {
+      const int64_t page = p.block_table[tp.r * p.max_blocks + b];
+      if (p.geom.valid_page(page)) {
+        const int64_t rest = tp.vis - b * kBlockSize;
+        nv = int(rest < kBlockSize ? rest : kBlockSize);
+        off = p.geom.tile_offset(tp.layer, page, 2 * g);
+        ok = true;
+      }
+    }
+  }
+  const uint32_t ballot = __ballot_sync(0xffffffffu, ok);
+  if (warp < 2 && lane == 0) s_mask[warp] = ballot;
+  __syncthreads();
+  const uint32_t mask0 = s_mask[0];
+  if (ok) {
+    const int idx = (warp == 0 ? 0 : __popc(mask0)) + __popc(ballot & ((1u << lane) - 1u));
+    s_off[idx] = off;
+    s_nvalid[idx] = nv;
+  }
+  const int count = __popc(mask0) + __popc(s_mask[1]);
+  __syncthreads();
+  return count;
+}
+
+// Q A-fragments of one lane (rows >= G are zeros): register j = 4W + k (W < kWords) holds
+// d = d0 + 8W + k (lo) and d + 4 (hi), the order of the K fragments; sq[s * 32 + lane] gets the
+// 4 registers of k-step s. kCvt: fp16 pairs in dequant8_cvt's order. `flip` is xor-ed into
+// every register (0x80008000: the pair kernel folds the sign of the softmax scale into Q).
+template <typename T, bool kCvt, int kWords>
+__device__ __forceinline__ void build_q_frags(const uint16_t* qbase, int G, int lane, int d0,
+                                              uint32_t flip, uint4* sq) {
+  const int g8 = lane >> 2;
+  uint32_t row[2][4 * kWords];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int h = g8 + 8 * half;
+    const uint4* src = reinterpret_cast<const uint4*>(qbase + h * kHeadDim + d0);
+#pragma unroll
+    for (int W = 0; W < kWords; ++W) {
+      const uint4 c = h < G ? src[W] : make_uint4(0, 0, 0, 0);
+      if constexpr (kCvt) {
+        // fp16 pairs in dequant8_cvt's order: (e0, e2), (e4, e6), (e1, e3), (e5, e7)
+        const uint32_t wd[4] = {c.x, c.y, c.z, c.w};
+        float e[8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          e[2 * k] = Traits<T>::to_float(uint16_t(wd[k] & 0xFFFF));
+          e[2 * k + 1] = Traits<T>::to_float(uint16_t(wd[k] >> 16));
+        }
+        row[half][4 * W + 0] = Traits<__half>::pack2(e[0], e[2]);
+        row[half][4 * W + 1] = Traits<__half>::pack2(e[4], e[6]);
+        row[half][4 * W + 2] = Traits<__half>::pack2(e[1], e[3]);
+        row[half][4 * W + 3] = Traits<__half>::pack2(e[5], e[7]);
+      } else {
+        row[half][4 * W + 0] = prmt(c.x, c.z, 0x5410);
+        row[half][4 * W + 1] = prmt(c.x, c.z, 0x7632);
+        row[half][4 * W + 2] = prmt(c.y, c.w, 0x5410);
+        row[half][4 * W + 3] = prmt(c.y, c.w, 0x7632);
+      }
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < 2 * kWords; ++s)
+    sq[s * 32 + lane] = make_uint4(row[0][2 * s] ^ flip, row[1][2 * s] ^ flip,
+                                   row[0][2 * s + 1] ^ flip, row[1][2 * s + 1] ^ flip);
+}
+
+// Shared-memory merge scratch (reuses the stage ring): 4 partials + one CTA partial.
+struct MergeSmem {
+  float* part;   // [4][16][128]
+  float* pm;     // [4][16]
+  float* pl;     // [4][16]
+  float* cta_o;  // [16][128]
+  float* cta_m;  // [16]
+  float* cta_l;  // [16]
+  __device__ explicit MergeSmem(uint8_t* smem) {
+    part = reinterpret_cast<float*>(smem);
+    pm = part + 4 * kGroup * kHeadDim;
+    pl = pm + 4 * kGroup;
+    cta_o = pl + 4 * kGroup;
+    cta_m = cta_o + kGroup * kHeadDim;
+    cta_l = cta_m + kGroup;
+  }
+};
+
+// Merge of the 4 partial (m, l, O) of a CTA (written to ms.part / pm / pl before the caller's
+// barrier), then of the S CTAs of the cluster through distributed shared memory (no global
+// workspace: CUDA-graph safe). Threads 0..127 own one d each; every thread calls it. Rows with
+// no attended key write exact zeros. vsc: v_scale times the dequantization power of two.
+template <typename T>
+__device__ __forceinline__ void merge_and_store(const AttentionParams& p, const MergeSmem& ms,
+                                                cg::cluster_group& cluster, int64_t t, int g,
+                                                int G, float vsc) {
+  const int S = int(cluster.num_blocks());
+  const int rank = int(cluster.block_rank());
+  const int d = threadIdx.x;
+  if (d < kHeadDim) {
+#pragma unroll 4
+    for (int h = 0; h < kGroup; ++h) {
+      float mw = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) mw = fmaxf(mw, ms.pm[w * kGroup + h]);
+      const float mu = mw == -INFINITY ? 0.f : mw;
+      float L = 0.f, O = 0.f;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float f = fast_exp2(ms.pm[w * kGroup + h] - mu);
+        L += ms.pl[w * kGroup + h] * f;
+        O += ms.part[(w * kGroup + h) * kHeadDim + d] * f;
+      }
+      ms.cta_o[h * kHeadDim + d] = O;
+      if (d == 0) {
+        ms.cta_m[h] = mw;
+        ms.cta_l[h] = L;
+      }
+    }
+  }
+  const int Hq = p.num_kv_heads * G;
+  uint16_t* out = static_cast<uint16_t*>(p.out) + ((t * Hq + int64_t(g) * G) * kHeadDim);
+  if (S == 1) {
+    __syncthreads();
+    if (d < kHeadDim) {
+      for (int h = 0; h < G; ++h) {
+        const float L = ms.cta_l[h];
+        const float o = L == 0.f ? 0.f : ms.cta_o[h * kHeadDim + d] / L * vsc;
+        out[h * kHeadDim + d] = Traits<T>::from_float(o);
+      }
+    }
+  } else {
+    cluster.sync();
+    if (d < kHeadDim) {
+      for (int h = rank; h < G; h += S) {
+        float mw = -INFINITY;
+        for (int q = 0; q < S; ++q) mw = fmaxf(mw, cluster.map_shared_rank(ms.cta_m, q)[h]);
+        const float mu = mw == -INFINITY ? 0.f : mw;
+        float L = 0.f, O = 0.f;
+        for (int q = 0; q < S; ++q) {
+          const float f = fast_exp2(cluster.map_shared_rank(ms.cta_m, q)[h] - mu);
+          L += cluster.map_shared_rank(ms.cta_l, q)[h] * f;
+          O += cluster.map_shared_rank(ms.cta_o, q)[h * kHeadDim + d] * f;
+        }
+        const float o = L == 0.f ? 0.f : O / L * vsc;
+        out[h * kHeadDim + d] = Traits<T>::from_float(o);
+      }
+    }
+    cluster.sync();
+  }
+}
+
 // T: q/out dtype. kCvt: dequantize through the fp8 conversion (fp16 mma, Q converted to fp16);
 // otherwise through the bit placement of device_utils.cuh (mma in T).
 template <typename T, typename V, bool kCvt>
@@ -91,32 +282,13 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
   const int Hkv = p.num_kv_heads;
   const int64_t t = pair / Hkv;
   const int g = int(pair % Hkv);
-  const int64_t ntok = p.num_tokens;
   const int K = p.topk;
-  const int M = p.max_blocks;
   const int G = p.group > 0 ? p.group : kGroup;
-  const CacheGeometry geom = p.geom;
   // The selected block id does not depend on the position: load it first (one fewer
   // dependent round trip before the block-table read).
-  const int64_t bsel = tid < K ? int64_t(p.topk_indices[(int64_t(g) * ntok + t) * K + tid]) : -1;
-
-  // ---- position of this token (SPEC §5.3 / §5.4)
-  int64_t r;
-  int64_t pos;
-  bool live;
-  if (!p.is_prefill) {
-    const int dql = p.decode_query_len;
-    r = t / dql;
-    live = r < p.num_requests;
-    pos = live ? int64_t(p.seq_lens[r]) - dql + (t % dql) : -1;
-  } else {
-    r = p.query_req_id[t];
-    live = r >= 0 && r < p.num_requests;
-    pos = live ? int64_t(p.query_abs_pos[t]) : -1;
-  }
-  const int64_t layer = *p.layer;
-  live = live && geom.valid_layer(layer);
-  const int64_t vis = (live && pos >= 0) ? pos + 1 : 0;
+  const int64_t bsel =
+      tid < K ? int64_t(p.topk_indices[(int64_t(g) * p.num_tokens + t) * K + tid]) : -1;
+  const TokenPos tp = token_position(p, t);
 
   if constexpr (kCvt) {
     s_mul[tid] = Traits<__half>::from_float(e4m3_to_float(uint8_t(tid)));
@@ -126,76 +298,15 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
     s_mul[tid + 128] = scale_multiplier<T>(tid + 128);
   }
 
-  // ---- Q fragments (A operand), d permuted to match the K fragments below:
-  // register j = 4W + k of lane (g8, tig) holds d = 32·tig + 8W + k (lo) and d + 4 (hi).
-  // Warp 3 builds them once (rows >= G are zeros); every warp reads one 16-byte vector per
-  // k-step.
+  // Q fragments (A operand), d permuted to match the K fragments below: register j = 4W + k
+  // of lane (g8, tig) holds d = 32·tig + 8W + k (lo) and d + 4 (hi). Warp 3 builds them once
+  // while warps 0, 1 check the slots; every warp reads one 16-byte vector per k-step.
   const int Hq = Hkv * G;
-  if (warp == kWarps - 1) {
-    const uint16_t* qbase =
-        static_cast<const uint16_t*>(p.q) + ((t * Hq + int64_t(g) * G) * kHeadDim);
-    uint32_t row[2][16];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int h = g8 + 8 * half;
-      const uint4* src = reinterpret_cast<const uint4*>(qbase + h * kHeadDim + 32 * tig);
-#pragma unroll
-      for (int W = 0; W < 4; ++W) {
-        const uint4 c = h < G ? src[W] : make_uint4(0, 0, 0, 0);
-        if constexpr (kCvt) {
-          // fp16 pairs in dequant8_cvt's order: (e0, e2), (e4, e6), (e1, e3), (e5, e7)
-          const uint32_t wd[4] = {c.x, c.y, c.z, c.w};
-          float e[8];
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            e[2 * k] = Traits<T>::to_float(uint16_t(wd[k] & 0xFFFF));
-            e[2 * k + 1] = Traits<T>::to_float(uint16_t(wd[k] >> 16));
-          }
-          row[half][4 * W + 0] = Traits<__half>::pack2(e[0], e[2]);
-          row[half][4 * W + 1] = Traits<__half>::pack2(e[4], e[6]);
-          row[half][4 * W + 2] = Traits<__half>::pack2(e[1], e[3]);
-          row[half][4 * W + 3] = Traits<__half>::pack2(e[5], e[7]);
-        } else {
-          row[half][4 * W + 0] = prmt(c.x, c.z, 0x5410);
-          row[half][4 * W + 1] = prmt(c.x, c.z, 0x7632);
-          row[half][4 * W + 2] = prmt(c.y, c.w, 0x5410);
-          row[half][4 * W + 3] = prmt(c.y, c.w, 0x7632);
-        }
-      }
-    }
-#pragma unroll
-    for (int s = 0; s < 8; ++s)
-      s_q[s][lane] = make_uint4(row[0][2 * s], row[1][2 * s], row[0][2 * s + 1], row[1][2 * s + 1]);
-  }
+  if (warp == kWarps - 1)
+    build_q_frags<T, kCvt, 4>(static_cast<const uint16_t*>(p.q) + ((t * Hq + int64_t(g) * G) * kHeadDim),
+                              G, lane, 32 * tig, 0u, &s_q[0][0]);
 
-  // ---- validity of every top-k slot before any load (SPEC §5.2)
-  bool ok = false;
-  int nv = 0;
-  int64_t off = 0;
-  if (tid < K && vis > 0) {
-    const int64_t b = bsel;
-    if (b >= 0 && b < M && b * kBlockSize < vis) {
-      const int64_t page = p.block_table[r * M + b];
-      if (geom.valid_page(page)) {
-        const int64_t rest = vis - b * kBlockSize;
-        nv = int(rest < kBlockSize ? rest : kBlockSize);
-        off = geom.tile_offset(layer, page, 2 * g);
-        ok = true;
-      }
-    }
-  }
-  // compaction: slot k's entry is the number of valid slots before it (K <= 64: warps 0, 1)
-  const uint32_t ballot = __ballot_sync(0xffffffffu, ok);
-  if (warp < 2 && lane == 0) s_mask[warp] = ballot;
-  __syncthreads();
-  const uint32_t mask0 = s_mask[0];
-  if (ok) {
-    const int idx = (warp == 0 ? 0 : __popc(mask0)) + __popc(ballot & ((1u << lane) - 1u));
-    s_off[idx] = off;
-    s_nvalid[idx] = nv;
-  }
-  const int count = __popc(mask0) + __popc(s_mask[1]);
-  __syncthreads();
+  const int count = compact_slots(p, tp, g, bsel, s_off, s_nvalid, s_mask);
   const int nmine = count > rank ? (count - rank + S - 1) / S : 0;
 
   // Q fragments in registers (variants with the register budget), loaded after the barrier.
@@ -211,6 +322,7 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
     }
   }
   const float zc = p.scale * (*p.k_scale) * kComp * kLog2e;
+
 
   float acc[16][4];
 #pragma unroll
@@ -429,12 +541,7 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  float* part = reinterpret_cast<float*>(smem);            // [warp][h][d]
-  float* pm = part + kWarps * kGroup * kHeadDim;           // [warp][h]
-  float* pl = pm + kWarps * kGroup;                        // [warp][h]
-  float* cta_o = pl + kWarps * kGroup;                     // [h][d]
-  float* cta_m = cta_o + kGroup * kHeadDim;                // [h]
-  float* cta_l = cta_m + kGroup;                           // [h]
+  const MergeSmem ms(smem);
 #pragma unroll
   for (int jd = 0; jd < 16; ++jd) {
 #pragma unroll
@@ -442,77 +549,324 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
       const int h = g8 + 8 * (e >> 1);
       const int dj = kCvt ? 8 * (jd / 8) + cvt_elem(jd % 8) : jd;
       const int d = 16 * (2 * tig + (e & 1)) + dj;
-      part[(warp * kGroup + h) * kHeadDim + d] = acc[jd][e];
+      ms.part[(warp * kGroup + h) * kHeadDim + d] = acc[jd][e];
     }
   }
   if (tig == 0) {
-    pm[warp * kGroup + g8] = m0;
-    pm[warp * kGroup + g8 + 8] = m1;
-    pl[warp * kGroup + g8] = l0;
-    pl[warp * kGroup + g8 + 8] = l1;
+    ms.pm[warp * kGroup + g8] = m0;
+    ms.pm[warp * kGroup + g8 + 8] = m1;
+    ms.pl[warp * kGroup + g8] = l0;
+    ms.pl[warp * kGroup + g8 + 8] = l1;
   }
   __syncthreads();
-  const int d = tid;  // kThreads == kHeadDim
-#pragma unroll 4
-  for (int h = 0; h < kGroup; ++h) {
-    float mw = -INFINITY;
+  merge_and_store<T>(p, ms, cluster, t, g, G, (*p.v_scale) * kComp);
+}
+
+// ---- the pair kernel: 8 warps, each K/V tile's 128 keys split over 4 warp pairs; the two
+// warps of a pair split D (64 each) for both products, so the P·V accumulator is 32 registers
+// instead of 64 and twice the warps fit per SM. The partial Q·Kᵀ of the two halves meet in
+// shared memory (one 64-thread named barrier per pair and tile); both warps then run the same
+// softmax on identical sums (bit-identical m and l). Other changes against the 4-warp kernel:
+// the scores are scaled inside the exp2 (one FFMA), the running max moves only when a row's
+// maximum exceeds it by more than kLazy (the P values stay <= 2^kLazy, exact in the same way:
+// out = Σ p·v / Σ p with any common reference), and each lane's cp.async addresses are two base
+// pointers plus immediates.
+constexpr int kPairThreads = 256;
+constexpr int kPairWarpStage = 2560;  // per warp and stage: K data, V data (its D half), K, V scales
+constexpr int kPKd = 0, kPVd = 1024, kPKs = 2048, kPVs = 2304;
+constexpr float kLazy = 8.0f;  // log2 units: P <= 256
+
+template <int kMinBlocks, int kStages, bool kQinRegs>
+struct PairVariant {
+  static constexpr int kBlocks = kMinBlocks;
+  static constexpr int kNumStages = kStages;
+  static constexpr bool kQregs = kQinRegs;
+  static constexpr int kRingBytes = 8 * kStages * kPairWarpStage;
+  static constexpr int kXBytes = 8 * 4 * 32 * 16;  // partial scores, one buffer per warp
+  static constexpr int kSmemBytes =
+      kRingBytes + kXBytes > kMergeBytes ? kRingBytes + kXBytes : kMergeBytes;
+};
+using PairVariant0 = PairVariant<2, 3, true>;   // 16 warps / SM, 128 registers
+using PairVariant1 = PairVariant<3, 2, false>;  // 24 warps / SM, 80 registers
+
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <typename T, typename V>
+__global__ void __launch_bounds__(kPairThreads, V::kBlocks)
+    sparse_attention_pair_kernel(const AttentionParams p) {
+  constexpr float kComp = Traits<T>::kComp;
+  constexpr int kStages = V::kNumStages;
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ int64_t s_off[kMaxTopk];
+  __shared__ uint32_t s_mask[2];
+  __shared__ int s_nvalid[kMaxTopk];
+  __shared__ uint16_t s_mul[256];
+  __shared__ uint4 s_q[2][4][32];  // [D half][k-step][lane]
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int S = int(cluster.num_blocks());
+  const int rank = int(cluster.block_rank());
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int g8 = lane >> 2;
+  const int tig = lane & 3;
+  const int wp = warp >> 1;  // warp pair: keys [32·wp, 32·wp + 32) of every block
+  const int hf = warp & 1;   // D half: d in [64·hf, 64·hf + 64)
+
+  const int64_t pr = int64_t(blockIdx.x) / S;
+  const int Hkv = p.num_kv_heads;
+  const int64_t t = pr / Hkv;
+  const int g = int(pr % Hkv);
+  const int K = p.topk;
+  const int G = p.group > 0 ? p.group : kGroup;
+  const int64_t bsel =
+      tid < K ? int64_t(p.topk_indices[(int64_t(g) * p.num_tokens + t) * K + tid]) : -1;
+  const TokenPos tp = token_position(p, t);
+  s_mul[tid] = scale_multiplier<T>(tid);  // kPairThreads == 256
+
+  // zc >= 0: a negative softmax scale flips the sign of Q instead, so that the row maximum of
+  // the raw scores times zc is the maximum of the scaled ones.
+  const float zs = p.scale * (*p.k_scale) * kComp * kLog2e;
+  const float zc = fabsf(zs);
+  const int Hq = Hkv * G;
+  if (warp == 2 || warp == 3)
+    build_q_frags<T, false, 2>(
+        static_cast<const uint16_t*>(p.q) + ((t * Hq + int64_t(g) * G) * kHeadDim), G, lane,
+        64 * (warp - 2) + 16 * tig, zs < 0.f ? 0x80008000u : 0u, &s_q[warp - 2][0][0]);
+
+  const int count = compact_slots(p, tp, g, bsel, s_off, s_nvalid, s_mask);
+  const int nmine = count > rank ? (count - rank + S - 1) / S : 0;
+
+  uint32_t qreg[V::kQregs ? 4 : 1][4];
+  if constexpr (V::kQregs) {
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) mw = fmaxf(mw, pm[w * kGroup + h]);
-    const float mu = mw == -INFINITY ? 0.f : mw;
-    float L = 0.f, O = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float f = fast_exp2(pm[w * kGroup + h] - mu);
-      L += pl[w * kGroup + h] * f;
-      O += part[(w * kGroup + h) * kHeadDim + d] * f;
-    }
-    cta_o[h * kHeadDim + d] = O;
-    if (d == 0) {
-      cta_m[h] = mw;
-      cta_l[h] = L;
+    for (int s = 0; s < 4; ++s) {
+      const uint4 qv = s_q[hf][s][lane];
+      qreg[s][0] = qv.x;
+      qreg[s][1] = qv.y;
+      qreg[s][2] = qv.z;
+      qreg[s][3] = qv.w;
     }
   }
 
-  const float vsc = (*p.v_scale) * kComp;
-  uint16_t* out = static_cast<uint16_t*>(p.out) + ((t * Hq + int64_t(g) * G) * kHeadDim);
-  if (S == 1) {
-    __syncthreads();
-    for (int h = 0; h < G; ++h) {
-      const float L = cta_l[h];
-      const float o = L == 0.f ? 0.f : cta_o[h * kHeadDim + d] / L * vsc;
-      out[h * kHeadDim + d] = Traits<T>::from_float(o);
-    }
-  } else {
-    cluster.sync();
-    for (int h = rank; h < G; h += S) {
-      float mw = -INFINITY;
-      for (int q = 0; q < S; ++q) mw = fmaxf(mw, cluster.map_shared_rank(cta_m, q)[h]);
-      const float mu = mw == -INFINITY ? 0.f : mw;
-      float L = 0.f, O = 0.f;
-      for (int q = 0; q < S; ++q) {
-        const float f = fast_exp2(cluster.map_shared_rank(cta_m, q)[h] - mu);
-        L += cluster.map_shared_rank(cta_l, q)[h] * f;
-        O += cluster.map_shared_rank(cta_o, q)[h * kHeadDim + d] * f;
-      }
-      const float o = L == 0.f ? 0.f : O / L * vsc;
-      out[h * kHeadDim + d] = Traits<T>::from_float(o);
-    }
-    cluster.sync();
+  float acc[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+  const int kb = 32 * wp;
+  uint8_t* wsmem = smem + warp * (kStages * kPairWarpStage);
+  float4* xmine = reinterpret_cast<float4*>(smem + V::kRingBytes) + warp * 128 + lane;
+  const float4* xother = reinterpret_cast<const float4*>(smem + V::kRingBytes) + (warp ^ 1) * 128 + lane;
+  // cp.async sources of this lane inside a tile: K/V data chunk (key kb + lane/2 (+16), 16 bytes
+  // of this warp's D half) and one scale chunk (lanes 0..15: K scales, 16..31: V scales).
+  const int src_d = (kb + (lane >> 1)) * 64 + 32 * hf + 16 * (lane & 1);
+  const int src_s = kScalePlane + kb * 8 + 16 * (lane & 15) + (lane >= 16 ? kTileBytes : 0);
+  auto issue = [&](int j) {
+    const int e = rank + j * S;
+    if (kb >= s_nvalid[e]) return;  // none of this pair's keys is attended in that block
+    const uint8_t* tile = p.kv_cache + s_off[e];
+    uint8_t* dst = wsmem + (j % kStages) * kPairWarpStage + 16 * lane;
+    cp_async16(dst + kPKd, tile + src_d);
+    cp_async16(dst + kPKd + 512, tile + src_d + 1024);
+    cp_async16(dst + kPVd, tile + src_d + kTileBytes);
+    cp_async16(dst + kPVd + 512, tile + src_d + kTileBytes + 1024);
+    cp_async16(dst + kPKs, tile + src_s);
+  };
+
+#pragma unroll
+  for (int j = 0; j < kStages - 1; ++j) {
+    if (j < nmine) issue(j);
+    cp_async_commit();
   }
+
+  for (int j = 0; j < nmine; ++j) {
+    if (j + kStages - 1 < nmine) issue(j + kStages - 1);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+
+    const uint8_t* Ws = wsmem + (j % kStages) * kPairWarpStage;
+    const int nvalid = s_nvalid[rank + j * S];
+
+    auto process = [&](auto masked_tag) {
+      constexpr bool kMasked = decltype(masked_tag)::value;
+      // ---- partial S = Q·Kᵀ over this warp's 64 d: 4 n-tiles of 8 keys (column c of n-tile v
+      // is key kb+8v+4(c&1)+(c>>1)), 4 k-steps each; lane (g8, tig) dequantizes 16 d of one key
+      // (one scale block: 4·hf + tig).
+      float sc[4][4];
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const int kl = 8 * v + 4 * (g8 & 1) + (g8 >> 1);
+        const uint2 kd = *reinterpret_cast<const uint2*>(Ws + kPKd + kl * 32 + 8 * tig);
+        const uint32_t s0 = s_mul[Ws[kPKs + kl * 8 + 4 * hf + tig]];
+        const uint32_t s2 = s0 | (s0 << 16);
+        uint32_t b[8];
+        dequant8<T>(kd.x, s2, b);
+        dequant8<T>(kd.y, s2, b + 4);
+        sc[v][0] = sc[v][1] = sc[v][2] = sc[v][3] = 0.f;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          if constexpr (V::kQregs) {
+            Traits<T>::mma(sc[v], qreg[s], b[2 * s], b[2 * s + 1]);
+          } else {
+            const uint4 qv = s_q[hf][s][lane];
+            const uint32_t qa[4] = {qv.x, qv.y, qv.z, qv.w};
+            Traits<T>::mma(sc[v], qa, b[2 * s], b[2 * s + 1]);
+          }
+        }
+      }
+      // ---- the two D halves meet: write mine, read the partner's (one buffer per warp: the
+      // first barrier keeps the partner's reads of the last tile before this write)
+      named_sync(1 + wp, 64);
+#pragma unroll
+      for (int v = 0; v < 4; ++v) xmine[32 * v] = make_float4(sc[v][0], sc[v][1], sc[v][2], sc[v][3]);
+      named_sync(1 + wp, 64);
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const float4 o = xother[32 * v];
+        sc[v][0] += o.x;
+        sc[v][1] += o.y;
+        sc[v][2] += o.z;
+        sc[v][3] += o.w;
+      }
+
+      // ---- mask (partial blocks only), row maxima of the raw scores, lazy running max
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        if constexpr (kMasked) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = kb + 8 * v + 4 * (e & 1) + tig;
+            if (key >= nvalid) sc[v][e] = -INFINITY;
+          }
+        }
+        mx0 = fmaxf(mx0, fmaxf(sc[v][0], sc[v][1]));
+        mx1 = fmaxf(mx1, fmaxf(sc[v][2], sc[v][3]));
+      }
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      // -inf (a fully masked row) stays -inf also for zc == 0
+      const float ms0 = mx0 == -INFINITY ? -INFINITY : mx0 * zc;
+      const float ms1 = mx1 == -INFINITY ? -INFINITY : mx1 * zc;
+      const bool up0 = ms0 > m0 + kLazy, up1 = ms1 > m1 + kLazy;  // m = -inf: any finite max
+      if (__any_sync(0xffffffffu, up0 || up1)) {
+        const float n0 = up0 ? ms0 : m0, n1 = up1 ? ms1 : m1;
+        const float al0 = fast_exp2(m0 - (n0 == -INFINITY ? 0.f : n0));
+        const float al1 = fast_exp2(m1 - (n1 == -INFINITY ? 0.f : n1));
+        l0 *= al0;
+        l1 *= al1;
+#pragma unroll
+        for (int jd = 0; jd < 8; ++jd) {
+          acc[jd][0] *= al0;
+          acc[jd][1] *= al0;
+          acc[jd][2] *= al1;
+          acc[jd][3] *= al1;
+        }
+        m0 = n0;
+        m1 = n1;
+      }
+      const float nu0 = m0 == -INFINITY ? 0.f : -m0;
+      const float nu1 = m1 == -INFINITY ? 0.f : -m1;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        sc[v][0] = fast_exp2(fmaf(sc[v][0], zc, nu0));
+        sc[v][1] = fast_exp2(fmaf(sc[v][1], zc, nu0));
+        sc[v][2] = fast_exp2(fmaf(sc[v][2], zc, nu1));
+        sc[v][3] = fast_exp2(fmaf(sc[v][3], zc, nu1));
+        if constexpr (kMasked) {  // -inf · 0 would be NaN for zc == 0
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (kb + 8 * v + 4 * (e & 1) + tig >= nvalid) sc[v][e] = 0.f;
+        }
+        l0 += sc[v][0] + sc[v][1];
+        l1 += sc[v][2] + sc[v][3];
+      }
+
+      // ---- O += P·V over this warp's 64 d: k-step i covers n-tiles 2i, 2i+1; lane (g8, tig)
+      // supplies keys kb+16i+tig, +4 (b0) and +8, +12 (b1); d-tile jd, column g8 is
+      // d = 64·hf + 8·g8 + jd (one word of 8 codes per key, scale block 4·hf + g8/2).
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        uint32_t pa[4];
+        pa[0] = Traits<T>::pack2(sc[2 * i][0], sc[2 * i][1]);
+        pa[1] = Traits<T>::pack2(sc[2 * i][2], sc[2 * i][3]);
+        pa[2] = Traits<T>::pack2(sc[2 * i + 1][0], sc[2 * i + 1][1]);
+        pa[3] = Traits<T>::pack2(sc[2 * i + 1][2], sc[2 * i + 1][3]);
+        uint32_t w[4], smul[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int kl = 16 * i + tig + 4 * q;
+          w[q] = *reinterpret_cast<const uint32_t*>(Ws + kPVd + kl * 32 + 4 * g8);
+          const uint32_t sm = s_mul[Ws[kPVs + kl * 8 + 4 * hf + (g8 >> 1)]];
+          // masked keys: multiplier 0 (codes are finite), so garbage never meets P·V
+          if constexpr (kMasked) smul[q] = kb + kl < nvalid ? sm : 0u;
+          else smul[q] = sm;
+        }
+        const uint32_t sab = smul[0] | (smul[1] << 16);
+        const uint32_t sce = smul[2] | (smul[3] << 16);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const uint32_t sel = hh ? 0x7632 : 0x5410;
+          uint32_t b0[4], b1[4];
+          dequant8<T>(prmt(w[0], w[1], sel), sab, b0);
+          dequant8<T>(prmt(w[2], w[3], sel), sce, b1);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) Traits<T>::mma(acc[4 * hh + k], pa, b0[k], b1[k]);
+        }
+      }
+    };
+    if (kb + 32 <= nvalid) process(std::false_type{});
+    else if (kb < nvalid) process(std::true_type{});
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // ---- merge: pair wp is partial wp (its two warps hold identical m, l and one D half each)
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  const MergeSmem ms(smem);
+#pragma unroll
+  for (int jd = 0; jd < 8; ++jd) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int h = g8 + 8 * (e >> 1);
+      const int d = 64 * hf + 8 * (2 * tig + (e & 1)) + jd;
+      ms.part[(wp * kGroup + h) * kHeadDim + d] = acc[jd][e];
+    }
+  }
+  if (hf == 0 && tig == 0) {
+    ms.pm[wp * kGroup + g8] = m0;
+    ms.pm[wp * kGroup + g8 + 8] = m1;
+    ms.pl[wp * kGroup + g8] = l0;
+    ms.pl[wp * kGroup + g8 + 8] = l1;
+  }
+  __syncthreads();
+  merge_and_store<T>(p, ms, cluster, t, g, G, (*p.v_scale) * kComp);
 }
 
 int num_sms();
 
-template <typename T, typename V, bool kCvt>
-cudaError_t launch_typed(const AttentionParams& p, int splits, cudaStream_t stream) {
-  auto kernel = sparse_attention_kernel<T, V, kCvt>;
-  // Function attributes once per device (not stream work; also fine inside graph capture).
-  static bool configured[64] = {false};
+// Launches `kernel` (threads per CTA, dynamic shared memory) with `splits` CTAs per (token, KV
+// head) forming one cluster. Function attributes are set once per device (not stream work; also
+// fine inside graph capture).
+template <typename Kernel>
+cudaError_t launch_kernel(Kernel kernel, int threads, int smem_bytes, const AttentionParams& p,
+                          int splits, cudaStream_t stream, bool* configured) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   if (dev < 0 || dev >= 64 || !configured[dev]) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, V::kSmemBytes);
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (err != cudaSuccess) return err;
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (err != cudaSuccess) return err;
@@ -520,8 +874,8 @@ cudaError_t launch_typed(const AttentionParams& p, int splits, cudaStream_t stre
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(p.num_tokens * p.num_kv_heads * splits), 1, 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = V::kSmemBytes;
+  cfg.blockDim = dim3(unsigned(threads), 1, 1);
+  cfg.dynamicSmemBytes = smem_bytes;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -533,10 +887,24 @@ cudaError_t launch_typed(const AttentionParams& p, int splits, cudaStream_t stre
   return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
+template <typename T, typename V, bool kCvt>
+cudaError_t launch_typed(const AttentionParams& p, int splits, cudaStream_t stream) {
+  static bool configured[64] = {false};
+  return launch_kernel(sparse_attention_kernel<T, V, kCvt>, kThreads, V::kSmemBytes, p, splits,
+                       stream, configured);
+}
+
+template <typename T, typename V>
+cudaError_t launch_pair(const AttentionParams& p, int splits, cudaStream_t stream) {
+  static bool configured[64] = {false};
+  return launch_kernel(sparse_attention_pair_kernel<T, V>, kPairThreads, V::kSmemBytes, p,
+                       splits, stream, configured);
+}
+
 // variant 1: Variant0, 2: Variant1 (bit-placement dequantization, mma in q's dtype);
 // 3: Variant0, 4: Variant1, 5: Variant2 (fp8-conversion dequantization, fp16 mma);
 // 6: Variant3 (variant 2 with the older shift/mask bit placement, kept to time the two side by
-// side).
+// side); 7: the pair kernel, 2 CTAs / SM, 8: the pair kernel, 3 CTAs / SM (bit placement).
 // 0 (auto): q's dtype decides the path — bf16 q keeps bf16 products (no fp16 range limit on q),
 // f16 q takes the conversion path — and Variant1 once there are two CTAs per SM to run, Variant0
 // below that (timed on the H200, BENCHMARKS.md).
@@ -553,7 +921,9 @@ cudaError_t launch_variant(const AttentionParams& p, int splits, cudaStream_t st
     case 3: return launch_typed<T, Variant0, true>(p, splits, stream);
     case 4: return launch_typed<T, Variant1, true>(p, splits, stream);
     case 5: return launch_typed<T, Variant2, true>(p, splits, stream);
-    default: return launch_typed<T, Variant3, false>(p, splits, stream);
+    case 6: return launch_typed<T, Variant3, false>(p, splits, stream);
+    case 7: return launch_pair<T, PairVariant0>(p, splits, stream);
+    default: return launch_pair<T, PairVariant1>(p, splits, stream);
   }
 }
 

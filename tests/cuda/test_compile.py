@@ -63,6 +63,15 @@ def test_attention_resources(tmp_path):
         else:
             assert "VariantILi4ELi2E" in name, name
             assert r["registers"] <= 128 and r["spill_stores"] <= 192, (name, r)
+    # the pair kernel (variants 7, 8): {bf16, f16} x {2 CTAs / SM, 3 CTAs / SM}
+    pairs = {k: v for k, v in res.items() if "sparse_attention_pair_kernel" in k}
+    assert len(pairs) == 4, res
+    for name, r in pairs.items():
+        if "PairVariantILi2E" in name:
+            assert r["registers"] <= 128 and r["spill_stores"] == 0, (name, r)
+        else:
+            assert "PairVariantILi3E" in name, name
+            assert r["registers"] <= 80 and r["spill_stores"] <= 32, (name, r)
 
 
 def test_handlers_compile(tmp_path):
