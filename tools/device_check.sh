@@ -102,7 +102,7 @@ nvcc $FLAGS "$B/attention.o" "$B/pack.o" "$B/harness.o" -o "$B/harness" || { ech
 grep -E "registers|spill" "$OUT/ptxas.log" | sort | uniq -c
 # opcode histogram of the 4-CTA bf16 attention kernel (static SASS)
 cuobjdump -sass "$B/attention.o" > "$OUT/attention.sass" 2>/dev/null &&
-  awk '/Function : .*nv_bfloat16.*VariantILi4ELi2ELb0ELb1EEELb0E/{f=1;next} /Function :/{f=0} f' "$OUT/attention.sass" |
+  awk '/Function : .*nv_bfloat16.*VariantILi4ELi2ELb0ELb1ELb0EEELb0E/{f=1;next} /Function :/{f=0} f' "$OUT/attention.sass" |
   grep -oE '^ +/\*[0-9a-f]{4}\*/ +[A-Z0-9_.]+' | awk '{print $2}' | sed 's/\..*//' |
   sort | uniq -c | sort -rn | head -24 | tr '\n' ' '; echo
 awk '/Function : .*pair_kernel.*nv_bfloat16.*PairVariantILi3ELi2E/{f=1;next} /Function :/{f=0} f' "$OUT/attention.sass" |

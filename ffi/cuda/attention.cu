@@ -46,13 +46,16 @@ constexpr int kMergeBytes =
 
 // Launch variants: (CTAs per SM, cp.async stages). Variant 1 trades prefetch depth for a
 // fourth resident CTA (16 warps / SM); both were timed on the H200 (BENCHMARKS.md).
-template <int kMinBlocks, int kStages, bool kQinRegs = false, bool kImadDq = true>
+template <int kMinBlocks, int kStages, bool kQinRegs = false, bool kImadDq = true,
+          bool kLeanSoftmax = false>
 struct Variant {
   static constexpr int kBlocks = kMinBlocks;
   static constexpr int kNumStages = kStages;
   static constexpr bool kQregs = kQinRegs;  // Q A-fragments held in registers (else shared)
   // bf16 bit placement by the multiply form (device_utils.cuh); false: the shift/mask form
   static constexpr bool kImad = kImadDq;
+  // scores scaled inside the exp2 (one FFMA) and the lazy running max of the pair kernel
+  static constexpr bool kLean = kLeanSoftmax;
   static constexpr int kSmemBytes =
       kStages * kStageBytes > kMergeBytes ? kStages * kStageBytes : kMergeBytes;
 };
@@ -60,6 +63,8 @@ using Variant0 = Variant<3, 3>;
 using Variant1 = Variant<4, 2>;
 using Variant2 = Variant<3, 3, true>;
 using Variant3 = Variant<4, 2, false, false>;  // Variant1 with the older shift/mask dequantization
+using Variant4 = Variant<4, 2, false, true, true>;  // Variant1 with the lean softmax
+using Variant5 = Variant<3, 3, false, true, true>;  // Variant0 with the lean softmax
 
 static_assert(kHeadDim == 128 && kBlockSize == 128 && kGroup == 16, "kernel geometry");
 
@@ -170,6 +175,70 @@ __device__ __forceinline__ void build_q_frags(const uint16_t* qbase, int G, int 
   for (int s = 0; s < 2 * kWords; ++s)
     sq[s * 32 + lane] = make_uint4(row[0][2 * s] ^ flip, row[1][2 * s] ^ flip,
                                    row[0][2 * s + 1] ^ flip, row[1][2 * s + 1] ^ flip);
+}
+
+// The lean online softmax of one 32-key slice (both kernels' option; sc: raw scores of 4
+// n-tiles, lane (g8, tig) holding keys kb+8v+tig (+4) of rows g8 (0, 1) and g8+8 (2, 3)):
+// masked keys (kMasked: key >= nvalid) get -inf; the row maxima of the raw scores times zc >= 0
+// move the running max only when they exceed it by more than kLazy, so the accumulator is
+// rarely rescaled and P <= 2^kLazy (out = Σ p·v / Σ p holds for any common reference); each
+// p = exp2(fma(s, zc, -m)) is one FFMA and one MUFU. sc returns P (0 for masked keys).
+constexpr float kLazy = 8.0f;
+template <bool kMasked, int kNj>
+__device__ __forceinline__ void online_softmax_lean(float (&sc)[4][4], float (&acc)[kNj][4],
+                                                    float& m0, float& m1, float& l0, float& l1,
+                                                    float zc, int kb, int nvalid, int tig) {
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    if constexpr (kMasked) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (kb + 8 * v + 4 * (e & 1) + tig >= nvalid) sc[v][e] = -INFINITY;
+    }
+    mx0 = fmaxf(mx0, fmaxf(sc[v][0], sc[v][1]));
+    mx1 = fmaxf(mx1, fmaxf(sc[v][2], sc[v][3]));
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  // -inf (a fully masked row) stays -inf also for zc == 0
+  const float ms0 = mx0 == -INFINITY ? -INFINITY : mx0 * zc;
+  const float ms1 = mx1 == -INFINITY ? -INFINITY : mx1 * zc;
+  const bool up0 = ms0 > m0 + kLazy, up1 = ms1 > m1 + kLazy;  // m = -inf: any finite max
+  if (__any_sync(0xffffffffu, up0 || up1)) {
+    const float n0 = up0 ? ms0 : m0, n1 = up1 ? ms1 : m1;
+    const float al0 = fast_exp2(m0 - (n0 == -INFINITY ? 0.f : n0));
+    const float al1 = fast_exp2(m1 - (n1 == -INFINITY ? 0.f : n1));
+    l0 *= al0;
+    l1 *= al1;
+#pragma unroll
+    for (int jd = 0; jd < kNj; ++jd) {
+      acc[jd][0] *= al0;
+      acc[jd][1] *= al0;
+      acc[jd][2] *= al1;
+      acc[jd][3] *= al1;
+    }
+    m0 = n0;
+    m1 = n1;
+  }
+  const float nu0 = m0 == -INFINITY ? 0.f : -m0;
+  const float nu1 = m1 == -INFINITY ? 0.f : -m1;
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    sc[v][0] = fast_exp2(fmaf(sc[v][0], zc, nu0));
+    sc[v][1] = fast_exp2(fmaf(sc[v][1], zc, nu0));
+    sc[v][2] = fast_exp2(fmaf(sc[v][2], zc, nu1));
+    sc[v][3] = fast_exp2(fmaf(sc[v][3], zc, nu1));
+    if constexpr (kMasked) {  // -inf · 0 would be NaN for zc == 0
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (kb + 8 * v + 4 * (e & 1) + tig >= nvalid) sc[v][e] = 0.f;
+    }
+    l0 += sc[v][0] + sc[v][1];
+    l1 += sc[v][2] + sc[v][3];
+  }
 }
 
 // Shared-memory merge scratch (reuses the stage ring): 4 partials + one CTA partial.
@@ -301,10 +370,13 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
   // Q fragments (A operand), d permuted to match the K fragments below: register j = 4W + k
   // of lane (g8, tig) holds d = 32·tig + 8W + k (lo) and d + 4 (hi). Warp 3 builds them once
   // while warps 0, 1 check the slots; every warp reads one 16-byte vector per k-step.
+  // lean softmax: zc >= 0, a negative softmax scale flips the sign of Q instead
+  const float zs = p.scale * (*p.k_scale) * kComp * kLog2e;
+  const float zc = V::kLean ? fabsf(zs) : zs;
   const int Hq = Hkv * G;
   if (warp == kWarps - 1)
     build_q_frags<T, kCvt, 4>(static_cast<const uint16_t*>(p.q) + ((t * Hq + int64_t(g) * G) * kHeadDim),
-                              G, lane, 32 * tig, 0u, &s_q[0][0]);
+                              G, lane, 32 * tig, V::kLean && zs < 0.f ? 0x80008000u : 0u, &s_q[0][0]);
 
   const int count = compact_slots(p, tp, g, bsel, s_off, s_nvalid, s_mask);
   const int nmine = count > rank ? (count - rank + S - 1) / S : 0;
@@ -321,8 +393,6 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
       qreg[s][3] = qv.w;
     }
   }
-  const float zc = p.scale * (*p.k_scale) * kComp * kLog2e;
-
 
   float acc[16][4];
 #pragma unroll
@@ -337,21 +407,22 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
   constexpr int kWarpStage = kStageBytes / kWarps;  // 4608
   constexpr int kKs = 2048, kVd = 2304, kVs = 4352;  // offsets inside a warp's stage slice
   uint8_t* wsmem = smem + warp * (kStages * kWarpStage);
+  // Lane chunks: 4 of K data, 4 of V data (keys kb + lane/4 + 8i, 16 bytes each) and one scale
+  // chunk (lanes 0..15: K scales, 16..31: V scales): two base pointers plus immediates.
+  const int src_d = kb * 64 + 16 * lane;
+  const int src_s = kScalePlane + kb * 8 + 16 * (lane & 15) + (lane >= 16 ? kTileBytes : 0);
+  const int dst_s = 16 * lane + (lane >= 16 ? kVs - 256 : kKs);
   auto issue = [&](int j) {
     const int e = rank + j * S;
     if (kb >= s_nvalid[e]) return;  // none of this warp's keys is attended in that block
     const uint8_t* tile = cache + s_off[e];
     uint8_t* dst = wsmem + (j % kStages) * kWarpStage;
 #pragma unroll
-    for (int i = 0; i < kWarpStage / (16 * 32); ++i) {
-      const int c = lane + 32 * i;  // 16-byte chunk of the warp's slice
-      int off;
-      if (c < 128) off = kb * 64 + 16 * c;                                       // K data
-      else if (c < 144) off = kScalePlane + kb * 8 + 16 * (c - 128);             // K scales
-      else if (c < 272) off = kTileBytes + kb * 64 + 16 * (c - 144);             // V data
-      else off = kTileBytes + kScalePlane + kb * 8 + 16 * (c - 272);             // V scales
-      cp_async16(dst + 16 * c, tile + off);
+    for (int i = 0; i < 4; ++i) {
+      cp_async16(dst + 16 * lane + 512 * i, tile + src_d + 512 * i);
+      cp_async16(dst + kVd + 16 * lane + 512 * i, tile + src_d + kTileBytes + 512 * i);
     }
+    cp_async16(dst + dst_s, tile + src_s);
   };
 
 #pragma unroll
@@ -414,52 +485,56 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
         }
       }
 
-      // ---- mask (select; partial blocks only), base-2 online softmax
-      float mx0 = -INFINITY, mx1 = -INFINITY;
+      if constexpr (V::kLean) {
+        online_softmax_lean<kMasked, 16>(sc, acc, m0, m1, l0, l1, zc, kb, nvalid, tig);
+      } else {
+        // ---- mask (select; partial blocks only), base-2 online softmax
+        float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-      for (int v = 0; v < 4; ++v) {
+        for (int v = 0; v < 4; ++v) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if constexpr (kMasked) {
-            const int key = kb + 8 * v + 4 * (e & 1) + tig;
-            sc[v][e] = key < nvalid ? sc[v][e] * zc : -INFINITY;
-          } else {
-            sc[v][e] *= zc;
+          for (int e = 0; e < 4; ++e) {
+            if constexpr (kMasked) {
+              const int key = kb + 8 * v + 4 * (e & 1) + tig;
+              sc[v][e] = key < nvalid ? sc[v][e] * zc : -INFINITY;
+            } else {
+              sc[v][e] *= zc;
+            }
           }
+          mx0 = fmaxf(mx0, fmaxf(sc[v][0], sc[v][1]));
+          mx1 = fmaxf(mx1, fmaxf(sc[v][2], sc[v][3]));
         }
-        mx0 = fmaxf(mx0, fmaxf(sc[v][0], sc[v][1]));
-        mx1 = fmaxf(mx1, fmaxf(sc[v][2], sc[v][3]));
-      }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-      const float mu0 = mn0 == -INFINITY ? 0.f : mn0;
-      const float mu1 = mn1 == -INFINITY ? 0.f : mn1;
-      if (__any_sync(0xffffffffu, mn0 != m0 || mn1 != m1)) {
-        // rescale only when some row's running max moved (exp2(0) == 1 otherwise)
-        const float al0 = fast_exp2(m0 - mu0), al1 = fast_exp2(m1 - mu1);
-        l0 *= al0;
-        l1 *= al1;
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float mu0 = mn0 == -INFINITY ? 0.f : mn0;
+        const float mu1 = mn1 == -INFINITY ? 0.f : mn1;
+        if (__any_sync(0xffffffffu, mn0 != m0 || mn1 != m1)) {
+          // rescale only when some row's running max moved (exp2(0) == 1 otherwise)
+          const float al0 = fast_exp2(m0 - mu0), al1 = fast_exp2(m1 - mu1);
+          l0 *= al0;
+          l1 *= al1;
 #pragma unroll
-        for (int jd = 0; jd < 16; ++jd) {
-          acc[jd][0] *= al0;
-          acc[jd][1] *= al0;
-          acc[jd][2] *= al1;
-          acc[jd][3] *= al1;
+          for (int jd = 0; jd < 16; ++jd) {
+            acc[jd][0] *= al0;
+            acc[jd][1] *= al0;
+            acc[jd][2] *= al1;
+            acc[jd][3] *= al1;
+          }
+          m0 = mn0;
+          m1 = mn1;
         }
-        m0 = mn0;
-        m1 = mn1;
-      }
 #pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        sc[v][0] = fast_exp2(sc[v][0] - mu0);
-        sc[v][1] = fast_exp2(sc[v][1] - mu0);
-        sc[v][2] = fast_exp2(sc[v][2] - mu1);
-        sc[v][3] = fast_exp2(sc[v][3] - mu1);
-        l0 += sc[v][0] + sc[v][1];
-        l1 += sc[v][2] + sc[v][3];
+        for (int v = 0; v < 4; ++v) {
+          sc[v][0] = fast_exp2(sc[v][0] - mu0);
+          sc[v][1] = fast_exp2(sc[v][1] - mu0);
+          sc[v][2] = fast_exp2(sc[v][2] - mu1);
+          sc[v][3] = fast_exp2(sc[v][3] - mu1);
+          l0 += sc[v][0] + sc[v][1];
+          l1 += sc[v][2] + sc[v][3];
+        }
       }
 
       // ---- O += P·V: k-step i covers n-tiles 2i, 2i+1; lane (g8, tig) supplies keys
@@ -566,15 +641,10 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
 // warps of a pair split D (64 each) for both products, so the P·V accumulator is 32 registers
 // instead of 64 and twice the warps fit per SM. The partial Q·Kᵀ of the two halves meet in
 // shared memory (one 64-thread named barrier per pair and tile); both warps then run the same
-// softmax on identical sums (bit-identical m and l). Other changes against the 4-warp kernel:
-// the scores are scaled inside the exp2 (one FFMA), the running max moves only when a row's
-// maximum exceeds it by more than kLazy (the P values stay <= 2^kLazy, exact in the same way:
-// out = Σ p·v / Σ p with any common reference), and each lane's cp.async addresses are two base
-// pointers plus immediates.
+// softmax on identical sums (bit-identical m and l), the lean one (online_softmax_lean).
 constexpr int kPairThreads = 256;
 constexpr int kPairWarpStage = 2560;  // per warp and stage: K data, V data (its D half), K, V scales
 constexpr int kPKd = 0, kPVd = 1024, kPKs = 2048, kPVs = 2304;
-constexpr float kLazy = 8.0f;  // log2 units: P <= 256
 
 template <int kMinBlocks, int kStages, bool kQinRegs>
 struct PairVariant {
@@ -734,60 +804,7 @@ __global__ void __launch_bounds__(kPairThreads, V::kBlocks)
         sc[v][3] += o.w;
       }
 
-      // ---- mask (partial blocks only), row maxima of the raw scores, lazy running max
-      float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        if constexpr (kMasked) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = kb + 8 * v + 4 * (e & 1) + tig;
-            if (key >= nvalid) sc[v][e] = -INFINITY;
-          }
-        }
-        mx0 = fmaxf(mx0, fmaxf(sc[v][0], sc[v][1]));
-        mx1 = fmaxf(mx1, fmaxf(sc[v][2], sc[v][3]));
-      }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      // -inf (a fully masked row) stays -inf also for zc == 0
-      const float ms0 = mx0 == -INFINITY ? -INFINITY : mx0 * zc;
-      const float ms1 = mx1 == -INFINITY ? -INFINITY : mx1 * zc;
-      const bool up0 = ms0 > m0 + kLazy, up1 = ms1 > m1 + kLazy;  // m = -inf: any finite max
-      if (__any_sync(0xffffffffu, up0 || up1)) {
-        const float n0 = up0 ? ms0 : m0, n1 = up1 ? ms1 : m1;
-        const float al0 = fast_exp2(m0 - (n0 == -INFINITY ? 0.f : n0));
-        const float al1 = fast_exp2(m1 - (n1 == -INFINITY ? 0.f : n1));
-        l0 *= al0;
-        l1 *= al1;
-#pragma unroll
-        for (int jd = 0; jd < 8; ++jd) {
-          acc[jd][0] *= al0;
-          acc[jd][1] *= al0;
-          acc[jd][2] *= al1;
-          acc[jd][3] *= al1;
-        }
-        m0 = n0;
-        m1 = n1;
-      }
-      const float nu0 = m0 == -INFINITY ? 0.f : -m0;
-      const float nu1 = m1 == -INFINITY ? 0.f : -m1;
-#pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        sc[v][0] = fast_exp2(fmaf(sc[v][0], zc, nu0));
-        sc[v][1] = fast_exp2(fmaf(sc[v][1], zc, nu0));
-        sc[v][2] = fast_exp2(fmaf(sc[v][2], zc, nu1));
-        sc[v][3] = fast_exp2(fmaf(sc[v][3], zc, nu1));
-        if constexpr (kMasked) {  // -inf · 0 would be NaN for zc == 0
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (kb + 8 * v + 4 * (e & 1) + tig >= nvalid) sc[v][e] = 0.f;
-        }
-        l0 += sc[v][0] + sc[v][1];
-        l1 += sc[v][2] + sc[v][3];
-      }
+      online_softmax_lean<kMasked, 8>(sc, acc, m0, m1, l0, l1, zc, kb, nvalid, tig);
 
       // ---- O += P·V over this warp's 64 d: k-step i covers n-tiles 2i, 2i+1; lane (g8, tig)
       // supplies keys kb+16i+tig, +4 (b0) and +8, +12 (b1); d-tile jd, column g8 is
@@ -904,7 +921,9 @@ cudaError_t launch_pair(const AttentionParams& p, int splits, cudaStream_t strea
 // variant 1: Variant0, 2: Variant1 (bit-placement dequantization, mma in q's dtype);
 // 3: Variant0, 4: Variant1, 5: Variant2 (fp8-conversion dequantization, fp16 mma);
 // 6: Variant3 (variant 2 with the older shift/mask bit placement, kept to time the two side by
-// side); 7: the pair kernel, 2 CTAs / SM, 8: the pair kernel, 3 CTAs / SM (bit placement).
+// side); 7: the pair kernel, 2 CTAs / SM, 8: the pair kernel, 3 CTAs / SM (bit placement);
+// 9: Variant4, 10: Variant5 (variants 2, 1 with the lean softmax), 11: Variant4 through the fp8
+// conversion.
 // 0 (auto): q's dtype decides the path — bf16 q keeps bf16 products (no fp16 range limit on q),
 // f16 q takes the conversion path — and Variant1 once there are two CTAs per SM to run, Variant0
 // below that (timed on the H200, BENCHMARKS.md).
@@ -923,7 +942,10 @@ cudaError_t launch_variant(const AttentionParams& p, int splits, cudaStream_t st
     case 5: return launch_typed<T, Variant2, true>(p, splits, stream);
     case 6: return launch_typed<T, Variant3, false>(p, splits, stream);
     case 7: return launch_pair<T, PairVariant0>(p, splits, stream);
-    default: return launch_pair<T, PairVariant1>(p, splits, stream);
+    case 8: return launch_pair<T, PairVariant1>(p, splits, stream);
+    case 9: return launch_typed<T, Variant4, false>(p, splits, stream);
+    case 10: return launch_typed<T, Variant5, false>(p, splits, stream);
+    default: return launch_typed<T, Variant4, true>(p, splits, stream);
   }
 }
 

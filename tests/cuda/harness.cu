@@ -735,7 +735,7 @@ static void bench_decode(std::mt19937& rng, const BenchDecode& b, double copy_tb
          T, dql, Hkv, K, (long long)b.seq, bytes / 1e6, nv, autos);
   double best = 1e30;
   // auto variant with every split count, then every variant with the automatic split count
-  for (int var : {0, 1, 2, 3, 4, 5, 6, 7, 8})
+  for (int var : {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11})
   for (int s : {0, 1, 2, 4, 8, 16}) {
     if (s > K || (var != 0 && s != 0)) continue;
     AttentionParams ps = p;
@@ -863,7 +863,7 @@ static void bench_prefill(std::mt19937& rng, int T, int ctx, double copy_tbs) {
   p.is_prefill = 1;
   p.scale = 1.0f / std::sqrt(128.f);
   p.dtype = DType::kBF16;
-  for (int var : {1, 2, 3, 4, 5, 6, 7, 8, 0}) {
+  for (int var : {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0}) {
     p.variant = var;
     auto launch = [&](int, cudaStream_t st) { CK(launch_sparse_attention(p, st)); };
     const double us = time_graph(launch, 1, 5, 5);
@@ -938,7 +938,7 @@ int main(int argc, char** argv) {
 
   const std::vector<int> all_splits = {0, 1, 2, 4, 8, 16};
   const std::vector<int> variants =
-      shorter ? std::vector<int>{2, 3, 7, 8} : std::vector<int>{1, 2, 3, 4, 5, 6, 7, 8};
+      shorter ? std::vector<int>{2, 3, 7, 8} : std::vector<int>{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
   for (int variant : variants) {
   g_variant = variant;
   test_attention(rng, "decode bf16 dql=1", false, 2, 6, 1, 16, 1, 0, 0, false, all_splits);
