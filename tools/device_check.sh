@@ -62,7 +62,7 @@ if [ "$MODE" = variants ]; then  # harness only: correctness of every variant, t
   date -u
   echo "=== harness timings (--quick)"
   timeout 150 "$B/harness" --bench-only --quick >"$OUT/harness_bench.log" 2>&1
-  grep -E "TABLE|^decode|v[0-9] splits auto|prefill" "$OUT/harness_bench.log"
+  grep -E "TABLE|^decode|v[0-9]+ splits auto|prefill" "$OUT/harness_bench.log"
   date -u
   # ncu of the kernels named in NCU_KERNELS (mangled-name fragments) at decode T = 128
   M="smsp__inst_executed.sum,smsp__cycles_active.avg,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__warps_active.avg.per_cycle_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__inst_executed_pipe_alu.sum,smsp__inst_executed_pipe_fma.sum,smsp__inst_executed_pipe_lsu.sum"
@@ -75,6 +75,13 @@ if [ "$MODE" = variants ]; then  # harness only: correctness of every variant, t
       --launch-skip 2 --launch-count 1 --metrics "$M" "$B/harness" --profile >"$OUT/ncu_$kn.txt" 2>&1
     grep -E "^\s+(smsp|sm__|dram|l1tex)" "$OUT/ncu_$kn.txt" | awk '{print $1, $NF}'
   done
+  # pipe utilization (ComputeWorkloadAnalysis, raw page) of the first kernel named
+  if [ -n "${NCU_PIPES:-}" ]; then
+    timeout 90 ncu --clock-control none --kernel-name-base mangled -k regex:"$NCU_PIPES" \
+      --launch-skip 2 --launch-count 1 --section ComputeWorkloadAnalysis --section InstructionStats \
+      --page raw "$B/harness" --profile >"$OUT/ncu_pipes.txt" 2>&1
+    grep -E "pipe_.*(pct|sum )|inst_executed_pipe" "$OUT/ncu_pipes.txt" | awk '$NF != "0" {print $1, $NF}' | head -60
+  fi
   date -u
   exit 0
 fi
@@ -118,7 +125,7 @@ if [ "$MODE" = final ]; then  # one call: correctness, kernel and through-JAX ta
   # kernel-only figures (every variant) and the sanitizers while the Python modules build
   echo "=== harness --bench-only --quick"
   timeout 100 "$B/harness" --bench-only --quick >"$OUT/harness_bench.log" 2>&1
-  grep -E "TABLE|v[0-9] splits auto|prefill" "$OUT/harness_bench.log"
+  grep -E "TABLE|v[0-9]+ splits auto|prefill" "$OUT/harness_bench.log"
   for tool in racecheck memcheck; do
     echo "=== compute-sanitizer $tool: harness --no-bench --short"
     timeout $([ $tool = racecheck ] && echo 110 || echo 70) compute-sanitizer --tool $tool --error-exitcode 9 "$B/harness" --no-bench \

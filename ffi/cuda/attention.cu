@@ -924,15 +924,20 @@ cudaError_t launch_pair(const AttentionParams& p, int splits, cudaStream_t strea
 // side); 7: the pair kernel, 2 CTAs / SM, 8: the pair kernel, 3 CTAs / SM (bit placement);
 // 9: Variant4, 10: Variant5 (variants 2, 1 with the lean softmax), 11: Variant4 through the fp8
 // conversion.
-// 0 (auto): q's dtype decides the path — bf16 q keeps bf16 products (no fp16 range limit on q),
-// f16 q takes the conversion path — and Variant1 once there are two CTAs per SM to run, Variant0
-// below that (timed on the H200, BENCHMARKS.md).
+// 0 (auto), timed on the H200 (BENCHMARKS.md): the pair kernel when fewer than 2 CTAs per SM have
+// at most 4 blocks each to attend (small T: latency-bound, the 8 warps finish each tile sooner); otherwise q's dtype
+// decides the path — bf16 q keeps bf16 products (no fp16 range limit on q), f16 q takes the
+// conversion path — with 4 CTAs / SM and the lean softmax (variants 9, 11) once there are two
+// CTAs per SM to run, 3 CTAs / SM (variants 1, 3) below that.
 template <typename T>
 cudaError_t launch_variant(const AttentionParams& p, int splits, cudaStream_t stream) {
   int v = p.variant;
   if (v == 0) {
+    const bool f16 = std::is_same_v<T, __half>;
     const bool big = p.num_tokens * p.num_kv_heads * splits >= 2 * int64_t(num_sms());
-    v = (std::is_same_v<T, __half> ? 3 : 1) + (big ? 1 : 0);
+    if (!big && (p.topk + splits - 1) / splits <= 4) v = 7;
+    else if (big) v = f16 ? 11 : 9;
+    else v = f16 ? 3 : 1;
   }
   switch (v) {
     case 1: return launch_typed<T, Variant0, false>(p, splits, stream);
