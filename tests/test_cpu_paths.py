@@ -30,7 +30,7 @@ def test_paths_listed():
 @pytest.mark.parametrize("Hkv,G,dql,seq_lens,D", [
     (1, 16, 1, [1, 128, 129, 4097], 128), (2, 8, 3, [300, 1500, 2049], 128),
     (4, 4, 1, [700, 5000], 128), (1, 6, 2, [257, 1000], 128), (2, 4, 2, [300, 700], 64),
-    (1, 16, 1, [300, 900], 256)])
+    (1, 16, 1, [300, 900], 256), (1, 24, 1, [129, 1100], 128), (2, 1, 1, [200, 900], 128)])
 def test_decode(rng, path, Hkv, G, dql, seq_lens, D):
     p = decode_problem(rng, Hkv, G, seq_lens, dql, D=D, extra_pages=1)
     assert_close(run_decode(p, "native"), expected(p))

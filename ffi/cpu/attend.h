@@ -51,8 +51,11 @@ void attend_item(const AttendArgs& a, Kernel& w, std::vector<float>& q, int64_t 
     load_floats(a.dtype, a.q, row, q.size(), q.data());
     w.begin(q.data(), a.logit_scale);
     const int32_t* ids = a.topk + (g * a.num_tokens + t) * a.topk_blocks;
+    int64_t next = a.topk_blocks > 0 ? selected_page(a, r, ids[0], vis) : -1;
     for (int64_t k = 0; k < a.topk_blocks; ++k) {
-      const int64_t page = selected_page(a, r, ids[k], vis);
+      const int64_t page = next;
+      next = k + 1 < a.topk_blocks ? selected_page(a, r, ids[k + 1], vis) : -1;
+      if (next >= 0) prefetch_tiles(a, next, g);  // DRAM latency hides behind this block's math
       if (page < 0) continue;
       w.block(a.geo, a.cache + a.geo.tile_offset(a.layer, page, 2 * g),
               a.cache + a.geo.tile_offset(a.layer, page, 2 * g + 1),

@@ -75,6 +75,15 @@ inline int64_t selected_page(const AttendArgs& a, int64_t r, int64_t b, int64_t 
   return a.geo.valid_page(page) ? page : -1;
 }
 
+// Asks for the K and V tiles of KV head g in `page` ahead of use (prefetches never fault; the
+// page was validated by selected_page).
+inline void prefetch_tiles(const AttendArgs& a, int64_t page, int64_t g) {
+  for (int64_t slot = 2 * g; slot < 2 * g + 2; ++slot) {
+    const uint8_t* tile = a.cache + a.geo.tile_offset(a.layer, page, slot);
+    for (int64_t b = 0; b < a.geo.tile_bytes(); b += 64) __builtin_prefetch(tile + b);
+  }
+}
+
 // A small LRU cache of dequantized (K, V) tiles, keyed by the K tile's address (one
 // (layer, page, KV head)) and the number of attended keys n: consecutive tokens of a prefill
 // chunk mostly select the same blocks, so each tile is dequantized once per run of tokens.
