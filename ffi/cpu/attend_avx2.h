@@ -7,11 +7,13 @@
 //    Low nibbles (even dims) and high nibbles (odd dims) land in separate vectors, so a tile
 //    row holds the dims of each group as [0,2,…,14,1,3,…,15]. q is loaded in the same order
 //    and the output is put back in natural order at the end: dot products do not care.
-// 2. K and V are both dequantized token-major ([N][D]); QK reduces 2 heads × 4 keys per
-//    register block with a horizontal-add tree; PV broadcasts p to 6 heads and streams V rows.
-// 3. Online softmax in base 2, 8 lanes at a time; lanes past the n attended keys are masked
-//    to −inf before the max and to 0 in the sum, and PV reads only keys j < n, so bytes past
-//    n (page tails, possibly NaN) never reach the output.
+// 2. K and V are both dequantized token-major ([N][D]). Heads live in vector lanes: q is kept
+//    transposed, so QK broadcasts one K element against 8 heads (12 accumulators: 6 keys × 16
+//    heads), and the scores come out key-major. PV broadcasts p to 6 heads and streams V rows,
+//    rescaling the accumulators by the softmax factor as it loads them.
+// 3. Online softmax in base 2, 8 heads per vector, never a reduction across lanes; only keys
+//    j < n are scored, normalized and summed, and PV reads only those, so bytes past n (page
+//    tails, possibly NaN) never reach the output.
 #pragma once
 
 #include <immintrin.h>
@@ -193,58 +195,60 @@ inline void softmax_lanes(float* sT, int64_t Gp, int64_t n, float* m, float* l, 
   _mm256_storeu_ps(alpha, a);
 }
 
-// One worker's state: q (transposed), scores, accumulators, and an LRU cache of dequantized
-// tiles. Per-head arrays (m, l, alpha) have Gp lanes; the padding heads are computed and
-// never stored.
+// One worker's state: C token slots (q transposed, accumulators, running max and sum), and
+// the scratch they share: the dequantized K/V tile and the scores. Per-head arrays have Gp
+// lanes; the padding heads are computed and never stored.
 struct Kernel {
-  int64_t G, D, N, Gp;
-  std::vector<float> qT, sT, acc, m, l, alpha, out;
-  TileCache<float> tiles;
+  int64_t G, D, N, C, Gp;
+  Floats qT, acc, m, l, alpha, k, v, sT, out;
 
-  Kernel(int64_t G_, int64_t D_, int64_t N_)
-      : G(G_), D(D_), N(N_), Gp((G_ + 7) / 8 * 8), qT(Gp * D_), sT(N_ * Gp), acc(G_ * D_),
-        m(Gp), l(Gp), alpha(Gp), out(G_ * D_), tiles(N_ * D_) {}
+  Kernel(int64_t G_, int64_t D_, int64_t N_, int64_t C_)
+      : G(G_), D(D_), N(N_), C(C_), Gp((G_ + 7) / 8 * 8), qT(C_ * Gp * D_), acc(C_ * G_ * D_),
+        m(C_ * Gp), l(C_ * Gp), alpha(Gp), k(N_ * D_), v(N_ * D_), sT(N_ * Gp), out(G_ * D_) {}
 
-  void reset() { tiles.clear(); }
-
-  void begin(const float* q_rows, float logit_scale) {
-    std::fill(qT.begin(), qT.end(), 0.0f);
+  void begin(int64_t c, const float* q_rows, float logit_scale) {
+    float* q = &qT[c * Gp * D];
+    std::fill(q, q + Gp * D, 0.0f);
     for (int64_t h = 0; h < G; ++h)
-      for (int64_t d = 0; d < D; ++d) qT[stored_dim(d) * Gp + h] = q_rows[h * D + d] * logit_scale;
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    std::fill(l.begin(), l.end(), 0.0f);
-    std::fill(m.begin(), m.end(), -INFINITY);
+      for (int64_t d = 0; d < D; ++d) q[stored_dim(d) * Gp + h] = q_rows[h * D + d] * logit_scale;
+    std::fill(&acc[c * G * D], &acc[(c + 1) * G * D], 0.0f);
+    std::fill(&l[c * Gp], &l[(c + 1) * Gp], 0.0f);
+    std::fill(&m[c * Gp], &m[(c + 1) * Gp], -INFINITY);
   }
 
-  // reuse: a neighbouring token of the same request may select this tile too.
-  void block(const CacheGeometry& geo, const uint8_t* k_tile, const uint8_t* v_tile, int64_t n,
-             bool reuse) {
-    float *k, *v;
-    if (!reuse) tiles.scratch(&k, &v);
-    if (!reuse || !tiles.find(k_tile, n, &k, &v)) {
-      dequantize_rows(geo, k_tile, n, k);
-      dequantize_rows(geo, v_tile, n, v);
-    }
-    // Only keys j < n are computed, normalized and summed: K/V rows past n are never read.
+  // Keys [0, n) of a (K, V) tile pair, into the shared scratch.
+  void dequantize(const CacheGeometry& geo, const uint8_t* k_tile, const uint8_t* v_tile,
+                  int64_t n) {
+    dequantize_rows(geo, k_tile, n, k.data());
+    dequantize_rows(geo, v_tile, n, v.data());
+  }
+
+  // Folds keys [0, n) of the dequantized tile into slot c's running softmax (n ≤ the n the
+  // tile was dequantized with): rows past n are never read.
+  void block(int64_t c, int64_t n) {
+    const float* q = &qT[c * Gp * D];
+    float* a = &acc[c * G * D];
     for (int64_t h8 = 0; h8 < Gp; h8 += 16) {
-      if (h8 + 16 <= Gp) qk_tile<2>(qT.data() + h8, k, sT.data() + h8, D, n, Gp);
-      else qk_tile<1>(qT.data() + h8, k, sT.data() + h8, D, n, Gp);
+      if (h8 + 16 <= Gp) qk_tile<2>(q + h8, k.data(), sT.data() + h8, D, n, Gp);
+      else qk_tile<1>(q + h8, k.data(), sT.data() + h8, D, n, Gp);
     }
-    for (int64_t h8 = 0; h8 < Gp; h8 += 8) softmax_lanes(&sT[h8], Gp, n, &m[h8], &l[h8], &alpha[h8]);
+    for (int64_t h8 = 0; h8 < Gp; h8 += 8)
+      softmax_lanes(&sT[h8], Gp, n, &m[c * Gp + h8], &l[c * Gp + h8], &alpha[h8]);
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       int64_t h = 0;
-      for (; h + 6 <= G; h += 6) pv_block<6>(sT.data(), alpha.data(), v, acc.data(), D, Gp, n, h, d0);
-      for (; h + 4 <= G; h += 4) pv_block<4>(sT.data(), alpha.data(), v, acc.data(), D, Gp, n, h, d0);
-      for (; h < G; ++h) pv_block<1>(sT.data(), alpha.data(), v, acc.data(), D, Gp, n, h, d0);
+      for (; h + 6 <= G; h += 6) pv_block<6>(sT.data(), alpha.data(), v.data(), a, D, Gp, n, h, d0);
+      for (; h + 4 <= G; h += 4) pv_block<4>(sT.data(), alpha.data(), v.data(), a, D, Gp, n, h, d0);
+      for (; h < G; ++h) pv_block<1>(sT.data(), alpha.data(), v.data(), a, D, Gp, n, h, d0);
     }
   }
 
-  // out[h][d] (natural order) = acc / l · v_scale, or zeros if nothing was attended.
-  const float* finish(bool attended, float v_scale) {
+  // Slot c's rows, out[h][d] (natural order) = acc / l · v_scale, or zeros if nothing was
+  // attended.
+  const float* finish(int64_t c, bool attended, float v_scale) {
     for (int64_t h = 0; h < G; ++h) {
-      const float norm = v_scale / l[h];
+      const float norm = v_scale / l[c * Gp + h];
       for (int64_t d = 0; d < D; ++d)
-        out[h * D + d] = attended ? acc[h * D + stored_dim(d)] * norm : 0.0f;
+        out[h * D + d] = attended ? acc[(c * G + h) * D + stored_dim(d)] * norm : 0.0f;
     }
     return out.data();
   }
