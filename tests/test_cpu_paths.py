@@ -30,7 +30,7 @@ def test_paths_listed():
 @pytest.mark.parametrize("Hkv,G,dql,seq_lens,D", [
     (1, 16, 1, [1, 128, 129, 4097], 128), (2, 8, 3, [300, 1500, 2049], 128),
     (4, 4, 1, [700, 5000], 128), (1, 6, 2, [257, 1000], 128), (2, 4, 2, [300, 700], 64),
-    (1, 16, 1, [300, 900], 256)])
+    (1, 16, 1, [300, 900], 256), (1, 24, 1, [129, 1100], 128), (2, 1, 1, [200, 900], 128)])
 def test_decode(rng, path, Hkv, G, dql, seq_lens, D):
     p = decode_problem(rng, Hkv, G, seq_lens, dql, D=D, extra_pages=1)
     assert_close(run_decode(p, "native"), expected(p))
@@ -50,9 +50,9 @@ def test_prefill(rng, path):
 
 
 def test_prefill_tokens_sharing_blocks(rng, path):
-    """Consecutive tokens that select the same blocks (the tile cache's case), including the
-    local block, whose attended length n grows by one per token, and a page shared between
-    two requests."""
+    """Consecutive tokens that select the same blocks (served together, each tile dequantized
+    once), including the local block, whose attended length n grows by one per token, and a
+    page shared between two requests."""
     p = prefill_problem(rng, 1, 16, (200, 150), (700, 400))
     for t in range(len(p.req)):
         nb = p.pos[t] // 128 + 1
@@ -64,7 +64,7 @@ def test_prefill_tokens_sharing_blocks(rng, path):
 
 
 def test_cache_changes_between_calls(rng, path):
-    """Tiles cached by one call are never served to the next (the bytes may have changed)."""
+    """Tiles dequantized by one call are never served to the next (the bytes may have changed)."""
     p = decode_problem(rng, 1, 16, [300, 700], 1)
     assert_close(run_decode(p, "native"), expected(p))
     page = p.block_table[0, 0]

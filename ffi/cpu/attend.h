@@ -1,8 +1,8 @@
 // The CPU sparse-attention core shared by the decode and prefill handlers (SPEC §5).
 //
 // Work item = (KV head g, token t); items are numbered g-major, so a task holds a run of
-// consecutive tokens of one KV head and its tile cache (attend_common.h) can reuse the
-// dequantized tiles those tokens share. The G = Hq/Hkv query heads of g share every
+// consecutive tokens of one KV head, served kChunk at a time: each distinct page they select
+// is dequantized once for all of them. The G = Hq/Hkv query heads of g share every
 // dequantized K/V tile. For each selected block the SPEC §5.2 validity rules are checked
 // before the page is touched; only the attended tokens of a valid page (p < vis) are read
 // into the softmax and the PV product, so garbage in page tails never reaches the output.
@@ -10,8 +10,9 @@
 // v_scale into the epilogue. A row with nothing attended gets exact zeros.
 //
 // The tile math runs on one of several paths chosen per call (isa.h): `generic` here,
-// `avx2` in attend_avx2.h. Each path is a Kernel with begin (q rows) / block (one selected
-// tile) / finish (the normalized rows).
+// `avx2` in attend_avx2.h. Each path is a Kernel of kChunk token slots with begin (a slot's q
+// rows) / dequantize (one selected tile pair, shared) / block (fold it into one slot) / finish
+// (a slot's normalized rows).
 #pragma once
 
 #include <memory>
@@ -28,50 +29,89 @@
 namespace m3sparse {
 
 constexpr int64_t kItemsPerTask = 1;  // one item is 16 blocks of work: worth a task of its own
+constexpr int64_t kChunk = 8;         // tokens whose selections are served together
 
-// The kernel of this worker thread, kept across calls (its tile cache is megabytes).
+// The kernel of this worker thread, kept across calls (its buffers are hundreds of KB).
 template <typename Kernel>
 Kernel& worker_kernel(int64_t G, int64_t D, int64_t N) {
   thread_local std::unique_ptr<Kernel> k;
-  if (!k || k->G != G || k->D != D || k->N != N) k = std::make_unique<Kernel>(G, D, N);
+  if (!k || k->G != G || k->D != D || k->N != N) k = std::make_unique<Kernel>(G, D, N, kChunk);
   return *k;
 }
 
-template <typename Kernel>
-void attend_item(const AttendArgs& a, Kernel& w, std::vector<float>& q, int64_t t, int64_t g) {
+// One selected block of a token: its page (−1: invalid slot, SPEC §5.2) and attended keys.
+struct Pick {
+  int64_t page, n;
+};
+
+// The picks of token t of KV head g, in slot order; false if the token attends nothing
+// (no request, position < 0, or a layer outside the cache).
+inline bool token_picks(const AttendArgs& a, int64_t t, int64_t g, Pick* picks) {
   const int64_t N = a.geo.block_size;
-  const int64_t G = a.num_heads / a.num_kv_heads;
-  const int64_t row = (t * a.num_heads + g * G) * a.geo.head_dim;  // first of g's query heads
   const int64_t r = (*a.req)[t];
   const int64_t vis = int64_t((*a.pos)[t]) + 1;
-  bool attended = false;  // a NaN in attended bytes must stay visible, so track this apart from l
-  const bool reuse = (t > 0 && (*a.req)[t - 1] == r) ||
-                     (t + 1 < a.num_tokens && (*a.req)[t + 1] == r);  // tiles worth caching
-  if (r >= 0 && r < a.num_requests && vis > 0 && a.geo.valid_layer(a.layer)) {
-    load_floats(a.dtype, a.q, row, q.size(), q.data());
-    w.begin(q.data(), a.logit_scale);
-    const int32_t* ids = a.topk + (g * a.num_tokens + t) * a.topk_blocks;
-    for (int64_t k = 0; k < a.topk_blocks; ++k) {
-      const int64_t page = selected_page(a, r, ids[k], vis);
-      if (page < 0) continue;
-      w.block(a.geo, a.cache + a.geo.tile_offset(a.layer, page, 2 * g),
-              a.cache + a.geo.tile_offset(a.layer, page, 2 * g + 1),
-              std::min(N, vis - int64_t(ids[k]) * N), reuse);
-      attended = true;
-    }
+  if (r < 0 || r >= a.num_requests || vis <= 0 || !a.geo.valid_layer(a.layer)) return false;
+  const int32_t* ids = a.topk + (g * a.num_tokens + t) * a.topk_blocks;
+  for (int64_t k = 0; k < a.topk_blocks; ++k) {
+    const int64_t page = selected_page(a, r, ids[k], vis);
+    picks[k] = {page, page < 0 ? 0 : std::min(N, vis - int64_t(ids[k]) * N)};
   }
-  store_floats(a.dtype, w.finish(attended, a.v_scale), q.size(), a.out, row);
+  return true;
 }
 
-// Runs items [begin, end) (g-major: item = g·T + t) on one worker.
+// Tokens [t0, t0 + count) of KV head g, served together: each distinct selected page is
+// dequantized once (with the largest n any of them attends) and folded into every token that
+// selected it, slot by slot (a block selected twice counts twice, as in SPEC §5). Consecutive
+// tokens of a prefill chunk mostly select the same blocks, so this divides the dequantization
+// work by up to kChunk; tokens with nothing in common cost what they would alone.
+template <typename Kernel>
+void attend_chunk(const AttendArgs& a, Kernel& w, std::vector<float>& q, std::vector<Pick>& picks,
+                  int64_t t0, int64_t count, int64_t g) {
+  const int64_t G = a.num_heads / a.num_kv_heads, K = a.topk_blocks;
+  bool live[kChunk], attended[kChunk] = {};
+  for (int64_t c = 0; c < count; ++c) {
+    live[c] = token_picks(a, t0 + c, g, &picks[c * K]);
+    if (!live[c]) std::fill(&picks[c * K], &picks[(c + 1) * K], Pick{-1, 0});
+    load_floats(a.dtype, a.q, ((t0 + c) * a.num_heads + g * G) * a.geo.head_dim, q.size(), q.data());
+    w.begin(c, q.data(), a.logit_scale);
+  }
+  // Distinct pages in order of first appearance; a served pick is marked with page −1.
+  for (int64_t i = 0; i < count * K; ++i) {
+    const int64_t page = picks[i].page;
+    if (page < 0) continue;
+    int64_t n = 0;
+    for (int64_t j = i; j < count * K; ++j)
+      if (picks[j].page == page) n = std::max(n, picks[j].n);
+    for (int64_t j = i + 1; j < count * K; ++j)  // the next distinct page, on its way from DRAM
+      if (picks[j].page >= 0 && picks[j].page != page) { prefetch_tiles(a, picks[j].page, g); break; }
+    w.dequantize(a.geo, a.cache + a.geo.tile_offset(a.layer, page, 2 * g),
+                 a.cache + a.geo.tile_offset(a.layer, page, 2 * g + 1), n);
+    for (int64_t j = i; j < count * K; ++j) {
+      if (picks[j].page != page) continue;
+      w.block(j / K, picks[j].n);
+      attended[j / K] = true;
+      picks[j].page = -1;
+    }
+  }
+  for (int64_t c = 0; c < count; ++c)
+    store_floats(a.dtype, w.finish(c, attended[c], a.v_scale), q.size(), a.out,
+                 ((t0 + c) * a.num_heads + g * G) * a.geo.head_dim);
+}
+
+// Runs items [begin, end) (g-major: item = g·T + t) on one worker, kChunk tokens of one KV
+// head at a time.
 template <typename Kernel>
 void attend_items(const AttendArgs& a, int64_t begin, int64_t end) {
-  const int64_t G = a.num_heads / a.num_kv_heads;
+  const int64_t G = a.num_heads / a.num_kv_heads, T = a.num_tokens;
   Kernel& w = worker_kernel<Kernel>(G, a.geo.head_dim, a.geo.block_size);
-  w.reset();  // the cache bytes may have changed since the last call
   std::vector<float> q(G * a.geo.head_dim);
-  for (int64_t item = begin; item < end; ++item)
-    attend_item(a, w, q, item % a.num_tokens, item / a.num_tokens);
+  std::vector<Pick> picks(kChunk * a.topk_blocks);
+  for (int64_t item = begin; item < end;) {
+    const int64_t g = item / T, t = item % T;
+    const int64_t count = std::min({kChunk, end - item, T - t});
+    attend_chunk(a, w, q, picks, t, count, g);
+    item += count;
+  }
 }
 
 // Validates the operands shared by decode and prefill and fills everything but req/pos.

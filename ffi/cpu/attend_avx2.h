@@ -3,15 +3,17 @@
 //
 // 1. Dequantization (SPEC §2.1): 8 data bytes of a 16-element group → 16 floats. The group's
 //    E4M3 scale multiplies the 8 E2M1 magnitudes once (exact: ≤ 6 significant bits); each
-//    nibble picks its magnitude with one vpermps and its sign by an xor of bit 3 into bit 31.
+//    nibble picks its magnitude with one vpermps and gets its sign by one xor (bit 3 → 31).
 //    Low nibbles (even dims) and high nibbles (odd dims) land in separate vectors, so a tile
 //    row holds the dims of each group as [0,2,…,14,1,3,…,15]. q is loaded in the same order
 //    and the output is put back in natural order at the end: dot products do not care.
-// 2. K and V are both dequantized token-major ([N][D]); QK reduces 2 heads × 4 keys per
-//    register block with a horizontal-add tree; PV broadcasts p to 6 heads and streams V rows.
-// 3. Online softmax in base 2, 8 lanes at a time; lanes past the n attended keys are masked
-//    to −inf before the max and to 0 in the sum, and PV reads only keys j < n, so bytes past
-//    n (page tails, possibly NaN) never reach the output.
+// 2. K and V are both dequantized token-major ([N][D]). Heads live in vector lanes: q is kept
+//    transposed, so QK broadcasts one K element against 8 heads (12 accumulators: 6 keys × 16
+//    heads), and the scores come out key-major. PV broadcasts p to 6 heads and streams V rows,
+//    rescaling the accumulators by the softmax factor as it loads them.
+// 3. Online softmax in base 2, 8 heads per vector, never a reduction across lanes; only keys
+//    j < n are scored, normalized and summed, and PV reads only those, so bytes past n (page
+//    tails, possibly NaN) never reach the output.
 #pragma once
 
 #include <immintrin.h>
@@ -70,7 +72,10 @@ inline float hsum(__m256 v) {
 inline void dequantize_rows(const CacheGeometry& geo, const uint8_t* tile, int64_t n, float* dst) {
   const float* scale_of = nvfp4_tables().scale.data();
   const __m256 magnitudes = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
-  const __m256i sign = _mm256_set1_epi32(int(0x80000000u));
+  // Entry i of the scaled table is stored with i << 28 xor-ed in: xor-ing the looked-up entry
+  // with (nibble << 28) then cancels those bits and leaves the nibble's sign bit at bit 31,
+  // one masking op less per 8 elements (exact for any scale, NaN included).
+  const __m256 prexor = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), 28));
   const int64_t D = geo.head_dim, row = geo.data_bytes(), srow = geo.scale_bytes();
   const uint8_t* data = tile + geo.token_data_offset(0);
   const uint8_t* scales = tile + geo.token_scale_offset(0);
@@ -79,216 +84,175 @@ inline void dequantize_rows(const CacheGeometry& geo, const uint8_t* tile, int64
       const __m256i lo = _mm256_cvtepu8_epi32(
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(data + j * row + gi * 8)));
       const __m256i hi = _mm256_srli_epi32(lo, 4);
-      const __m256 t = _mm256_mul_ps(magnitudes, _mm256_set1_ps(scale_of[scales[j * srow + gi]]));
+      const __m256 t = _mm256_xor_ps(
+          _mm256_mul_ps(magnitudes, _mm256_set1_ps(scale_of[scales[j * srow + gi]])), prexor);
       const __m256 vlo = _mm256_xor_ps(_mm256_permutevar8x32_ps(t, lo),
-                                       _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(lo, 28), sign)));
+                                       _mm256_castsi256_ps(_mm256_slli_epi32(lo, 28)));
       const __m256 vhi = _mm256_xor_ps(_mm256_permutevar8x32_ps(t, hi),
-                                       _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(hi, 28), sign)));
+                                       _mm256_castsi256_ps(_mm256_slli_epi32(hi, 28)));
       _mm256_storeu_ps(dst + j * D + gi * 16, vlo);
       _mm256_storeu_ps(dst + j * D + gi * 16 + 8, vhi);
     }
   }
 }
 
-// [Σa0, Σa1, …, Σa7] of eight vectors.
-inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
-                      __m256 a6, __m256 a7) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
+// Heads live in vector lanes from here on: q is stored transposed, qT[d][Gp] (Gp = G rounded
+// up to 8, the padding heads zero), and the scores key-major, sT[j][Gp]. QK then broadcasts one
+// K element against 8 heads at a time (no horizontal reductions), and the online softmax is
+// vertical: one max, exp2 and sum per 8 heads, never a reduction across lanes.
 
-// s[h][j] = q_h · k_j for heads [h0, h0+H) (H = 1 or 2), keys [j0, j0+4), rows of length D.
-// Accumulators by name (an indexed __m256 array would live on the stack). The four K vectors
-// are pinned in registers (the empty asm): folded into the FMAs as memory operands they
-// would be loaded once per head, and the loads, not the FMAs, would set the pace.
-template <int H>
-inline void qk_block(const float* q, const float* k, float* s, int64_t D, int64_t N, int64_t h0,
-                     int64_t j0) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-  const float* q0 = q + h0 * D;
-  const float* q1 = q0 + (H == 2 ? D : 0);
+// sT[j0 + i][hv·8 ..] = Σ_d K[j0 + i][d] · qT[d][hv·8 ..] for i < J keys, hv < HV head
+// vectors (J·HV ≤ 12 accumulators; with the q vectors and one broadcast that fills the 16 ymm
+// registers). Accumulators by name through a fixed-size array the compiler keeps in registers
+// once the loops over J and HV are unrolled.
+template <int HV, int J>
+inline void qk_block(const float* qT, const float* k, float* sT, int64_t D, int64_t Gp, int64_t j0) {
+  __m256 acc[J][HV];
+#pragma GCC unroll 12
+  for (int i = 0; i < J; ++i)
+#pragma GCC unroll 2
+    for (int hv = 0; hv < HV; ++hv) acc[i][hv] = _mm256_setzero_ps();
   const float* k0 = k + j0 * D;
-  for (int64_t d = 0; d < D; d += 8) {
-    __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k0 + D + d);
-    __m256 x2 = _mm256_loadu_ps(k0 + 2 * D + d), x3 = _mm256_loadu_ps(k0 + 3 * D + d);
-    __asm__("" : "+x"(x0), "+x"(x1), "+x"(x2), "+x"(x3));
-    const __m256 qa = _mm256_loadu_ps(q0 + d);
-    a0 = _mm256_fmadd_ps(qa, x0, a0);
-    a1 = _mm256_fmadd_ps(qa, x1, a1);
-    a2 = _mm256_fmadd_ps(qa, x2, a2);
-    a3 = _mm256_fmadd_ps(qa, x3, a3);
-    if (H == 2) {
-      const __m256 qb = _mm256_loadu_ps(q1 + d);
-      b0 = _mm256_fmadd_ps(qb, x0, b0);
-      b1 = _mm256_fmadd_ps(qb, x1, b1);
-      b2 = _mm256_fmadd_ps(qb, x2, b2);
-      b3 = _mm256_fmadd_ps(qb, x3, b3);
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 qv[HV];
+#pragma GCC unroll 2
+    for (int hv = 0; hv < HV; ++hv) qv[hv] = _mm256_loadu_ps(qT + d * Gp + 8 * hv);
+#pragma GCC unroll 12
+    for (int i = 0; i < J; ++i) {
+      const __m256 kb = _mm256_broadcast_ss(k0 + i * D + d);
+#pragma GCC unroll 2
+      for (int hv = 0; hv < HV; ++hv) acc[i][hv] = _mm256_fmadd_ps(kb, qv[hv], acc[i][hv]);
     }
   }
-  alignas(32) float r[8];
-  _mm256_store_ps(r, reduce8(a0, a1, a2, a3, b0, b1, b2, b3));
-  std::memcpy(s + h0 * N + j0, r, 4 * sizeof(float));
-  if (H == 2) std::memcpy(s + (h0 + 1) * N + j0, r + 4, 4 * sizeof(float));
+#pragma GCC unroll 12
+  for (int i = 0; i < J; ++i)
+#pragma GCC unroll 2
+    for (int hv = 0; hv < HV; ++hv) _mm256_storeu_ps(sT + (j0 + i) * Gp + 8 * hv, acc[i][hv]);
 }
 
-// acc[h][d0..d0+16) += Σ_{j<n} p[h][j] · v[j][d0..d0+16) for heads [h0, h0+4), the eight
-// accumulators written out by name: GCC keeps an indexed __m256 array on the stack here.
-inline void pv_block4(const float* p, const float* v, float* acc, int64_t D, int64_t N, int64_t n,
-                      int64_t h0, int64_t d0) {
-  float* a0 = acc + h0 * D + d0;
-  const float* p0 = p + h0 * N;
-  __m256 l0 = _mm256_loadu_ps(a0), u0 = _mm256_loadu_ps(a0 + 8);
-  __m256 l1 = _mm256_loadu_ps(a0 + D), u1 = _mm256_loadu_ps(a0 + D + 8);
-  __m256 l2 = _mm256_loadu_ps(a0 + 2 * D), u2 = _mm256_loadu_ps(a0 + 2 * D + 8);
-  __m256 l3 = _mm256_loadu_ps(a0 + 3 * D), u3 = _mm256_loadu_ps(a0 + 3 * D + 8);
+// Scores of keys [0, n) for all heads: 12-accumulator blocks, then the tail key by key.
+template <int HV>
+inline void qk_tile(const float* qT, const float* k, float* sT, int64_t D, int64_t n, int64_t Gp) {
+  constexpr int J = 12 / HV;
+  int64_t j0 = 0;
+  for (; j0 + J <= n; j0 += J) qk_block<HV, J>(qT, k, sT, D, Gp, j0);
+  for (; j0 + 2 <= n; j0 += 2) qk_block<HV, 2>(qT, k, sT, D, Gp, j0);
+  for (; j0 < n; ++j0) qk_block<HV, 1>(qT, k, sT, D, Gp, j0);
+}
+
+// acc[h][d0..d0+16) = alpha[h] · acc[h][d0..d0+16) + Σ_{j<n} p[j][h] · v[j][d0..d0+16) for
+// heads [h0, h0+H) (p key-major with row stride Gp). H·2 accumulator chains, by name through
+// an array the unrolled loops keep in registers; 2 V loads and H broadcasts per H·2 FMAs.
+template <int H>
+inline void pv_block(const float* p, const float* alpha, const float* v, float* acc, int64_t D,
+                     int64_t Gp, int64_t n, int64_t h0, int64_t d0) {
+  __m256 lo[H], hi[H];
+#pragma GCC unroll 6
+  for (int i = 0; i < H; ++i) {
+    const __m256 a = _mm256_broadcast_ss(alpha + h0 + i);
+    lo[i] = _mm256_mul_ps(a, _mm256_loadu_ps(acc + (h0 + i) * D + d0));
+    hi[i] = _mm256_mul_ps(a, _mm256_loadu_ps(acc + (h0 + i) * D + d0 + 8));
+  }
   for (int64_t j = 0; j < n; ++j) {
     const __m256 vl = _mm256_loadu_ps(v + j * D + d0), vh = _mm256_loadu_ps(v + j * D + d0 + 8);
-    __m256 pj = _mm256_broadcast_ss(p0 + j);
-    l0 = _mm256_fmadd_ps(pj, vl, l0);
-    u0 = _mm256_fmadd_ps(pj, vh, u0);
-    pj = _mm256_broadcast_ss(p0 + N + j);
-    l1 = _mm256_fmadd_ps(pj, vl, l1);
-    u1 = _mm256_fmadd_ps(pj, vh, u1);
-    pj = _mm256_broadcast_ss(p0 + 2 * N + j);
-    l2 = _mm256_fmadd_ps(pj, vl, l2);
-    u2 = _mm256_fmadd_ps(pj, vh, u2);
-    pj = _mm256_broadcast_ss(p0 + 3 * N + j);
-    l3 = _mm256_fmadd_ps(pj, vl, l3);
-    u3 = _mm256_fmadd_ps(pj, vh, u3);
+#pragma GCC unroll 6
+    for (int i = 0; i < H; ++i) {
+      const __m256 pj = _mm256_broadcast_ss(p + j * Gp + h0 + i);
+      lo[i] = _mm256_fmadd_ps(pj, vl, lo[i]);
+      hi[i] = _mm256_fmadd_ps(pj, vh, hi[i]);
+    }
   }
-  _mm256_storeu_ps(a0, l0), _mm256_storeu_ps(a0 + 8, u0);
-  _mm256_storeu_ps(a0 + D, l1), _mm256_storeu_ps(a0 + D + 8, u1);
-  _mm256_storeu_ps(a0 + 2 * D, l2), _mm256_storeu_ps(a0 + 2 * D + 8, u2);
-  _mm256_storeu_ps(a0 + 3 * D, l3), _mm256_storeu_ps(a0 + 3 * D + 8, u3);
+#pragma GCC unroll 6
+  for (int i = 0; i < H; ++i) {
+    _mm256_storeu_ps(acc + (h0 + i) * D + d0, lo[i]);
+    _mm256_storeu_ps(acc + (h0 + i) * D + d0 + 8, hi[i]);
+  }
 }
 
-// The same for heads [h0, h0+6): twelve accumulator chains, more than the FMA pipes' latency
-// needs, and 8 loads per 12 FMAs.
-inline void pv_block6(const float* p, const float* v, float* acc, int64_t D, int64_t N, int64_t n,
-                      int64_t h0, int64_t d0) {
-  float* a0 = acc + h0 * D + d0;
-  const float* p0 = p + h0 * N;
-  __m256 l0 = _mm256_loadu_ps(a0), u0 = _mm256_loadu_ps(a0 + 8);
-  __m256 l1 = _mm256_loadu_ps(a0 + D), u1 = _mm256_loadu_ps(a0 + D + 8);
-  __m256 l2 = _mm256_loadu_ps(a0 + 2 * D), u2 = _mm256_loadu_ps(a0 + 2 * D + 8);
-  __m256 l3 = _mm256_loadu_ps(a0 + 3 * D), u3 = _mm256_loadu_ps(a0 + 3 * D + 8);
-  __m256 l4 = _mm256_loadu_ps(a0 + 4 * D), u4 = _mm256_loadu_ps(a0 + 4 * D + 8);
-  __m256 l5 = _mm256_loadu_ps(a0 + 5 * D), u5 = _mm256_loadu_ps(a0 + 5 * D + 8);
-  for (int64_t j = 0; j < n; ++j) {
-    const __m256 vl = _mm256_loadu_ps(v + j * D + d0), vh = _mm256_loadu_ps(v + j * D + d0 + 8);
-    __m256 pj = _mm256_broadcast_ss(p0 + j);
-    l0 = _mm256_fmadd_ps(pj, vl, l0), u0 = _mm256_fmadd_ps(pj, vh, u0);
-    pj = _mm256_broadcast_ss(p0 + N + j);
-    l1 = _mm256_fmadd_ps(pj, vl, l1), u1 = _mm256_fmadd_ps(pj, vh, u1);
-    pj = _mm256_broadcast_ss(p0 + 2 * N + j);
-    l2 = _mm256_fmadd_ps(pj, vl, l2), u2 = _mm256_fmadd_ps(pj, vh, u2);
-    pj = _mm256_broadcast_ss(p0 + 3 * N + j);
-    l3 = _mm256_fmadd_ps(pj, vl, l3), u3 = _mm256_fmadd_ps(pj, vh, u3);
-    pj = _mm256_broadcast_ss(p0 + 4 * N + j);
-    l4 = _mm256_fmadd_ps(pj, vl, l4), u4 = _mm256_fmadd_ps(pj, vh, u4);
-    pj = _mm256_broadcast_ss(p0 + 5 * N + j);
-    l5 = _mm256_fmadd_ps(pj, vl, l5), u5 = _mm256_fmadd_ps(pj, vh, u5);
+// Online softmax of keys [0, n) for 8 heads (lanes): sT rows → p in place (stride Gp), the
+// running max m and sum l updated, alpha = the factor the heads' accumulators must take.
+// vmaxps(s, mx) returns mx when s is NaN; a NaN score still reaches p (and the output)
+// through exp2, so NaN in attended bytes stays visible.
+inline void softmax_lanes(float* sT, int64_t Gp, int64_t n, float* m, float* l, float* alpha) {
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; ++j) mx = _mm256_max_ps(_mm256_loadu_ps(sT + j * Gp), mx);
+  const __m256 m_old = _mm256_loadu_ps(m);
+  const __m256 m_new = _mm256_max_ps(mx, m_old);
+  const __m256 a = exp2_ps(_mm256_sub_ps(m_old, m_new));
+  __m256 sum0 = _mm256_setzero_ps(), sum1 = sum0;
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    const __m256 p0 = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(sT + j * Gp), m_new));
+    const __m256 p1 = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(sT + (j + 1) * Gp), m_new));
+    _mm256_storeu_ps(sT + j * Gp, p0);
+    _mm256_storeu_ps(sT + (j + 1) * Gp, p1);
+    sum0 = _mm256_add_ps(sum0, p0);
+    sum1 = _mm256_add_ps(sum1, p1);
   }
-  _mm256_storeu_ps(a0, l0), _mm256_storeu_ps(a0 + 8, u0);
-  _mm256_storeu_ps(a0 + D, l1), _mm256_storeu_ps(a0 + D + 8, u1);
-  _mm256_storeu_ps(a0 + 2 * D, l2), _mm256_storeu_ps(a0 + 2 * D + 8, u2);
-  _mm256_storeu_ps(a0 + 3 * D, l3), _mm256_storeu_ps(a0 + 3 * D + 8, u3);
-  _mm256_storeu_ps(a0 + 4 * D, l4), _mm256_storeu_ps(a0 + 4 * D + 8, u4);
-  _mm256_storeu_ps(a0 + 5 * D, l5), _mm256_storeu_ps(a0 + 5 * D + 8, u5);
+  if (j < n) {
+    const __m256 p0 = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(sT + j * Gp), m_new));
+    _mm256_storeu_ps(sT + j * Gp, p0);
+    sum0 = _mm256_add_ps(sum0, p0);
+  }
+  _mm256_storeu_ps(m, m_new);
+  _mm256_storeu_ps(l, _mm256_fmadd_ps(_mm256_loadu_ps(l), a, _mm256_add_ps(sum0, sum1)));
+  _mm256_storeu_ps(alpha, a);
 }
 
-// The same for one head.
-inline void pv_block1(const float* p, const float* v, float* acc, int64_t D, int64_t N, int64_t n,
-                      int64_t h, int64_t d0) {
-  float* a = acc + h * D + d0;
-  __m256 lo = _mm256_loadu_ps(a), hi = _mm256_loadu_ps(a + 8);
-  for (int64_t j = 0; j < n; ++j) {
-    const __m256 pj = _mm256_broadcast_ss(p + h * N + j);
-    lo = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * D + d0), lo);
-    hi = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * D + d0 + 8), hi);
-  }
-  _mm256_storeu_ps(a, lo), _mm256_storeu_ps(a + 8, hi);
-}
-
-// Online softmax of one head's scores s[0, n) against running (m, l); leaves p in s and
-// returns the factor the head's accumulator must be scaled by.
-inline float softmax_row(float* s, int64_t n, float* m, float* l) {
-  const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  __m256 vmax = neg_inf;
-  for (int64_t j = 0; j < n; j += 8) {
-    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(n - j)), lane));
-    vmax = _mm256_max_ps(_mm256_blendv_ps(neg_inf, _mm256_loadu_ps(s + j), live), vmax);
-  }
-  const float m_new = std::max(*m, hmax(vmax));
-  const float alpha = fast_exp2(*m - m_new);
-  const __m256 mv = _mm256_set1_ps(m_new);
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; j += 8) {
-    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(n - j)), lane));
-    const __m256 p = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-    _mm256_storeu_ps(s + j, p);
-    sum = _mm256_add_ps(sum, _mm256_and_ps(p, live));
-  }
-  *m = m_new;
-  *l = *l * alpha + hsum(sum);
-  return alpha;
-}
-
-// One worker's state: q, scores, accumulators, and an LRU cache of dequantized tiles.
+// One worker's state: C token slots (q transposed, accumulators, running max and sum), and
+// the scratch they share: the dequantized K/V tile and the scores. Per-head arrays have Gp
+// lanes; the padding heads are computed and never stored.
 struct Kernel {
-  int64_t G, D, N;
-  std::vector<float> q, s, acc, m, l, out;
-  TileCache<float> tiles;
+  int64_t G, D, N, C, Gp;
+  Floats qT, acc, m, l, alpha, k, v, sT, out;
 
-  Kernel(int64_t G_, int64_t D_, int64_t N_)
-      : G(G_), D(D_), N(N_), q(G_ * D_), s(G_ * N_), acc(G_ * D_), m(G_), l(G_), out(G_ * D_),
-        tiles(N_ * D_) {}
+  Kernel(int64_t G_, int64_t D_, int64_t N_, int64_t C_)
+      : G(G_), D(D_), N(N_), C(C_), Gp((G_ + 7) / 8 * 8), qT(C_ * Gp * D_), acc(C_ * G_ * D_),
+        m(C_ * Gp), l(C_ * Gp), alpha(Gp), k(N_ * D_), v(N_ * D_), sT(N_ * Gp), out(G_ * D_) {}
 
-  void reset() { tiles.clear(); }
-
-  void begin(const float* q_rows, float logit_scale) {
+  void begin(int64_t c, const float* q_rows, float logit_scale) {
+    float* q = &qT[c * Gp * D];
+    std::fill(q, q + Gp * D, 0.0f);
     for (int64_t h = 0; h < G; ++h)
-      for (int64_t d = 0; d < D; ++d) q[h * D + stored_dim(d)] = q_rows[h * D + d] * logit_scale;
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    std::fill(l.begin(), l.end(), 0.0f);
-    std::fill(m.begin(), m.end(), -INFINITY);
+      for (int64_t d = 0; d < D; ++d) q[stored_dim(d) * Gp + h] = q_rows[h * D + d] * logit_scale;
+    std::fill(&acc[c * G * D], &acc[(c + 1) * G * D], 0.0f);
+    std::fill(&l[c * Gp], &l[(c + 1) * Gp], 0.0f);
+    std::fill(&m[c * Gp], &m[(c + 1) * Gp], -INFINITY);
   }
 
-  // reuse: a neighbouring token of the same request may select this tile too.
-  void block(const CacheGeometry& geo, const uint8_t* k_tile, const uint8_t* v_tile, int64_t n,
-             bool reuse) {
-    float *k, *v;
-    if (!reuse) tiles.scratch(&k, &v);
-    if (!reuse || !tiles.find(k_tile, n, &k, &v)) {
-      dequantize_rows(geo, k_tile, n, k);
-      dequantize_rows(geo, v_tile, n, v);
+  // Keys [0, n) of a (K, V) tile pair, into the shared scratch.
+  void dequantize(const CacheGeometry& geo, const uint8_t* k_tile, const uint8_t* v_tile,
+                  int64_t n) {
+    dequantize_rows(geo, k_tile, n, k.data());
+    dequantize_rows(geo, v_tile, n, v.data());
+  }
+
+  // Folds keys [0, n) of the dequantized tile into slot c's running softmax (n ≤ the n the
+  // tile was dequantized with): rows past n are never read.
+  void block(int64_t c, int64_t n) {
+    const float* q = &qT[c * Gp * D];
+    float* a = &acc[c * G * D];
+    for (int64_t h8 = 0; h8 < Gp; h8 += 16) {
+      if (h8 + 16 <= Gp) qk_tile<2>(q + h8, k.data(), sT.data() + h8, D, n, Gp);
+      else qk_tile<1>(q + h8, k.data(), sT.data() + h8, D, n, Gp);
     }
-    for (int64_t j0 = 0; j0 < n; j0 += 4) {  // rows past n: stale or zero, their scores unread
-      int64_t h = 0;
-      for (; h + 2 <= G; h += 2) qk_block<2>(q.data(), k, s.data(), D, N, h, j0);
-      if (h < G) qk_block<1>(q.data(), k, s.data(), D, N, h, j0);
-    }
-    for (int64_t h = 0; h < G; ++h) {
-      const __m256 alpha = _mm256_set1_ps(softmax_row(&s[h * N], n, &m[h], &l[h]));
-      for (int64_t d = 0; d < D; d += 8)
-        _mm256_storeu_ps(&acc[h * D + d], _mm256_mul_ps(alpha, _mm256_loadu_ps(&acc[h * D + d])));
-    }
+    for (int64_t h8 = 0; h8 < Gp; h8 += 8)
+      softmax_lanes(&sT[h8], Gp, n, &m[c * Gp + h8], &l[c * Gp + h8], &alpha[h8]);
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       int64_t h = 0;
-      for (; h + 6 <= G; h += 6) pv_block6(s.data(), v, acc.data(), D, N, n, h, d0);
-      for (; h + 4 <= G; h += 4) pv_block4(s.data(), v, acc.data(), D, N, n, h, d0);
-      for (; h < G; ++h) pv_block1(s.data(), v, acc.data(), D, N, n, h, d0);
+      for (; h + 6 <= G; h += 6) pv_block<6>(sT.data(), alpha.data(), v.data(), a, D, Gp, n, h, d0);
+      for (; h + 4 <= G; h += 4) pv_block<4>(sT.data(), alpha.data(), v.data(), a, D, Gp, n, h, d0);
+      for (; h < G; ++h) pv_block<1>(sT.data(), alpha.data(), v.data(), a, D, Gp, n, h, d0);
     }
   }
 
-  // out[h][d] (natural order) = acc / l · v_scale, or zeros if nothing was attended.
-  const float* finish(bool attended, float v_scale) {
+  // Slot c's rows, out[h][d] (natural order) = acc / l · v_scale, or zeros if nothing was
+  // attended.
+  const float* finish(int64_t c, bool attended, float v_scale) {
     for (int64_t h = 0; h < G; ++h) {
-      const float norm = v_scale / l[h];
+      const float norm = v_scale / l[c * Gp + h];
       for (int64_t d = 0; d < D; ++d)
-        out[h * D + d] = attended ? acc[h * D + stored_dim(d)] * norm : 0.0f;
+        out[h * D + d] = attended ? acc[(c * G + h) * D + stored_dim(d)] * norm : 0.0f;
     }
     return out.data();
   }

@@ -1,5 +1,5 @@
 // Pieces every CPU attention path shares: the operands of a call, NVFP4 lookup tables,
-// SPEC §5.2 block validity, a scalar exp2, and the cache of dequantized tiles.
+// SPEC §5.2 block validity, a scalar exp2, and tile prefetching.
 #pragma once
 
 #include <algorithm>
@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <vector>
 
 #include "elements.h"
@@ -75,53 +76,28 @@ inline int64_t selected_page(const AttendArgs& a, int64_t r, int64_t b, int64_t 
   return a.geo.valid_page(page) ? page : -1;
 }
 
-// A small LRU cache of dequantized (K, V) tiles, keyed by the K tile's address (one
-// (layer, page, KV head)) and the number of attended keys n: consecutive tokens of a prefill
-// chunk mostly select the same blocks, so each tile is dequantized once per run of tokens.
-// Only tokens [0, n) of an entry are ever read. Cleared per task (the cache bytes change
-// between calls).
+// Cache-line-aligned float buffers for the kernels' tiles and rows: from the default heap a
+// 32-byte vector load would split across two cache lines one time in four.
 template <typename T>
-struct TileCache {
-  static constexpr int kEntries = 20;
-  int64_t tile_elems;
-  std::vector<T> k, v;
-  const uint8_t* key[kEntries];
-  int64_t key_n[kEntries];
-  uint64_t used[kEntries];
-  uint64_t clock = 0;
-
-  explicit TileCache(int64_t elems)
-      : tile_elems(elems), k(kEntries * elems), v(kEntries * elems) { clear(); }
-
-  void clear() {
-    std::fill(key, key + kEntries, nullptr);
-    std::fill(used, used + kEntries, uint64_t{0});
-  }
-
-  // Entry 0 as plain scratch (for a token whose neighbours belong to other requests: caching
-  // its tiles would only spread the writes over megabytes that no later token reads).
-  void scratch(T** k_out, T** v_out) {
-    key[0] = nullptr;
-    *k_out = k.data();
-    *v_out = v.data();
-  }
-
-  // True if (tile, n) is cached; else the least recently used entry now holds that key
-  // and the caller fills it. Either way *k_out / *v_out point at the entry.
-  bool find(const uint8_t* tile, int64_t n, T** k_out, T** v_out) {
-    int victim = 0;
-    bool hit = false;
-    for (int e = 0; e < kEntries; ++e) {
-      if (key[e] == tile && key_n[e] == n) { victim = e; hit = true; break; }
-      if (used[e] < used[victim]) victim = e;
-    }
-    key[victim] = tile;
-    key_n[victim] = n;
-    used[victim] = ++clock;
-    *k_out = k.data() + victim * tile_elems;
-    *v_out = v.data() + victim * tile_elems;
-    return hit;
-  }
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  bool operator==(const CacheLineAllocator&) const { return true; }
+  bool operator!=(const CacheLineAllocator&) const { return false; }
 };
+using Floats = std::vector<float, CacheLineAllocator<float>>;
+
+// Asks for the K and V tiles of KV head g in `page` ahead of use (prefetches never fault; the
+// page was validated by selected_page).
+inline void prefetch_tiles(const AttendArgs& a, int64_t page, int64_t g) {
+  for (int64_t slot = 2 * g; slot < 2 * g + 2; ++slot) {
+    const uint8_t* tile = a.cache + a.geo.tile_offset(a.layer, page, slot);
+    for (int64_t b = 0; b < a.geo.tile_bytes(); b += 64) __builtin_prefetch(tile + b);
+  }
+}
 
 }  // namespace m3sparse

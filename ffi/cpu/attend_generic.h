@@ -97,63 +97,69 @@ inline void over_heads(int64_t G, Tile tile) {
   for (; i < G; ++i) tile(std::integral_constant<int, 1>(), i);
 }
 
-// One worker's state, reused across work items (same interface as the SIMD paths).
+// One worker's state: C token slots (q, accumulators, running max and sum) and the scratch
+// they share (the dequantized tile, scores). Same interface as the SIMD paths.
 struct Kernel {
-  int64_t G, D, N;
-  std::vector<float> q, kt, v, s, acc, m, l, scales;
+  int64_t G, D, N, C;
+  Floats q, acc, m, l, kt, v, s, scales, out;
 
-  Kernel(int64_t G_, int64_t D_, int64_t N_)
-      : G(G_), D(D_), N(N_), q(G_ * D_), kt(D_ * N_), v(N_ * D_), s(G_ * N_), acc(G_ * D_),
-        m(G_), l(G_), scales(N_ * D_ / 16) {}
+  Kernel(int64_t G_, int64_t D_, int64_t N_, int64_t C_)
+      : G(G_), D(D_), N(N_), C(C_), q(C_ * G_ * D_), acc(C_ * G_ * D_), m(C_ * G_), l(C_ * G_),
+        kt(D_ * N_), v(N_ * D_), s(G_ * N_), scales(N_ * D_ / 16), out(G_ * D_) {}
 
-  void reset() {}
-
-  void begin(const float* q_rows, float logit_scale) {
-    for (int64_t i = 0; i < G * D; ++i) q[i] = q_rows[i] * logit_scale;
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    std::fill(l.begin(), l.end(), 0.0f);
-    std::fill(m.begin(), m.end(), -INFINITY);
+  void begin(int64_t c, const float* q_rows, float logit_scale) {
+    for (int64_t i = 0; i < G * D; ++i) q[c * G * D + i] = q_rows[i] * logit_scale;
+    std::fill(&acc[c * G * D], &acc[(c + 1) * G * D], 0.0f);
+    std::fill(&l[c * G], &l[(c + 1) * G], 0.0f);
+    std::fill(&m[c * G], &m[(c + 1) * G], -INFINITY);
   }
 
-  // Folds one selected block (n attended keys) into the running softmax of G heads.
-  // Scores of lanes j >= n (stale tile columns) are computed but never read.
-  void block(const CacheGeometry& geo, const uint8_t* k_tile, const uint8_t* v_tile, int64_t n,
-             bool /*reuse: no tile cache here*/) {
+  void dequantize(const CacheGeometry& geo, const uint8_t* k_tile, const uint8_t* v_tile,
+                  int64_t n) {
     dequantize_tile(geo, k_tile, n, kt.data(), N, /*transposed=*/true, scales.data());
     dequantize_tile(geo, v_tile, n, v.data(), D, /*transposed=*/false, scales.data());
+  }
+
+  // Folds keys [0, n) of the dequantized tile into slot c's running softmax of G heads.
+  // Scores of lanes j >= n (stale tile columns) are computed but never read.
+  void block(int64_t c, int64_t n) {
+    const float* qc = &q[c * G * D];
+    float* ac = &acc[c * G * D];
     for (int64_t j0 = 0; j0 < n; j0 += 8)
       over_heads(G, [&](auto H, int64_t i0) {
-        qk_tile<decltype(H)::value>(q.data(), kt.data(), s.data(), D, N, i0, j0);
+        qk_tile<decltype(H)::value>(qc, kt.data(), s.data(), D, N, i0, j0);
       });
     for (int64_t i = 0; i < G; ++i) {
       float* si = &s[i * N];
+      float& mi = m[c * G + i];
       float block_max = -INFINITY;
       for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, si[j]);
-      const float m_new = std::max(m[i], block_max);
-      const float alpha = fast_exp2(m[i] - m_new);
+      const float m_new = std::max(mi, block_max);
+      const float alpha = fast_exp2(mi - m_new);
       // Separate loops: the exp2 loop vectorizes; the sum (a float reduction) would stop it.
       for (int64_t j = 0; j < n; ++j) si[j] = fast_exp2(si[j] - m_new);
       float sum = 0.0f;
       for (int64_t j = 0; j < n; ++j) sum += si[j];
-      m[i] = m_new;
-      l[i] = l[i] * alpha + sum;
-      float* acc_i = &acc[i * D];
+      mi = m_new;
+      l[c * G + i] = l[c * G + i] * alpha + sum;
+      float* acc_i = &ac[i * D];
       for (int64_t d = 0; d < D; ++d) acc_i[d] *= alpha;
     }
     for (int64_t d0 = 0; d0 < D; d0 += 16)
       over_heads(G, [&](auto H, int64_t i0) {
-        pv_tile<decltype(H)::value>(s.data(), v.data(), acc.data(), D, N, n, i0, d0);
+        pv_tile<decltype(H)::value>(s.data(), v.data(), ac, D, N, n, i0, d0);
       });
   }
 
-  // acc / l · v_scale, or zeros if nothing was attended (a NaN must stay visible, so this
-  // is decided by `attended`, not by l).
-  const float* finish(bool attended, float v_scale) {
+  // Slot c's acc / l · v_scale, or zeros if nothing was attended (a NaN must stay visible,
+  // so this is decided by `attended`, not by l).
+  const float* finish(int64_t c, bool attended, float v_scale) {
     for (int64_t i = 0; i < G; ++i) {
-      const float norm = v_scale / l[i];
-      for (int64_t d = 0; d < D; ++d) acc[i * D + d] = attended ? acc[i * D + d] * norm : 0.0f;
+      const float norm = v_scale / l[c * G + i];
+      for (int64_t d = 0; d < D; ++d)
+        out[i * D + d] = attended ? acc[(c * G + i) * D + d] * norm : 0.0f;
     }
-    return acc.data();
+    return out.data();
   }
 };
 

@@ -92,8 +92,9 @@ __attribute__((target("amx-tile,amx-bf16"))) double amx_bf16(int64_t iters) {
 
 // GFLOP/s of one path's per-block attention math on one thread (bench only): G = 16 heads,
 // D = 128, full 128-key blocks of a 64-page random cache (its tiles stay in L2/L3, so this is
-// the kernel without DRAM), each block dequantized (cached = false) or the same tile every
-// time (cached = true: what the tile cache saves). Flops = 4·G·D per key. −1 for a path
+// the kernel without DRAM), each block dequantized (cached = false) or one tile dequantized
+// once and folded in every time (cached = true: the block math alone, what serving a chunk of
+// tokens that share their blocks approaches). Flops = 4·G·D per key. −1 for a path
 // this machine lacks.
 template <typename Kernel>
 double kernel_rate(bool cached) {
@@ -104,16 +105,19 @@ double kernel_rate(bool cached) {
   for (auto& b : cache) b = uint8_t(rng() & 0x6F);  // finite scale bytes
   std::vector<float> q(G * D);
   for (auto& x : q) x = float(int(rng() % 200) - 100) / 100.0f;
-  Kernel w(G, D, N);
-  w.reset();
-  w.begin(q.data(), 0.1f);
+  Kernel w(G, D, N, 1);
+  w.begin(0, q.data(), 0.1f);
+  w.dequantize(geo, cache.data() + geo.tile_offset(0, 0, 0), cache.data() + geo.tile_offset(0, 0, 1), N);
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < blocks; ++i) {
-    const int64_t page = cached ? 0 : int64_t(rng() % P);
-    w.block(geo, cache.data() + geo.tile_offset(0, page, 0), cache.data() + geo.tile_offset(0, page, 1),
-            N, cached);
+    if (!cached) {
+      const int64_t page = int64_t(rng() % P);
+      w.dequantize(geo, cache.data() + geo.tile_offset(0, page, 0),
+                   cache.data() + geo.tile_offset(0, page, 1), N);
+    }
+    w.block(0, N);
   }
-  const float sink = w.finish(true, 1.0f)[0];
+  const float sink = w.finish(0, true, 1.0f)[0];
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return sink == 12345.0f ? 0.0 : 4.0 * G * D * N * blocks / s / 1e9;
 }

@@ -144,12 +144,11 @@ def bench_peak(device, quick=False):
         from jax_m3sparse import _m3sparse_cpu  # noqa: PLC0415
         print("\nattention block math, one thread (no jit, no DRAM; % of the FMA loop on one "
               "thread, measured just before)")
-        print("path | GFLOP/s | % loop | tile cached: GFLOP/s\n" + "-" * 48)
+        print("path | GFLOP/s | % loop | one tile, dequantized once: GFLOP/s\n" + "-" * 62)
         for path in cpu_paths(device):
             loop = _m3sparse_cpu.peak_gflops("fp32_fma_avx2", 1)
             g = _m3sparse_cpu.kernel_gflops(path, False)
-            # the generic path has no tile cache
-            c = f"{_m3sparse_cpu.kernel_gflops(path, True):7.1f}" if path != "generic" else "    n/a"
+            c = f"{_m3sparse_cpu.kernel_gflops(path, True):7.1f}"
             pct = f"{100 * g / loop:5.0f}%" if loop > 0 else "  n/a"
             print(f"{path} | {g:7.1f} | {pct} | {c}")
         print()
@@ -207,7 +206,7 @@ def bench_prefill(device, quick=False, Hkv=4, G=16):
         nbytes = T * Hkv * K * N * TOKEN_BYTES * 2
         flops = 4 * G * D * K * N * T * Hkv
         # "shared": each run of 64 tokens selects the same K − 1 earlier blocks plus its own
-        # local block, as an indexer's picks mostly are (the CPU tile cache's case); the
+        # local block, as an indexer's picks mostly are (on the CPU, 8 tokens share each dequantized tile); the
         # reference's cost does not depend on the selection.
         shared = np.stack([np.append(rng.choice(pos[t - t % 64] // N, K - 1, replace=False),
                                      pos[t] // N) for _ in range(Hkv) for t in range(T)])
