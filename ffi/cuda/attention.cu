@@ -259,11 +259,52 @@ struct MergeSmem {
   }
 };
 
+// The cluster merge of thread d for the heads h = rank, rank + kS, ...: the remote (DSMEM) loads
+// are issued in batches of 4 (kS/2 round trips per head instead of 3·kS dependent ones).
+template <int kS, typename T>
+__device__ __forceinline__ void merge_cluster(const MergeSmem& ms, cg::cluster_group& cluster,
+                                              uint16_t* out, int G, int rank, int d, float vsc) {
+  constexpr int kC = kS < 4 ? kS : 4;  // loads in flight per batch (register budget)
+  for (int h = rank; h < G; h += kS) {
+    float mw = -INFINITY;
+#pragma unroll
+    for (int q0 = 0; q0 < kS; q0 += kC) {
+      float mq[kC];
+#pragma unroll
+      for (int c = 0; c < kC; ++c) mq[c] = cluster.map_shared_rank(ms.cta_m, q0 + c)[h];
+#pragma unroll
+      for (int c = 0; c < kC; ++c) mw = fmaxf(mw, mq[c]);
+    }
+    const float mu = mw == -INFINITY ? 0.f : mw;
+    float L = 0.f, O = 0.f;
+#pragma unroll
+    for (int q0 = 0; q0 < kS; q0 += kC) {
+      float mq[kC], lq[kC], oq[kC];
+#pragma unroll
+      for (int c = 0; c < kC; ++c) {
+        mq[c] = cluster.map_shared_rank(ms.cta_m, q0 + c)[h];
+        lq[c] = cluster.map_shared_rank(ms.cta_l, q0 + c)[h];
+        oq[c] = cluster.map_shared_rank(ms.cta_o, q0 + c)[h * kHeadDim + d];
+      }
+#pragma unroll
+      for (int c = 0; c < kC; ++c) {
+        const float f = fast_exp2(mq[c] - mu);
+        L += lq[c] * f;
+        O += oq[c] * f;
+      }
+    }
+    const float o = L == 0.f ? 0.f : O / L * vsc;
+    out[h * kHeadDim + d] = Traits<T>::from_float(o);
+  }
+}
+
 // Merge of the 4 partial (m, l, O) of a CTA (written to ms.part / pm / pl before the caller's
 // barrier), then of the S CTAs of the cluster through distributed shared memory (no global
 // workspace: CUDA-graph safe). Threads 0..127 own one d each; every thread calls it. Rows with
 // no attended key write exact zeros. vsc: v_scale times the dequantization power of two.
-template <typename T>
+// kBatched: the cluster merge of merge_cluster (its registers cost the 4-warp kernels spills
+// in their main loop; they keep the serial loop).
+template <typename T, bool kBatched = false>
 __device__ __forceinline__ void merge_and_store(const AttentionParams& p, const MergeSmem& ms,
                                                 cg::cluster_group& cluster, int64_t t, int g,
                                                 int G, float vsc) {
@@ -305,18 +346,27 @@ __device__ __forceinline__ void merge_and_store(const AttentionParams& p, const 
   } else {
     cluster.sync();
     if (d < kHeadDim) {
-      for (int h = rank; h < G; h += S) {
-        float mw = -INFINITY;
-        for (int q = 0; q < S; ++q) mw = fmaxf(mw, cluster.map_shared_rank(ms.cta_m, q)[h]);
-        const float mu = mw == -INFINITY ? 0.f : mw;
-        float L = 0.f, O = 0.f;
-        for (int q = 0; q < S; ++q) {
-          const float f = fast_exp2(cluster.map_shared_rank(ms.cta_m, q)[h] - mu);
-          L += cluster.map_shared_rank(ms.cta_l, q)[h] * f;
-          O += cluster.map_shared_rank(ms.cta_o, q)[h * kHeadDim + d] * f;
+      if constexpr (kBatched) {
+        switch (S) {
+          case 2: merge_cluster<2, T>(ms, cluster, out, G, rank, d, vsc); break;
+          case 4: merge_cluster<4, T>(ms, cluster, out, G, rank, d, vsc); break;
+          case 8: merge_cluster<8, T>(ms, cluster, out, G, rank, d, vsc); break;
+          default: merge_cluster<16, T>(ms, cluster, out, G, rank, d, vsc); break;
         }
-        const float o = L == 0.f ? 0.f : O / L * vsc;
-        out[h * kHeadDim + d] = Traits<T>::from_float(o);
+      } else {
+        for (int h = rank; h < G; h += S) {
+          float mw = -INFINITY;
+          for (int q = 0; q < S; ++q) mw = fmaxf(mw, cluster.map_shared_rank(ms.cta_m, q)[h]);
+          const float mu = mw == -INFINITY ? 0.f : mw;
+          float L = 0.f, O = 0.f;
+          for (int q = 0; q < S; ++q) {
+            const float f = fast_exp2(cluster.map_shared_rank(ms.cta_m, q)[h] - mu);
+            L += cluster.map_shared_rank(ms.cta_l, q)[h] * f;
+            O += cluster.map_shared_rank(ms.cta_o, q)[h * kHeadDim + d] * f;
+          }
+          const float o = L == 0.f ? 0.f : O / L * vsc;
+          out[h * kHeadDim + d] = Traits<T>::from_float(o);
+        }
       }
     }
     cluster.sync();
@@ -868,7 +918,7 @@ __global__ void __launch_bounds__(kPairThreads, V::kBlocks)
     ms.pl[wp * kGroup + g8 + 8] = l1;
   }
   __syncthreads();
-  merge_and_store<T>(p, ms, cluster, t, g, G, (*p.v_scale) * kComp);
+  merge_and_store<T, V::kBlocks == 2>(p, ms, cluster, t, g, G, (*p.v_scale) * kComp);
 }
 
 int num_sms();
