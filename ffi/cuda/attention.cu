@@ -101,9 +101,10 @@ __device__ __forceinline__ TokenPos token_position(const AttentionParams& p, int
 // 0 <= block_table[r, b] < P, layer valid), checked by threads 0..K-1 (warps 0, 1; K <= 64).
 // The valid slots are compacted into s_off / s_nvalid (slot k's entry is the number of valid
 // slots before it, from warp ballots). Every thread calls it (two barriers); returns the count.
+// s_bt: the request's block-table row already in shared memory (nullptr: read it here).
 __device__ __forceinline__ int compact_slots(const AttentionParams& p, const TokenPos& tp, int g,
                                              int64_t bsel, int64_t* s_off, int* s_nvalid,
-                                             uint32_t* s_mask) {
+                                             uint32_t* s_mask, const int32_t* s_bt = nullptr) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   bool ok = false;
   int nv = 0;
@@ -111,7 +112,7 @@ __device__ __forceinline__ int compact_slots(const AttentionParams& p, const Tok
   if (tid < p.topk && tp.vis > 0) {
     const int64_t b = bsel;
     if (b >= 0 && b < p.max_blocks && b * kBlockSize < tp.vis) {
-      const int64_t page = p.block_table[tp.r * p.max_blocks + b];
+      const int64_t page = s_bt ? s_bt[b] : p.block_table[tp.r * p.max_blocks + b];
       if (p.geom.valid_page(page)) {
         const int64_t rest = tp.vis - b * kBlockSize;
         nv = int(rest < kBlockSize ? rest : kBlockSize);
@@ -724,6 +725,7 @@ __global__ void __launch_bounds__(kPairThreads, V::kBlocks)
   __shared__ int s_nvalid[kMaxTopk];
   __shared__ uint16_t s_mul[256];
   __shared__ uint4 s_q[2][4][32];  // [D half][k-step][lane]
+  __shared__ int32_t s_bt[kPairThreads];  // the block-table row when max_blocks <= 256
 
   cg::cluster_group cluster = cg::this_cluster();
   const int S = int(cluster.num_blocks());
@@ -757,7 +759,16 @@ __global__ void __launch_bounds__(kPairThreads, V::kBlocks)
         static_cast<const uint16_t*>(p.q) + ((t * Hq + int64_t(g) * G) * kHeadDim), G, lane,
         64 * (warp - 2) + 16 * tig, zs < 0.f ? 0x80008000u : 0u, &s_q[warp - 2][0][0]);
 
-  const int count = compact_slots(p, tp, g, bsel, s_off, s_nvalid, s_mask);
+  // a short block-table row is read whole, beside the top-k ids (in bounds: the row of a valid
+  // request), so the slot check waits for one global round trip less
+  const bool bt_pre = p.max_blocks <= kPairThreads;
+  if (bt_pre) {
+    if (tid < p.max_blocks && tp.r >= 0 && tp.r < p.num_requests)
+      s_bt[tid] = p.block_table[tp.r * p.max_blocks + tid];
+    __syncthreads();
+  }
+  const int count =
+      compact_slots(p, tp, g, bsel, s_off, s_nvalid, s_mask, bt_pre ? s_bt : nullptr);
   const int nmine = count > rank ? (count - rank + S - 1) / S : 0;
 
   uint32_t qreg[V::kQregs ? 4 : 1][4];
