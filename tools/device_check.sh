@@ -70,6 +70,7 @@ if [ "$MODE" = variants ]; then  # harness only: correctness of every variant, t
     M="$M,smsp__average_warps_issue_stalled_${st}_per_issue_active.ratio"
   done
   for kn in ${NCU_KERNELS:-PairVariantILi3ELi2E PairVariantILi2ELi3E}; do
+    [ "$kn" = none ] && continue
     echo "--- ncu $kn"
     timeout 90 ncu --clock-control none --kernel-name-base mangled -k regex:"$kn" \
       --launch-skip 2 --launch-count 1 --metrics "$M" "$B/harness" --profile >"$OUT/ncu_$kn.txt" 2>&1
@@ -81,6 +82,15 @@ if [ "$MODE" = variants ]; then  # harness only: correctness of every variant, t
       --launch-skip 2 --launch-count 1 --section ComputeWorkloadAnalysis --section InstructionStats \
       --page raw "$B/harness" --profile >"$OUT/ncu_pipes.txt" 2>&1
     grep -E "pipe_.*(pct|sum )|inst_executed_pipe" "$OUT/ncu_pipes.txt" | awk '$NF != "0" {print $1, $NF}' | head -60
+  fi
+  if [ -n "${SANITIZE:-}" ]; then  # racecheck + memcheck of the harness tests (--short)
+    for tool in racecheck memcheck; do
+      echo "=== compute-sanitizer $tool: harness --no-bench --short"
+      timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 "$B/harness" --no-bench \
+        --short >"$OUT/sanitize_$tool.log" 2>&1
+      echo "rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL |failure" "$OUT/sanitize_$tool.log" | tail -3
+      date -u
+    done
   fi
   date -u
   exit 0
@@ -128,7 +138,7 @@ if [ "$MODE" = final ]; then  # one call: correctness, kernel and through-JAX ta
   grep -E "TABLE|v[0-9]+ splits auto|prefill" "$OUT/harness_bench.log"
   for tool in racecheck memcheck; do
     echo "=== compute-sanitizer $tool: harness --no-bench --short"
-    timeout $([ $tool = racecheck ] && echo 110 || echo 70) compute-sanitizer --tool $tool --error-exitcode 9 "$B/harness" --no-bench \
+    timeout $([ $tool = racecheck ] && echo 200 || echo 120) compute-sanitizer --tool $tool --error-exitcode 9 "$B/harness" --no-bench \
       --short >"$OUT/sanitize_$tool.log" 2>&1
     echo "rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL |failure" "$OUT/sanitize_$tool.log" | tail -3
   done
