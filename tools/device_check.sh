@@ -49,6 +49,13 @@ if [ "$MODE" = profile ]; then
 fi
 
 if [ "$MODE" = variants ]; then  # harness only: correctness of every variant, then its timings
+  if [ -n "${PYTEST:-}" ]; then  # also the Python modules, for pytest tests/cuda at the end
+    (cmake -S ffi -B "$B/cmake" -G Ninja -DM3SPARSE_ENABLE_CUDA=ON -DM3SPARSE_NATIVE=OFF \
+      -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/cmake.log" 2>&1 &&
+      cmake --build "$B/cmake" -j 12 >>"$OUT/cmake.log" 2>&1 &&
+      cp "$B"/cmake/_m3sparse_cpu*.so "$B"/cmake/cuda/_m3sparse_cuda*.so jax_m3sparse/) &
+    CMAKE_PID=$!
+  fi
   FLAGS="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda -lineinfo"
   nvcc $FLAGS -Xptxas -v -c ffi/cuda/attention.cu -o "$B/attention.o" >"$OUT/ptxas.log" 2>&1 &
   nvcc $FLAGS -c ffi/cuda/pack.cu -o "$B/pack.o" &
@@ -91,6 +98,13 @@ if [ "$MODE" = variants ]; then  # harness only: correctness of every variant, t
       echo "rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL |failure" "$OUT/sanitize_$tool.log" | tail -3
       date -u
     done
+  fi
+  if [ -n "${PYTEST:-}" ]; then
+    wait $CMAKE_PID; tail -2 "$OUT/cmake.log"
+    echo "=== pytest tests/cuda (public API on the GPU)"
+    PYTHONPATH=$ROOT timeout 300 python3 -m pytest -q tests/cuda -p no:cacheprovider 2>&1 |
+      tee "$OUT/pytest.log" | tail -6
+    date -u
   fi
   date -u
   exit 0

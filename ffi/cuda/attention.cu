@@ -710,8 +710,15 @@ struct PairVariant {
 using PairVariant0 = PairVariant<2, 3, true>;   // 16 warps / SM, 128 registers
 using PairVariant1 = PairVariant<3, 2, false>;  // 24 warps / SM, 80 registers
 
-__device__ __forceinline__ void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+// The 64-thread barrier of warp pair wp (ids 1..4; immediate ids: compute-sanitizer's racecheck
+// does not follow barrier ids held in registers).
+__device__ __forceinline__ void pair_sync(int wp) {
+  switch (wp) {
+    case 0: asm volatile("bar.sync 1, 64;" ::: "memory"); break;
+    case 1: asm volatile("bar.sync 2, 64;" ::: "memory"); break;
+    case 2: asm volatile("bar.sync 3, 64;" ::: "memory"); break;
+    default: asm volatile("bar.sync 4, 64;" ::: "memory"); break;
+  }
 }
 
 template <typename T, typename V>
@@ -852,10 +859,10 @@ __global__ void __launch_bounds__(kPairThreads, V::kBlocks)
       }
       // ---- the two D halves meet: write mine, read the partner's (one buffer per warp: the
       // first barrier keeps the partner's reads of the last tile before this write)
-      named_sync(1 + wp, 64);
+      pair_sync(wp);
 #pragma unroll
       for (int v = 0; v < 4; ++v) xmine[32 * v] = make_float4(sc[v][0], sc[v][1], sc[v][2], sc[v][3]);
-      named_sync(1 + wp, 64);
+      pair_sync(wp);
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
         const float4 o = xother[32 * v];
