@@ -73,7 +73,7 @@ def test_attention_resources(tmp_path):
             assert r["registers"] <= 128 and r["spill_stores"] == 0, (name, r)
         else:
             assert "PairVariantILi3E" in name, name
-            assert r["registers"] <= 80 and r["spill_stores"] <= 32, (name, r)
+            assert r["registers"] <= 80 and r["spill_stores"] <= 64, (name, r)
 
 
 def test_handlers_compile(tmp_path):
