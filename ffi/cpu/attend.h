@@ -61,7 +61,7 @@ inline bool token_picks(const AttendArgs& a, int64_t t, int64_t g, Pick* picks) 
 
 // Tokens [t0, t0 + count) of KV head g, served together: each distinct selected page is
 // dequantized once (with the largest n any of them attends) and folded into every token that
-// selected it, slot by slot (a block selected twice counts twice, as in SPEC §5). Consecutive
+// selected it, slot by slot (a block selected twice counts twice, SPEC §5.1). Consecutive
 // tokens of a prefill chunk mostly select the same blocks, so this divides the dequantization
 // work by up to kChunk; tokens with nothing in common cost what they would alone.
 template <typename Kernel>
