@@ -48,6 +48,21 @@ if [ "$MODE" = profile ]; then
   exit 0
 fi
 
+if [ "$MODE" = race ]; then  # harness build + racecheck of the --short variants only
+  FLAGS="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda -lineinfo"
+  nvcc $FLAGS -c ffi/cuda/attention.cu -o "$B/attention.o" &
+  nvcc $FLAGS -c ffi/cuda/pack.cu -o "$B/pack.o" &
+  nvcc $FLAGS -c tests/cuda/harness.cu -o "$B/harness.o" &
+  wait
+  nvcc $FLAGS "$B/attention.o" "$B/pack.o" "$B/harness.o" -o "$B/harness" || exit 1
+  timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 "$B/harness" --no-bench \
+    --short >"$OUT/sanitize_racecheck.log" 2>&1
+  echo "rc=$?"; grep -E "RACECHECK SUMMARY|FAIL |failure" "$OUT/sanitize_racecheck.log" | tail -3
+  grep -c "^PASS" "$OUT/sanitize_racecheck.log"
+  date -u
+  exit 0
+fi
+
 if [ "$MODE" = variants ]; then  # harness only: correctness of every variant, then its timings
   if [ -n "${PYTEST:-}" ]; then  # also the Python modules, for pytest tests/cuda at the end
     (cmake -S ffi -B "$B/cmake" -G Ninja -DM3SPARSE_ENABLE_CUDA=ON -DM3SPARSE_NATIVE=OFF \

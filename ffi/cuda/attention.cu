@@ -691,8 +691,8 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
 // ---- the pair kernel: 8 warps, each K/V tile's 128 keys split over 4 warp pairs; the two
 // warps of a pair split D (64 each) for both products, so the P·V accumulator is 32 registers
 // instead of 64 and twice the warps fit per SM. The partial Q·Kᵀ of the two halves meet in
-// shared memory (one 64-thread named barrier per pair and tile); both warps then run the same
-// softmax on identical sums (bit-identical m and l), the lean one (online_softmax_lean).
+// shared memory (two CTA barriers per tile); both warps then run the same softmax on identical
+// sums (bit-identical m and l), the lean one (online_softmax_lean).
 constexpr int kPairThreads = 256;
 constexpr int kPairWarpStage = 2560;  // per warp and stage: K data, V data (its D half), K, V scales
 constexpr int kPKd = 0, kPVd = 1024, kPKs = 2048, kPVs = 2304;
@@ -709,17 +709,6 @@ struct PairVariant {
 };
 using PairVariant0 = PairVariant<2, 3, true>;   // 16 warps / SM, 128 registers
 using PairVariant1 = PairVariant<3, 2, false>;  // 24 warps / SM, 80 registers
-
-// The 64-thread barrier of warp pair wp (ids 1..4; immediate ids: compute-sanitizer's racecheck
-// does not follow barrier ids held in registers).
-__device__ __forceinline__ void pair_sync(int wp) {
-  switch (wp) {
-    case 0: asm volatile("bar.sync 1, 64;" ::: "memory"); break;
-    case 1: asm volatile("bar.sync 2, 64;" ::: "memory"); break;
-    case 2: asm volatile("bar.sync 3, 64;" ::: "memory"); break;
-    default: asm volatile("bar.sync 4, 64;" ::: "memory"); break;
-  }
-}
 
 template <typename T, typename V>
 __global__ void __launch_bounds__(kPairThreads, V::kBlocks)
@@ -830,12 +819,14 @@ __global__ void __launch_bounds__(kPairThreads, V::kBlocks)
     const uint8_t* Ws = wsmem + (j % kStages) * kPairWarpStage;
     const int nvalid = s_nvalid[rank + j * S];
 
-    auto process = [&](auto masked_tag) {
-      constexpr bool kMasked = decltype(masked_tag)::value;
-      // ---- partial S = Q·Kᵀ over this warp's 64 d: 4 n-tiles of 8 keys (column c of n-tile v
-      // is key kb+8v+4(c&1)+(c>>1)), 4 k-steps each; lane (g8, tig) dequantizes 16 d of one key
-      // (one scale block: 4·hf + tig).
-      float sc[4][4];
+    // ---- partial S = Q·Kᵀ over this warp's 64 d: 4 n-tiles of 8 keys (column c of n-tile v
+    // is key kb+8v+4(c&1)+(c>>1)), 4 k-steps each; lane (g8, tig) dequantizes 16 d of one key
+    // (one scale block: 4·hf + tig). Pair-uniform: a pair with no attended key in this block
+    // skips the work but not the two CTA barriers (the 64-thread named barriers this exchange
+    // needs are not followed by compute-sanitizer's racecheck).
+    const bool attended = kb < nvalid;
+    float sc[4][4];
+    if (attended) {
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
         const int kl = 8 * v + 4 * (g8 & 1) + (g8 >> 1);
@@ -857,12 +848,18 @@ __global__ void __launch_bounds__(kPairThreads, V::kBlocks)
           }
         }
       }
-      // ---- the two D halves meet: write mine, read the partner's (one buffer per warp: the
-      // first barrier keeps the partner's reads of the last tile before this write)
-      pair_sync(wp);
+    }
+    // ---- the two D halves meet: write mine, read the partner's (one buffer per warp: the
+    // first barrier keeps the partner's reads of the last tile before this write)
+    __syncthreads();
+    if (attended) {
 #pragma unroll
       for (int v = 0; v < 4; ++v) xmine[32 * v] = make_float4(sc[v][0], sc[v][1], sc[v][2], sc[v][3]);
-      pair_sync(wp);
+    }
+    __syncthreads();
+
+    auto process = [&](auto masked_tag) {
+      constexpr bool kMasked = decltype(masked_tag)::value;
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
         const float4 o = xother[32 * v];
