@@ -1,6 +1,8 @@
 """Every CPU attention path this machine supports (ffi/cpu/isa.h), forced one at a time with
 M3SPARSE_CPU_ISA, against the float64 oracle (SPEC §5, §6); plus the NaN / exp2 regression."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,6 +63,17 @@ def test_prefill_tokens_sharing_blocks(rng, path):
         p.topk[:, t, :] = -1
         p.topk[:, t, :len(ids)] = ids
     assert_close(run_prefill(p, "native"), expected(p))
+
+
+def test_token_result_does_not_depend_on_its_batch(rng, path):
+    """Tokens are served 8 at a time, sharing dequantized tiles; each still folds its own blocks
+    in one fixed order, so shuffling the tokens (new chunk mates, new task and chunk
+    boundaries) shuffles the rows of the result and changes no bit of them."""
+    p = prefill_problem(rng, 2, 16, (200, 150), (700, 400))
+    perm = rng.permutation(len(p.req))
+    shuffled = dataclasses.replace(p, q=p.q[perm], topk=p.topk[:, perm], req=p.req[perm],
+                                   pos=p.pos[perm])
+    np.testing.assert_array_equal(run_prefill(shuffled, "native"), run_prefill(p, "native")[perm])
 
 
 def test_cache_changes_between_calls(rng, path):

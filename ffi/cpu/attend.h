@@ -39,14 +39,16 @@ Kernel& worker_kernel(int64_t G, int64_t D, int64_t N) {
   return *k;
 }
 
-// One selected block of a token: its page (−1: invalid slot, SPEC §5.2) and attended keys.
+// One selected block of token slot c of a chunk: its page and attended keys n.
 struct Pick {
-  int64_t page, n;
+  int64_t page, n, c;
 };
 
-// The picks of token t of KV head g, in slot order; false if the token attends nothing
-// (no request, position < 0, or a layer outside the cache).
-inline bool token_picks(const AttendArgs& a, int64_t t, int64_t g, Pick* picks) {
+// Appends the valid picks of token t (slot c) of KV head g to `picks`, in slot order;
+// false if the token attends nothing (no request, position < 0, or a layer outside the
+// cache). Invalid slots (SPEC §5.2) are left out.
+inline bool token_picks(const AttendArgs& a, int64_t t, int64_t g, int64_t c,
+                        std::vector<Pick>& picks) {
   const int64_t N = a.geo.block_size;
   const int64_t r = (*a.req)[t];
   const int64_t vis = int64_t((*a.pos)[t]) + 1;
@@ -54,43 +56,42 @@ inline bool token_picks(const AttendArgs& a, int64_t t, int64_t g, Pick* picks) 
   const int32_t* ids = a.topk + (g * a.num_tokens + t) * a.topk_blocks;
   for (int64_t k = 0; k < a.topk_blocks; ++k) {
     const int64_t page = selected_page(a, r, ids[k], vis);
-    picks[k] = {page, page < 0 ? 0 : std::min(N, vis - int64_t(ids[k]) * N)};
+    if (page >= 0) picks.push_back({page, std::min(N, vis - int64_t(ids[k]) * N), c});
   }
   return true;
 }
 
 // Tokens [t0, t0 + count) of KV head g, served together: each distinct selected page is
 // dequantized once (with the largest n any of them attends) and folded into every token that
-// selected it, slot by slot (a block selected twice counts twice, SPEC §5.1). Consecutive
-// tokens of a prefill chunk mostly select the same blocks, so this divides the dequantization
-// work by up to kChunk; tokens with nothing in common cost what they would alone.
+// selected it (a block selected twice counts twice, SPEC §5.1). Consecutive tokens of a
+// prefill chunk mostly select the same blocks, so this divides the dequantization work by up
+// to kChunk; tokens with nothing in common cost what they would alone. Every token folds its
+// blocks in increasing page order, whatever its chunk holds, so a token's result does not
+// depend on how tokens are grouped into chunks, tasks or devices.
 template <typename Kernel>
 void attend_chunk(const AttendArgs& a, Kernel& w, std::vector<float>& q, std::vector<Pick>& picks,
                   int64_t t0, int64_t count, int64_t g) {
-  const int64_t G = a.num_heads / a.num_kv_heads, K = a.topk_blocks;
-  bool live[kChunk], attended[kChunk] = {};
+  const int64_t G = a.num_heads / a.num_kv_heads;
+  bool attended[kChunk] = {};
+  picks.clear();
   for (int64_t c = 0; c < count; ++c) {
-    live[c] = token_picks(a, t0 + c, g, &picks[c * K]);
-    if (!live[c]) std::fill(&picks[c * K], &picks[(c + 1) * K], Pick{-1, 0});
+    token_picks(a, t0 + c, g, c, picks);
     load_floats(a.dtype, a.q, ((t0 + c) * a.num_heads + g * G) * a.geo.head_dim, q.size(), q.data());
     w.begin(c, q.data(), a.logit_scale);
   }
-  // Distinct pages in order of first appearance; a served pick is marked with page −1.
-  for (int64_t i = 0; i < count * K; ++i) {
+  std::stable_sort(picks.begin(), picks.end(),
+                   [](const Pick& x, const Pick& y) { return x.page < y.page; });
+  for (size_t i = 0; i < picks.size();) {
     const int64_t page = picks[i].page;
-    if (page < 0) continue;
+    size_t end = i;
     int64_t n = 0;
-    for (int64_t j = i; j < count * K; ++j)
-      if (picks[j].page == page) n = std::max(n, picks[j].n);
-    for (int64_t j = i + 1; j < count * K; ++j)  // the next distinct page, on its way from DRAM
-      if (picks[j].page >= 0 && picks[j].page != page) { prefetch_tiles(a, picks[j].page, g); break; }
+    for (; end < picks.size() && picks[end].page == page; ++end) n = std::max(n, picks[end].n);
+    if (end < picks.size()) prefetch_tiles(a, picks[end].page, g);  // on its way from DRAM
     w.dequantize(a.geo, a.cache + a.geo.tile_offset(a.layer, page, 2 * g),
                  a.cache + a.geo.tile_offset(a.layer, page, 2 * g + 1), n);
-    for (int64_t j = i; j < count * K; ++j) {
-      if (picks[j].page != page) continue;
-      w.block(j / K, picks[j].n);
-      attended[j / K] = true;
-      picks[j].page = -1;
+    for (; i < end; ++i) {
+      w.block(picks[i].c, picks[i].n);
+      attended[picks[i].c] = true;
     }
   }
   for (int64_t c = 0; c < count; ++c)
@@ -105,7 +106,8 @@ void attend_items(const AttendArgs& a, int64_t begin, int64_t end) {
   const int64_t G = a.num_heads / a.num_kv_heads, T = a.num_tokens;
   Kernel& w = worker_kernel<Kernel>(G, a.geo.head_dim, a.geo.block_size);
   std::vector<float> q(G * a.geo.head_dim);
-  std::vector<Pick> picks(kChunk * a.topk_blocks);
+  std::vector<Pick> picks;
+  picks.reserve(kChunk * a.topk_blocks);
   for (int64_t item = begin; item < end;) {
     const int64_t g = item / T, t = item % T;
     const int64_t count = std::min({kChunk, end - item, T - t});
