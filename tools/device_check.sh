@@ -2,11 +2,12 @@
 # One device call for the CUDA backend (H200, kind nvidia-h200): builds the standalone harness
 # and the Python modules, runs correctness (harness + tests/cuda through the public API), then
 # the timings. Logs go to $OUT (the device tool brings them back) or ./out.
-#   tools/device_check.sh [quick|full|sanitize|profile|final|variants]
+#   tools/device_check.sh [quick|full|sanitize|profile|final|variants|race]
 #     quick: smaller benchmark set; sanitize: compute-sanitizer memcheck + racecheck on the
 #     harness and memcheck on the public-API GPU tests (no timings); profile: ncu on the harness;
 #     final: the bench.cuda table, sanitizers and the scan gap analysis in one call;
-#     variants: harness only (every launch variant's correctness and timings, ncu of one variant)
+#     variants: harness only (every launch variant's correctness and timings, ncu of NCU_KERNELS;
+#     SANITIZE=1, PYTEST=1, NCU_PIPES add steps); race: racecheck of harness --short only
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD

@@ -18,6 +18,8 @@
 //   4. The 4 warps' (m, l, acc) merge in shared memory; the S CTAs of a cluster merge through
 //      distributed shared memory (no global workspace, CUDA-graph safe). Rows with no attended
 //      key write exact zeros.
+// The pair kernel (further down, small T) runs 8 warps: the two warps of a pair share 32 keys and
+// split D, so its P·V accumulator is half as large.
 #include <cooperative_groups.h>
 
 #include <cmath>
