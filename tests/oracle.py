@@ -147,7 +147,8 @@ def attention(q, cache, topk, block_table, req, pos, gk, gv, scale=None, layer=0
 def decode_rows(seq_lens, dql):
     """(req, pos) per decode row, SPEC §5.3."""
     req = np.repeat(np.arange(len(seq_lens)), dql)
-    pos = np.asarray(seq_lens)[req] - dql + np.tile(np.arange(dql), len(seq_lens))
+    # int64 first: an int32 seq_len near INT32_MIN would wrap to a large position
+    pos = np.asarray(seq_lens, np.int64)[req] - dql + np.tile(np.arange(dql), len(seq_lens))
     return req, pos
 
 
