@@ -39,15 +39,19 @@ NB_MODULE(_m3sparse_cpu, m) {
     return d;
   });
   // The attention paths (ffi/cpu/isa.h): those this machine supports, narrowest first,
-  // and the one a call takes now (M3SPARSE_CPU_ISA caps it; None if that names no path).
+  // and the one a call takes now (M3SPARSE_CPU_ISA caps it; ValueError if that names no path,
+  // the error every attention call would give).
   m.def("cpu_paths", []() {
     nb::list paths;
     for (int i = 0; i <= int(m3sparse::machine_cpu_path()); ++i) paths.append(m3sparse::kCpuPathNames[i]);
     return paths;
   });
-  m.def("cpu_path", []() -> nb::object {
+  m.def("cpu_path", []() {
     m3sparse::CpuPath path;
-    if (!m3sparse::current_cpu_path(&path)) return nb::none();
+    if (!m3sparse::current_cpu_path(&path))
+      throw nb::value_error((std::string("M3SPARSE_CPU_ISA must be one of generic, avx2, avx512, "
+                                         "amx (lower case); got '") +
+                             std::getenv("M3SPARSE_CPU_ISA") + "'").c_str());
     return nb::str(m3sparse::kCpuPathNames[int(path)]);
   });
   m.def("peak_gflops", &m3sparse::peak_gflops,

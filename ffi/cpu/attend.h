@@ -154,7 +154,9 @@ inline ffi::Error prepare_attend(ffi::AnyBuffer q, ffi::AnyBuffer cache, ffi::Bu
 inline ffi::Future run_attend(ffi::ThreadPool& pool, AttendArgs a) {
   CpuPath path;
   if (!current_cpu_path(&path))
-    return ready_future(invalid("M3SPARSE_CPU_ISA must be one of generic, avx2, avx512, amx"));
+    return ready_future(invalid(std::string("M3SPARSE_CPU_ISA must be one of generic, avx2, "
+                                            "avx512, amx (lower case); got '") +
+                                std::getenv("M3SPARSE_CPU_ISA") + "'"));
   void (*items_fn)(const AttendArgs&, int64_t, int64_t) = attend_items<generic::Kernel>;
 #if M3_X86
   if (path >= CpuPath::kAvx2) items_fn = attend_items<avx2::Kernel>;
