@@ -105,6 +105,9 @@ def layer_kw(draw, L):
 
 
 # ---- pack --------------------------------------------------------------------------------------
+# Special inputs (huge values, extreme global scales) overflow on purpose when the pure-JAX
+# reference casts them; SPEC §2.2 defines the result, the warning says nothing new.
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @SETTINGS
 @given(data=st.data())
 def test_fuzz_pack(data):
