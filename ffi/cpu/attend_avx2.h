@@ -130,7 +130,7 @@ inline void qk_block(const float* qT, const float* k, float* sT, int64_t D, int6
     for (int hv = 0; hv < HV; ++hv) _mm256_storeu_ps(sT + (j0 + i) * Gp + 8 * hv, acc[i][hv]);
 }
 
-// Scores of keys [0, n) for all heads: 12-accumulator blocks, then the tail key by key.
+// Scores of keys [0, n) for all heads: 12-accumulator blocks, then the tail in pairs and singles.
 template <int HV>
 inline void qk_tile(const float* qT, const float* k, float* sT, int64_t D, int64_t n, int64_t Gp) {
   constexpr int J = 12 / HV;
