@@ -99,7 +99,10 @@ def plot(engine: Engine, summary: dict, path: str) -> None:
     ax1.set_xlabel("layer (first dense, then sparse)")
     ax1.set_title("attention output: NVFP4 sparse vs bf16 cache")
     ax1.set_yscale("log")
-    ax1.legend(loc="center")
+    errs = np.concatenate([1 - np.array(summary["attn_cos"]), summary["attn_rel_f"]])
+    if (errs > 0).any():  # bars start at 0, which a log axis cannot show: start below the least
+        ax1.set_ylim(bottom=errs[errs > 0].min() / 3)
+    ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     ax1.set_xticks(layers)
     steps = engine.stats.decode_steps
     x = np.arange(len(steps))
@@ -110,11 +113,12 @@ def plot(engine: Engine, summary: dict, path: str) -> None:
     ax2.set_yscale("log")
     ax2.set_xlabel("decode step")
     ax2.set_title("per decode step (decode rows)")
-    ax2.legend(fontsize=7, loc="lower left")
+    # Legends below the axes: inside, they hid bars and curves.
+    ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     agree = np.cumsum([d["agree"] for d in steps]) / np.maximum(x + 1, 1)
     ax3 = ax2.twinx()
-    ax3.plot(x, 100 * agree, color="tab:orange", label="greedy agreement so far (%)")
+    ax3.plot(x, 100 * agree, color="tab:purple", label="greedy agreement so far (%)")
     ax3.set_ylim(0, 101)
-    ax3.set_ylabel("greedy-token agreement so far (%)", color="tab:orange")
+    ax3.set_ylabel("greedy-token agreement so far (%)", color="tab:purple")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -164,7 +164,8 @@ def bench_decode(device, quick=False, seq=32768, Hkv=4, G=16):
     print(header("T (dql) path", flops=True))
     shapes = [(1, 1), (32, 1), (128, 1)] if device.platform == "cpu" else \
         [(1, 1), (8, 1), (32, 1), (128, 1), (512, 1), (128, 4)]
-    for T, dql in tqdm(shapes[:2] if quick else shapes, desc="decode", leave=False):
+    # disable=None: no bar when stderr is not a terminal (it would splice into logged tables)
+    for T, dql in tqdm(shapes[:2] if quick else shapes, desc="decode", leave=False, disable=None):
         args = decode_case(rng, T, Hkv, G, seq, dql, device)
         ours = jax.jit(lambda *a: m3.sparse_decode(*a, 1.0, 1.0, decode_query_len=dql))
         ref = jax.jit(lambda *a: reference.sparse_decode(*a, 1.0, 1.0, decode_query_len=dql))
