@@ -22,13 +22,24 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --
 nvcc --version | tail -1
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -1
 
+# The standalone harness (attention.cu + pack.cu + tests/cuda/harness.cu) into $B/harness, the
+# attention kernels' ptxas report into $OUT/ptxas.log; $1: extra nvcc flags. Waits for its own
+# compiles only (a background CMake build may be running).
+build_harness() {
+  local flags="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda ${1:-}"
+  nvcc $flags -Xptxas -v -c ffi/cuda/attention.cu -o "$B/attention.o" >"$OUT/ptxas.log" 2>&1 &
+  local p1=$!
+  nvcc $flags -c ffi/cuda/pack.cu -o "$B/pack.o" &
+  local p2=$!
+  nvcc $flags -c tests/cuda/harness.cu -o "$B/harness.o" &
+  local p3=$!
+  wait $p1 $p2 $p3
+  nvcc $flags "$B/attention.o" "$B/pack.o" "$B/harness.o" -o "$B/harness" ||
+    { echo "harness build failed"; return 1; }
+}
+
 if [ "$MODE" = profile ]; then
-  FLAGS="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda -lineinfo"
-  nvcc $FLAGS -c ffi/cuda/attention.cu -o "$B/attention.o" &
-  nvcc $FLAGS -c ffi/cuda/pack.cu -o "$B/pack.o" &
-  nvcc $FLAGS -c tests/cuda/harness.cu -o "$B/harness.o" &
-  wait
-  nvcc $FLAGS "$B/attention.o" "$B/pack.o" "$B/harness.o" -o "$B/harness" || exit 1
+  build_harness -lineinfo || exit 1
   cuobjdump -sass "$B/attention.o" > "$OUT/attention.sass"
   awk '/Function : .*nv_bfloat16/{f=1;next} /Function :/{f=0} f' "$OUT/attention.sass" |
     grep -oE '^ +/\*[0-9a-f]{4}\*/ +[A-Z0-9_.]+' | awk '{print $2}' | sed 's/\..*//' |
@@ -50,12 +61,7 @@ if [ "$MODE" = profile ]; then
 fi
 
 if [ "$MODE" = race ]; then  # harness build + racecheck of the --short variants only
-  FLAGS="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda -lineinfo"
-  nvcc $FLAGS -c ffi/cuda/attention.cu -o "$B/attention.o" &
-  nvcc $FLAGS -c ffi/cuda/pack.cu -o "$B/pack.o" &
-  nvcc $FLAGS -c tests/cuda/harness.cu -o "$B/harness.o" &
-  wait
-  nvcc $FLAGS "$B/attention.o" "$B/pack.o" "$B/harness.o" -o "$B/harness" || exit 1
+  build_harness -lineinfo || exit 1
   timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 "$B/harness" --no-bench \
     --short >"$OUT/sanitize_racecheck.log" 2>&1
   echo "rc=$?"; grep -E "RACECHECK SUMMARY|FAIL |failure" "$OUT/sanitize_racecheck.log" | tail -3
@@ -72,12 +78,7 @@ if [ "$MODE" = variants ]; then  # harness only: correctness of every variant, t
       cp "$B"/cmake/_m3sparse_cpu*.so "$B"/cmake/cuda/_m3sparse_cuda*.so jax_m3sparse/) &
     CMAKE_PID=$!
   fi
-  FLAGS="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda -lineinfo"
-  nvcc $FLAGS -Xptxas -v -c ffi/cuda/attention.cu -o "$B/attention.o" >"$OUT/ptxas.log" 2>&1 &
-  nvcc $FLAGS -c ffi/cuda/pack.cu -o "$B/pack.o" &
-  nvcc $FLAGS -c tests/cuda/harness.cu -o "$B/harness.o" &
-  wait
-  nvcc $FLAGS "$B/attention.o" "$B/pack.o" "$B/harness.o" -o "$B/harness" || exit 1
+  build_harness -lineinfo || exit 1
   date -u
   echo "=== harness correctness (all variants)"
   timeout 150 "$B/harness" --no-bench >"$OUT/harness_tests.log" 2>&1
@@ -137,15 +138,7 @@ fi
 CMAKE_PID=$!
 
 # Standalone harness.
-FLAGS="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda"
-nvcc $FLAGS -Xptxas -v -c ffi/cuda/attention.cu -o "$B/attention.o" >"$OUT/ptxas.log" 2>&1 &
-P1=$!
-nvcc $FLAGS -c ffi/cuda/pack.cu -o "$B/pack.o" &
-P2=$!
-nvcc $FLAGS -c tests/cuda/harness.cu -o "$B/harness.o" &
-P3=$!
-wait $P1 $P2 $P3
-nvcc $FLAGS "$B/attention.o" "$B/pack.o" "$B/harness.o" -o "$B/harness" || { echo "harness build failed"; exit 1; }
+build_harness || exit 1
 grep -E "registers|spill" "$OUT/ptxas.log" | sort | uniq -c
 # opcode histogram of the 4-CTA bf16 attention kernel (static SASS)
 cuobjdump -sass "$B/attention.o" > "$OUT/attention.sass" 2>/dev/null &&
