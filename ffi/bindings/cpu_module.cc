@@ -49,9 +49,7 @@ NB_MODULE(_m3sparse_cpu, m) {
   m.def("cpu_path", []() {
     m3sparse::CpuPath path;
     if (!m3sparse::current_cpu_path(&path))
-      throw nb::value_error((std::string("M3SPARSE_CPU_ISA must be one of generic, avx2, avx512, "
-                                         "amx (lower case); got '") +
-                             std::getenv("M3SPARSE_CPU_ISA") + "'").c_str());
+      throw nb::value_error(m3sparse::cpu_path_error().c_str());
     return nb::str(m3sparse::kCpuPathNames[int(path)]);
   });
   m.def("peak_gflops", &m3sparse::peak_gflops,

@@ -44,21 +44,20 @@ struct Pick {
   int64_t page, n, c;
 };
 
-// Appends the valid picks of token t (slot c) of KV head g to `picks`, in slot order;
-// false if the token attends nothing (no request, position < 0, or a layer outside the
-// cache). Invalid slots (SPEC §5.2) are left out.
-inline bool token_picks(const AttendArgs& a, int64_t t, int64_t g, int64_t c,
+// Appends the valid picks of token t (slot c) of KV head g to `picks`, in slot order: none if
+// the token attends nothing (no request, position < 0, or a layer outside the cache); invalid
+// slots (SPEC §5.2) are left out.
+inline void token_picks(const AttendArgs& a, int64_t t, int64_t g, int64_t c,
                         std::vector<Pick>& picks) {
   const int64_t N = a.geo.block_size;
   const int64_t r = (*a.req)[t];
   const int64_t vis = int64_t((*a.pos)[t]) + 1;
-  if (r < 0 || r >= a.num_requests || vis <= 0 || !a.geo.valid_layer(a.layer)) return false;
+  if (r < 0 || r >= a.num_requests || vis <= 0 || !a.geo.valid_layer(a.layer)) return;
   const int32_t* ids = a.topk + (g * a.num_tokens + t) * a.topk_blocks;
   for (int64_t k = 0; k < a.topk_blocks; ++k) {
     const int64_t page = selected_page(a, r, ids[k], vis);
     if (page >= 0) picks.push_back({page, std::min(N, vis - int64_t(ids[k]) * N), c});
   }
-  return true;
 }
 
 // Tokens [t0, t0 + count) of KV head g, served together: each distinct selected page is
@@ -154,9 +153,7 @@ inline ffi::Error prepare_attend(ffi::AnyBuffer q, ffi::AnyBuffer cache, ffi::Bu
 inline ffi::Future run_attend(ffi::ThreadPool& pool, AttendArgs a) {
   CpuPath path;
   if (!current_cpu_path(&path))
-    return ready_future(invalid(std::string("M3SPARSE_CPU_ISA must be one of generic, avx2, "
-                                            "avx512, amx (lower case); got '") +
-                                std::getenv("M3SPARSE_CPU_ISA") + "'"));
+    return ready_future(invalid(cpu_path_error()));
   void (*items_fn)(const AttendArgs&, int64_t, int64_t) = attend_items<generic::Kernel>;
 #if M3_X86
   if (path >= CpuPath::kAvx2) items_fn = attend_items<avx2::Kernel>;

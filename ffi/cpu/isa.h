@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <cpuid.h>
@@ -84,6 +85,12 @@ inline bool current_cpu_path(CpuPath* path) {
       return true;
     }
   return false;
+}
+
+// What is wrong when current_cpu_path() returns false (the handlers' error and cpu_path()'s).
+inline std::string cpu_path_error() {
+  return std::string("M3SPARSE_CPU_ISA must be one of generic, avx2, avx512, amx (lower case); "
+                     "got '") + std::getenv("M3SPARSE_CPU_ISA") + "'";
 }
 
 }  // namespace m3sparse
