@@ -203,11 +203,11 @@ inline void softmax_lanes(float* sT, int64_t Gp, int64_t n, float* m, float* l, 
 // the scratch they share: the dequantized K/V tile and the scores. Per-head arrays have Gp
 // lanes; the padding heads are computed and never stored.
 struct Kernel {
-  int64_t G, D, N, C, Gp;
+  int64_t G, D, N, Gp;
   Floats qT, acc, m, l, alpha, k, v, sT, out;
 
   Kernel(int64_t G_, int64_t D_, int64_t N_, int64_t C_)
-      : G(G_), D(D_), N(N_), C(C_), Gp((G_ + 7) / 8 * 8), qT(C_ * Gp * D_), acc(C_ * G_ * D_),
+      : G(G_), D(D_), N(N_), Gp((G_ + 7) / 8 * 8), qT(C_ * Gp * D_), acc(C_ * G_ * D_),
         m(C_ * Gp), l(C_ * Gp), alpha(Gp), k(N_ * D_), v(N_ * D_), sT(N_ * Gp), out(G_ * D_) {}
 
   void begin(int64_t c, const float* q_rows, float logit_scale) {

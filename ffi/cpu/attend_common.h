@@ -1,5 +1,5 @@
 // Pieces every CPU attention path shares: the operands of a call, NVFP4 lookup tables,
-// SPEC §5.2 block validity, a scalar exp2, and tile prefetching.
+// SPEC §5.2 block validity, a scalar exp2, cache-line-aligned buffers and tile prefetching.
 #pragma once
 
 #include <algorithm>

@@ -100,11 +100,11 @@ inline void over_heads(int64_t G, Tile tile) {
 // One worker's state: C token slots (q, accumulators, running max and sum) and the scratch
 // they share (the dequantized tile, scores). Same interface as the SIMD paths.
 struct Kernel {
-  int64_t G, D, N, C;
+  int64_t G, D, N;
   Floats q, acc, m, l, kt, v, s, scales, out;
 
   Kernel(int64_t G_, int64_t D_, int64_t N_, int64_t C_)
-      : G(G_), D(D_), N(N_), C(C_), q(C_ * G_ * D_), acc(C_ * G_ * D_), m(C_ * G_), l(C_ * G_),
+      : G(G_), D(D_), N(N_), q(C_ * G_ * D_), acc(C_ * G_ * D_), m(C_ * G_), l(C_ * G_),
         kt(D_ * N_), v(N_ * D_), s(G_ * N_), scales(N_ * D_ / 16), out(G_ * D_) {}
 
   void begin(int64_t c, const float* q_rows, float logit_scale) {
