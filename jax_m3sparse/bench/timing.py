@@ -140,7 +140,6 @@ def bench_peak(device, quick=False):
     if device.platform == "cpu":
         for kind, g in cpu_peaks().items():
             print(f"{kind} | {g:8.1f} GFLOP/s")
-    if device.platform == "cpu":
         from jax_m3sparse import _m3sparse_cpu  # noqa: PLC0415
         print("\nattention block math, one thread (no jit, no DRAM; % of the FMA loop on one "
               "thread, measured just before)")
@@ -207,8 +206,8 @@ def bench_prefill(device, quick=False, Hkv=4, G=16):
         nbytes = T * Hkv * K * N * TOKEN_BYTES * 2
         flops = 4 * G * D * K * N * T * Hkv
         # "shared": each run of 64 tokens selects the same K − 1 earlier blocks plus its own
-        # local block, as an indexer's picks mostly are (on the CPU, 8 tokens share each dequantized tile); the
-        # reference's cost does not depend on the selection.
+        # local block, as an indexer's picks mostly are (on the CPU, 8 tokens share each
+        # dequantized tile); the reference's cost does not depend on the selection.
         shared = np.stack([np.append(rng.choice(pos[t - t % 64] // N, K - 1, replace=False),
                                      pos[t] // N) for _ in range(Hkv) for t in range(T)])
         shared_args = list(args)
