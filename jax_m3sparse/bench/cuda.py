@@ -23,6 +23,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -31,9 +32,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jax_m3sparse as m3
 from jax_m3sparse import reference
+from jax_m3sparse import sharding as shd
 from jax_m3sparse.bench.timing import D, K, N, TOKEN_BYTES, copy_bandwidth, fill_cache
 
 REPS = 20
@@ -104,47 +107,58 @@ def _random_cache(shape, device, seed):
     return jax.device_put(bits(jax.random.key(seed)), device)
 
 
-def decode_scan(device, rng, T, dql, Hkv, G, seq=32768, with_ref=True, min_pages=8192):
-    """Per-layer seconds (ours, reference) and our kernel's trace figures, for decode inside a
-    jitted scan over LAYERS layers."""
+def decode_inputs(device, rng, T, dql, Hkv, G, seq=32768, min_pages=8192, layer_bytes=3 << 30):
+    """(steps, [q, cache, topks, bts, seq_lens] on ``device``) for :func:`decode_model`: each
+    step its own block table, top-k and q; the cache holds random NVFP4 pages."""
     R = T // dql
     blocks = -(-seq // N)
     steps = 8 if T <= 8 else (4 if T <= 32 else 2)
-    # Page pool: every request of every step gets its own pages while that fits in 3 GiB per
-    # layer; small batches draw from at least 8192 pages so that repeated runs miss L2.
+    # Page pool: every request of every step gets its own pages while that fits in
+    # ``layer_bytes`` per layer; small batches draw from at least ``min_pages`` pages so that
+    # repeated runs miss L2.
     per_layer = 2 * Hkv * N * TOKEN_BYTES
-    P = max(min_pages, min(R * blocks * steps, (3 << 30) // per_layer))
+    P = max(min_pages, min(R * blocks * steps, layer_bytes // per_layer))
     cache = _random_cache(m3.KVCacheSpec(Hkv).cache_shape(P, LAYERS), device, T)
     bts = np.stack([rng.choice(P, (R, blocks), replace=R * blocks > P) for _ in range(steps)])
     topks = np.stack([[np.argsort(rng.random((Hkv * T, blocks)), axis=1)[:, :K]
                        .reshape(Hkv, T, K) for _ in range(LAYERS)] for _ in range(steps)])
     q = rng.standard_normal((steps, LAYERS, T, Hkv * G, D)).astype(np.float32)
     seq_lens = np.full((R,), seq, np.int32)
-    args = [jax.device_put(a, device) for a in (
+    return steps, [jax.device_put(a, device) for a in (
         jnp.asarray(q, jnp.bfloat16), cache, topks.astype(np.int32), bts.astype(np.int32),
         seq_lens)]
 
-    def model(attend, unroll=1):
-        @jax.jit
-        def run(q, cache, topks, bts, seq_lens):
-            outs = []
-            for s in range(steps):
-                def layer(carry, xs):
-                    i, qi, ti = xs
-                    o = attend(qi, cache, ti, bts[s], seq_lens, 1.0, 1.0, decode_query_len=dql,
-                               layer=i)
-                    return carry, o
-                _, o = jax.lax.scan(layer, 0, (jnp.arange(LAYERS, dtype=jnp.int32), q[s],
-                                               topks[s]), unroll=unroll)
-                outs.append(o)
-            return outs
-        return run
 
-    ours = model(m3.sparse_decode)
+def decode_model(attend, steps, dql, unroll=1):
+    """The jitted decode of :func:`decode_inputs`' operands: ``steps`` steps, each a
+    ``lax.scan`` over the LAYERS layers (traced layer index); returns one [LAYERS, T, Hq, D]
+    output per step."""
+    @jax.jit
+    def run(q, cache, topks, bts, seq_lens):
+        outs = []
+        for s in range(steps):
+            def layer(carry, xs):
+                i, qi, ti = xs
+                o = attend(qi, cache, ti, bts[s], seq_lens, 1.0, 1.0, decode_query_len=dql,
+                           layer=i)
+                return carry, o
+            _, o = jax.lax.scan(layer, 0, (jnp.arange(LAYERS, dtype=jnp.int32), q[s],
+                                           topks[s]), unroll=unroll)
+            outs.append(o)
+        return outs
+    return run
+
+
+def decode_scan(device, rng, T, dql, Hkv, G, seq=32768, with_ref=True, min_pages=8192):
+    """Per-layer seconds (ours, reference) and our kernel's trace figures, for decode inside a
+    jitted scan over LAYERS layers."""
+    steps, args = decode_inputs(device, rng, T, dql, Hkv, G, seq, min_pages)
+    ours = decode_model(m3.sparse_decode, steps, dql)
     t_ours = _median_wall(ours, args) / (steps * LAYERS)
-    t_unrolled = _median_wall(model(m3.sparse_decode, LAYERS), args) / (steps * LAYERS)
-    t_ref = _median_wall(model(reference.sparse_decode), args, runs=3) / (steps * LAYERS) \
-        if with_ref else float("nan")
+    t_unrolled = _median_wall(decode_model(m3.sparse_decode, steps, dql, LAYERS), args) / (
+        steps * LAYERS)
+    t_ref = _median_wall(decode_model(reference.sparse_decode, steps, dql), args, runs=3) / (
+        steps * LAYERS) if with_ref else float("nan")
     events = gpu_events(ours, args)
     if os.environ.get("M3SPARSE_BENCH_TRACE"):  # what the jitted scan launches, per name
         _summary(events, f"T={T} G={G}", 12)
@@ -209,31 +223,41 @@ def gap(device, rng, T, Hkv=4, G=16, seq=32768, min_pages=8192):
             _summary(host, f"gap T={T} host", 25)
 
 
-def prefill(device, rng, T, Hkv=4, G=16, context=8192):
+def prefill_inputs(device, rng, T, Hkv=4, G=16, context=8192, reps=4):
+    """([q, cache, topks, bt, req_id, pos] on ``device``, flops of one call): one request of
+    ``T`` tokens after ``context``, ``reps`` distinct top-k selections."""
     kv_len = context + T
     blocks = -(-kv_len // N)
     cache = fill_cache(rng, m3.KVCacheSpec(Hkv).cache_shape(blocks), device)
     bt = jax.device_put(rng.permutation(blocks).astype(np.int32)[None], device)
     pos = np.arange(context, kv_len, dtype=np.int32)
-    reps = 4
     topks = np.stack([np.stack([rng.choice(p // N + 1, K, replace=False)
                                 for p in np.tile(pos, Hkv)]).reshape(Hkv, T, K)
                       for _ in range(reps)]).astype(np.int32)
     q = jnp.asarray(rng.standard_normal((T, Hkv * G, D)), jnp.bfloat16)
     args = [jax.device_put(a, device) for a in (q, cache, topks, bt, jnp.zeros(T, jnp.int32),
                                                 jnp.asarray(pos))]
-
-    @jax.jit
-    def many(q, cache, topks, bt, rid, pos):
-        return [m3.sparse_prefill(q, cache, topks[i], bt, rid, pos, 1.0, 1.0) for i in range(reps)]
-
-    t = _median_wall(many, args) / reps
-    mine = split_events(gpu_events(many, args), "sparse_attention")[0]
-    kern = statistics.median(mine) * 1e-6 if mine else float("nan")
     # attended keys per (token, KV head): min(128, vis - 128 b) per selected block
     vis = pos[None, :, None] + 1
     keys = np.clip(vis - N * topks[0], 0, N).sum()
-    flops = 4 * G * D * float(keys)
+    return args, 4 * G * D * float(keys)
+
+
+def prefill_model(reps=4):
+    """One jitted function that makes ``reps`` independent prefill calls (one per top-k)."""
+    @jax.jit
+    def many(q, cache, topks, bt, rid, pos):
+        return [m3.sparse_prefill(q, cache, topks[i], bt, rid, pos, 1.0, 1.0) for i in range(reps)]
+    return many
+
+
+def prefill(device, rng, T, Hkv=4, G=16, context=8192):
+    reps = 4
+    args, flops = prefill_inputs(device, rng, T, Hkv, G, context, reps)
+    many = prefill_model(reps)
+    t = _median_wall(many, args) / reps
+    mine = split_events(gpu_events(many, args), "sparse_attention")[0]
+    kern = statistics.median(mine) * 1e-6 if mine else float("nan")
     return t, kern, flops
 
 
@@ -271,6 +295,112 @@ def pack(device, rng, T, Hkv=4):
     return t, kern, nbytes
 
 
+# --- Tensor parallel over KV heads (``--tp N``) ----------------------------------------------
+
+AXIS = "tp"
+COLLECTIVE = re.compile(r"all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter")
+# operand specs of decode_inputs / prefill_inputs on a 1-D mesh (jax_m3sparse.sharding)
+DECODE_SPECS = (PartitionSpec(None, None, None, AXIS, None), shd.cache_spec(AXIS, 5),
+                PartitionSpec(None, None, AXIS, None, None), PartitionSpec(), PartitionSpec())
+PREFILL_SPECS = (shd.head_specs(AXIS)["q"], shd.cache_spec(AXIS, 4),
+                 PartitionSpec(None, AXIS, None, None), PartitionSpec(), PartitionSpec(),
+                 PartitionSpec())
+
+
+def _replicate_slots(cache, replicas, axis):
+    """Each KV head's K/V slot pair (slots 2h, 2h+1) ``replicas`` times along the head-slot
+    ``axis``: what :func:`jax_m3sparse.sharding.replicate_kv_heads` does to key/value before
+    pack, done to an already packed cache."""
+    if replicas == 1:
+        return cache
+    s = cache.shape
+    pairs = cache.reshape(*s[:axis], s[axis] // 2, 2, *s[axis + 1:])
+    return jnp.repeat(pairs, replicas, axis=axis).reshape(*s[:axis], s[axis] * replicas,
+                                                          *s[axis + 1:])
+
+
+def tp_operands(args, mesh, specs, replicas, slot_axis, topk_axis):
+    """The one-device operands ``args`` (q, cache, topk, ...) placed on ``mesh`` by ``specs``,
+    with the cache's and topk's KV heads replicated ``replicas`` times first (TP > Hkv)."""
+    args = list(args)
+    if replicas > 1:
+        args[1] = jax.jit(_replicate_slots, static_argnums=(1, 2))(args[1], replicas, slot_axis)
+        args[2] = shd.replicate_kv_heads(args[2], replicas, axis=topk_axis)
+    return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+
+
+def tp_compare(fn, args1, argsN, calls, ours="sparse_attention"):
+    """One jitted ``fn`` on one device and on the mesh: per-call seconds (TP 1, TP N), our
+    kernel's median device time in each trace, the collectives in the compiled TP-N module,
+    whether that module sees the cache's per-device shape, and max |out_N - out_1|."""
+    t1 = _median_wall(fn, args1) / calls
+    tn = _median_wall(fn, argsN) / calls
+    kern = []
+    for a in (args1, argsN):
+        mine = split_events(gpu_events(fn, a), ours)[0]
+        kern.append(statistics.median(mine) * 1e-6 if mine else float("nan"))
+    text = fn.lower(*argsN).compile().as_text()
+    local = argsN[1].addressable_shards[0].data.shape
+    local_in_hlo = f"u8[{','.join(map(str, local))}]" in text
+    out1 = jax.tree.leaves(fn(*args1))
+    outn = jax.tree.leaves(fn(*argsN))
+    diff = max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+               for a, b in zip(out1, outn))
+    return t1, tn, kern, COLLECTIVE.findall(text), local_in_hlo, local, diff
+
+
+def tp_bench(tp, platform="cuda", T=128, seq=32768, prefill_T=2048, context=8192,
+             min_pages=8192, layer_bytes=3 << 30):
+    """Decode (jitted layer scan, plain and unroll=8) and prefill with M3's attention heads
+    (Hq 64, Hkv 4) at TP 1 and TP ``tp`` in one run, the cache sharded over KV-head slots on a
+    1-D mesh; prints one table row per case."""
+    devices = jax.devices(platform)
+    if len(devices) < tp:
+        raise SystemExit(f"--tp {tp} needs {tp} {platform} devices, JAX sees {len(devices)}")
+    mesh = jax.make_mesh((tp,), (AXIS,), axis_types=(AxisType.Auto,), devices=devices[:tp])
+    dev0, rng = devices[0], np.random.default_rng(0)
+    Hkv, G = 4, 16
+    r = shd.kv_head_replicas(Hkv, tp)
+    stored = Hkv * r
+    copy_bw = copy_bandwidth(dev0, 1 << 30)
+    print(f"TP benchmark on {tp} x {dev0.device_kind} ({platform}); jax {jax.__version__}; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; copy bandwidth of device 0 "
+          f"{copy_bw / 1e12:.3f} TB/s (jitted x+1 over 1 GiB, read + write)")
+    print(f"Hq 64, Hkv {Hkv}: the cache stores {stored} KV heads ({r} cop{'y' if r == 1 else 'ies'}"
+          f" each), {stored // tp} per device, G = {64 // stored} per device; cache spec "
+          f"{shd.cache_spec(AXIS, 5)}; TP 1 = the unreplicated G = 16 cache on device 0")
+    print(f"decode: T = {T} rows (seq {seq}, top-{K}x{N}), jitted lax.scan over {LAYERS} layers, "
+          f"µs per layer; prefill: {prefill_T} tokens after {context}, µs per call")
+    print("case | TP 1 µs | TP N µs (per device) | TP1/TPN | TP N aggregate | TP 1 | kernel µs "
+          "TP 1 / TP N | collectives in TP-N HLO | local cache shape in HLO | max |out - TP 1|")
+    steps, args1 = decode_inputs(dev0, rng, T, 1, Hkv, G, seq, min_pages, layer_bytes)
+    argsN = tp_operands(args1, mesh, DECODE_SPECS, r, slot_axis=2, topk_axis=2)
+    bytes1 = T * Hkv * K * N * TOKEN_BYTES * 2      # every selected K/V byte read once
+    rows = []
+    for unroll in (1, LAYERS):
+        fn = decode_model(m3.sparse_decode, steps, 1, unroll)
+        res = tp_compare(fn, args1, argsN, steps * LAYERS)
+        t1, tn = res[:2]
+        rows.append((f"decode T={T} scan" + (f" unroll={unroll}" if unroll > 1 else ""), res,
+                     f"{bytes1 * r / tn / 1e12:.3f} TB/s", f"{bytes1 / t1 / 1e12:.3f} TB/s"))
+    del argsN
+    reps = 4
+    args1, flops = prefill_inputs(dev0, rng, prefill_T, Hkv, G, context, reps)
+    argsN = tp_operands(args1, mesh, PREFILL_SPECS, r, slot_axis=1, topk_axis=1)
+    res = tp_compare(prefill_model(reps), args1, argsN, reps)
+    rows.append((f"prefill {prefill_T} @ {context}", res, f"{flops / res[1] / 1e12:.1f} TFLOP/s",
+                 f"{flops / res[0] / 1e12:.1f} TFLOP/s"))
+    for name, (t1, tn, kern, coll, local_ok, local, diff), agg_n, agg_1 in rows:
+        print(f"{name} | {t1 * 1e6:8.2f} | {tn * 1e6:8.2f} | {t1 / tn:5.2f}x | {agg_n} | {agg_1} | "
+              f"{kern[0] * 1e6:7.2f} / {kern[1] * 1e6:7.2f} | {len(coll)}"
+              f"{' ' + ','.join(sorted(set(coll))) if coll else ''} | "
+              f"{'yes' if local_ok else 'NO'} u8{list(local)} | {diff:.3g}")
+    bad = [name for name, res, *_ in rows if res[3] or not res[4]]
+    print("HLO check: " + ("no collective in any TP-%d module; each device's module takes its "
+                           "own cache shard" % tp if not bad else f"FAILED for {bad}"))
+    return 0 if not bad else 1
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m jax_m3sparse.bench.cuda", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -278,7 +408,19 @@ def main(argv=None):
     parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
     parser.add_argument("--gap", action="store_true",
                         help="only the kernel vs through-JAX gap analysis (variants of the scan)")
+    parser.add_argument("--tp", type=int, metavar="N",
+                        help="only decode T = 128 and prefill 2048 @ 8192 at TP 1 and TP N, the "
+                             "cache sharded over KV heads on N devices (M3's heads: G = 16 for "
+                             "N <= 4, KV heads replicated and G = 8 at N = 8)")
+    parser.add_argument("--platform", default="cuda",
+                        help="JAX platform of --tp (cpu: a dry run on simulated devices)")
+    parser.add_argument("--small", action="store_true",
+                        help="with --tp: small shapes (T 16, seq 2048, prefill 128 @ 2048)")
     args = parser.parse_args(argv)
+    if args.tp:
+        small = dict(T=16, seq=2048, prefill_T=128, context=2048, min_pages=64,
+                     layer_bytes=1 << 22) if args.small else {}
+        return tp_bench(args.tp, args.platform, **small)
     device = jax.devices("cuda")[0]
     rng = np.random.default_rng(0)
     if args.gap:
