@@ -31,6 +31,8 @@ def parse_args(argv=None):
     io.add_argument("--max-prompt-tokens", type=int, default=None, help="cut every prompt to this")
     io.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per prompt")
     io.add_argument("--plot", metavar="FILE.png", help="draw accuracy per layer and decode step")
+    io.add_argument("--tokens-json", metavar="FILE.json",
+                    help="write the generated tokens per request (to compare runs, e.g. --tp)")
     io.add_argument("--platform", help="JAX backend (cpu, cuda, rocm, ...); default: JAX's choice")
     io.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel devices: heads, MLP and the NVFP4 cache sharded over "
@@ -120,6 +122,15 @@ def main(argv=None):
                    cache_kv_heads=cfg.cache_kv_heads,
                    generated={r.rid: r.generated for r in finished})
     print(report.format_summary(summary, cfg))
+    st = engine.stats
+    summary["decode_step_ms"] = 1e3 * st.decode_seconds / max(st.decode_only_steps, 1)
+    print(f"decode step: {summary['decode_step_ms']:.2f} ms per decode-only step "
+          f"({st.decode_only_steps} timed steps), {1e3 / max(summary['decode_tok_s'], 1e-9):.2f} "
+          f"ms per decoded token")
+    if args.tokens_json:
+        import json  # noqa: PLC0415
+        with open(args.tokens_json, "w") as f:
+            json.dump({str(k): [int(t) for t in v] for k, v in summary["generated"].items()}, f)
     if args.plot:
         if "attn_cos" not in summary:
             print("--plot needs the reference stream (drop --no-compare)")
