@@ -2,12 +2,14 @@
 # One device call for the CUDA backend (H200, kind nvidia-h200): builds the standalone harness
 # and the Python modules, runs correctness (harness + tests/cuda through the public API), then
 # the timings. Logs go to $OUT (the device tool brings them back) or ./out.
-#   tools/device_check.sh [quick|full|sanitize|profile|final|variants|race]
+#   tools/device_check.sh [quick|full|sanitize|profile|final|variants|race|tp]
 #     quick: smaller benchmark set; sanitize: compute-sanitizer memcheck + racecheck on the
 #     harness and memcheck on the public-API GPU tests (no timings); profile: ncu on the harness;
 #     final: the bench.cuda table, sanitizers and the scan gap analysis in one call;
 #     variants: harness only (every launch variant's correctness and timings, ncu of NCU_KERNELS;
-#     SANITIZE=1, PYTEST=1, NCU_PIPES add steps); race: racecheck of harness --short only
+#     SANITIZE=1, PYTEST=1, NCU_PIPES add steps); race: racecheck of harness --short only;
+#     tp: several GPUs (kind nvidia-h200-x2 and up): bench.cuda --tp N and the M3 example at
+#     --tp 1 and N (N = TP, default every GPU; TP_STEPS picks from "bench example m3 pytest")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -37,6 +39,78 @@ build_harness() {
   nvcc $flags "$B/attention.o" "$B/pack.o" "$B/harness.o" -o "$B/harness" ||
     { echo "harness build failed"; return 1; }
 }
+
+if [ "$MODE" = tp ]; then  # several GPUs: tensor parallel over KV heads (issue 11)
+  # NVLink multicast stays off (the device docs: it can take the host's GPUs out of service)
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  export PYTHONPATH=$ROOT
+  TP=${TP:-$(nvidia-smi -L | wc -l)}
+  STEPS=${TP_STEPS:-bench example m3 pytest}
+  if ! ls jax_m3sparse/_m3sparse_cuda*.so >/dev/null 2>&1; then  # a warm machine keeps it
+    # each module its own target: a half-edited CPU backend must not stop the CUDA one
+    cmake -S ffi -B "$B/cmake" -G Ninja -DM3SPARSE_ENABLE_CUDA=ON -DM3SPARSE_NATIVE=OFF \
+      -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/cmake.log" 2>&1
+    (cmake --build "$B/cmake" -j 24 --target _m3sparse_cpu >>"$OUT/cmake.log" 2>&1 &&
+      cp "$B"/cmake/_m3sparse_cpu*.so jax_m3sparse/ || echo "CPU module build failed") &
+    CPU_PID=$!
+    cmake --build "$B/cmake" -j 24 --target _m3sparse_cuda >>"$OUT/cmake.log" 2>&1 &&
+      cp "$B"/cmake/cuda/_m3sparse_cuda*.so jax_m3sparse/ ||
+      { echo "CUDA module build failed"; tail -30 "$OUT/cmake.log"; exit 1; }
+  fi
+  echo "=== nvidia-smi topo -m; lscpu"
+  nvidia-smi topo -m
+  lscpu | head -16
+  echo "NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST=$TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS=$NVSHMEM_DISABLE_NVLS TP=$TP"
+  date -u
+  if [[ " $STEPS " == *" bench "* ]]; then
+    echo "=== python -m jax_m3sparse.bench.cuda --tp $TP"
+    timeout 240 python3 -m jax_m3sparse.bench.cuda --tp "$TP" 2>&1 | tee "$OUT/bench_tp.log" |
+      grep -vE "^[WI][0-9]{4} "
+    date -u
+  fi
+  # The M3 example at --tp 1 and --tp N: the same tokens? per-device cache, step time.
+  prompts=()  # the default prompts live in /usr/share/common-licenses; else this repo's docs
+  [ -d /usr/share/common-licenses ] || prompts=(--prompt-file README.md --prompt-file BUILD.md
+    --prompt-file docs/SPEC.md --prompt-file BENCHMARKS.md --max-prompt-tokens 1500)
+  example() {  # $1: label; $2: tp; rest: model flags
+    local label=$1 tp=$2; shift 2
+    echo "--- $label: examples/minimax_m3_generate.py --platform cuda --tp $tp --no-compare $*" |
+      tee -a "$OUT/example.log"
+    timeout 200 python3 examples/minimax_m3_generate.py --platform cuda --tp "$tp" --no-compare \
+      "${prompts[@]}" --tokens-json "$B/tokens_${label}_tp$tp.json" "$@" >>"$OUT/example.log" 2>&1
+    echo "rc=$?"
+    grep -E "^backend|^requests|^prefill:|^decode|^NVFP4 cache" "$OUT/example.log" | tail -6
+  }
+  same_tokens() {  # $1 $2: two --tokens-json files
+    python3 - "$1" "$2" <<'PY'
+import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:3])
+n = sum(len(v) for v in a.values())
+eq = sum(x == y for k in a for x, y in zip(a[k], b.get(k, [])))
+same = sum(a[k] == b.get(k) for k in a)
+print(f"tokens equal to tp 1: {eq} of {n}; requests identical: {same} of {len(a)}")
+PY
+  }
+  for label in example m3; do
+    [[ " $STEPS " == *" $label "* ]] || continue
+    flags=(); [ $label = m3 ] && flags=(--heads 64 --kv-heads 4)  # M3's head counts
+    echo "=== M3 example ($label) at --tp 1 and --tp $TP"
+    example $label 1 "${flags[@]}"
+    example $label "$TP" "${flags[@]}"
+    same_tokens "$B/tokens_${label}_tp1.json" "$B/tokens_${label}_tp$TP.json"
+    date -u
+  done
+  if [[ " $STEPS " == *" pytest "* ]]; then
+    # tests/test_sharding.py needs 8 devices: it runs on the device machine's CPU (simulated
+    # devices), which checks the partitioners under that image's jax version
+    wait ${CPU_PID:-}
+    echo "=== JAX_PLATFORMS=cpu pytest -q tests/test_sharding.py (jax of the device image)"
+    JAX_PLATFORMS=cpu timeout 150 python3 -m pytest -q tests/test_sharding.py \
+      -p no:cacheprovider 2>&1 | tee "$OUT/pytest_sharding.log" | tail -4
+  fi
+  date -u
+  exit 0
+fi
 
 if [ "$MODE" = profile ]; then
   build_harness -lineinfo || exit 1
