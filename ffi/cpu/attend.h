@@ -10,7 +10,7 @@
 // v_scale into the epilogue. A row with nothing attended gets exact zeros.
 //
 // The tile math runs on one of several paths chosen per call (isa.h): `generic` here,
-// `avx2` in attend_avx2.h. Each path is a Kernel of kChunk token slots with begin (a slot's q
+// `avx2` in attend_avx2.h, `avx512` and `amx` in attend_bf16.h. Each path is a Kernel of kChunk token slots with begin (a slot's q
 // rows) / dequantize (one selected tile pair, shared) / block (fold it into one slot) / finish
 // (a slot's normalized rows).
 #pragma once
@@ -24,6 +24,7 @@
 #include "parallel.h"
 #if M3_X86
 #include "attend_avx2.h"
+#include "attend_bf16.h"
 #endif
 
 namespace m3sparse {
@@ -157,6 +158,8 @@ inline ffi::Future run_attend(ffi::ThreadPool& pool, AttendArgs a) {
   void (*items_fn)(const AttendArgs&, int64_t, int64_t) = attend_items<generic::Kernel>;
 #if M3_X86
   if (path >= CpuPath::kAvx2) items_fn = attend_items<avx2::Kernel>;
+  if (path >= CpuPath::kAvx512) items_fn = attend_items<bf16tile::Kernel<bf16tile::DotMma>>;
+  if (path >= CpuPath::kAmx) items_fn = attend_items<bf16tile::Kernel<bf16tile::AmxMma>>;
 #endif
   return parallel_for(pool, a.num_tokens * a.num_kv_heads, kItemsPerTask,
                       [a, items_fn](int64_t begin, int64_t end) { items_fn(a, begin, end); });

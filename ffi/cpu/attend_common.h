@@ -69,6 +69,14 @@ inline float fast_exp2(float x) {
   return p * bits_float(uint32_t(e) << 23);
 }
 
+// Where the SIMD paths store dim d of a dequantized row: within each group of 16, the even
+// dims (low nibbles) first, then the odd ones (high nibbles); q and the output are permuted to
+// match, which dot products do not notice.
+inline int64_t stored_dim(int64_t d) {
+  const int64_t i = d & 15;
+  return (d & ~int64_t{15}) + ((i & 1) ? 8 + i / 2 : i / 2);
+}
+
 // SPEC §5.2: the page of a selected block, or −1 if the slot is invalid.
 inline int64_t selected_page(const AttendArgs& a, int64_t r, int64_t b, int64_t vis) {
   if (b < 0 || b >= a.max_blocks || b * a.geo.block_size >= vis) return -1;

@@ -5,6 +5,7 @@
 //   avx2     AVX2 + FMA: SIMD NVFP4 dequantization, fp32 FMA tile math, vector exp2
 //   avx512   AVX-512 F/BW/VL/DQ + AVX512_BF16: bf16 tiles, vdpbf16ps, fp32 accumulation
 //   amx      avx512 plus AMX-BF16 tile products; Linux needs an arch_prctl permission first
+//            (refused: the avx512 path)
 //
 // Each path is the best one the machine (and OS) supports at or below the cap.
 #pragma once
@@ -65,7 +66,7 @@ inline CpuPath detect_cpu_path() { return CpuPath::kGeneric; }
 #endif
 
 // The widest path this module implements.
-constexpr CpuPath kWidestBuilt = M3_X86 ? CpuPath::kAvx2 : CpuPath::kGeneric;
+constexpr CpuPath kWidestBuilt = M3_X86 ? CpuPath::kAmx : CpuPath::kGeneric;
 
 // The widest path this machine supports and the module implements (detected once).
 inline CpuPath machine_cpu_path() {

@@ -126,6 +126,10 @@ double kernel_gflops(const std::string& path, bool cached) {
   if (path == "generic") return kernel_rate<generic::Kernel>(cached);
 #if M3_X86
   if (path == "avx2" && machine_cpu_path() >= CpuPath::kAvx2) return kernel_rate<avx2::Kernel>(cached);
+  if (path == "avx512" && machine_cpu_path() >= CpuPath::kAvx512)
+    return kernel_rate<bf16tile::Kernel<bf16tile::DotMma>>(cached);
+  if (path == "amx" && machine_cpu_path() >= CpuPath::kAmx)
+    return kernel_rate<bf16tile::Kernel<bf16tile::AmxMma>>(cached);
 #endif
   return -1.0;
 }
