@@ -2,12 +2,14 @@
 # One device call for the CUDA backend (H200, kind nvidia-h200): builds the standalone harness
 # and the Python modules, runs correctness (harness + tests/cuda through the public API), then
 # the timings. Logs go to $OUT (the device tool brings them back) or ./out.
-#   tools/device_check.sh [quick|full|sanitize|profile|final|variants|race|tp]
+#   tools/device_check.sh [quick|full|sanitize|profile|final|variants|race|tp|cpu]
 #     quick: smaller benchmark set; sanitize: compute-sanitizer memcheck + racecheck on the
 #     harness and memcheck on the public-API GPU tests (no timings); profile: ncu on the harness;
 #     final: the bench.cuda table, sanitizers and the scan gap analysis in one call;
 #     variants: harness only (every launch variant's correctness and timings, ncu of NCU_KERNELS;
 #     SANITIZE=1, PYTEST=1, NCU_PIPES add steps); race: racecheck of harness --short only;
+#     cpu: the host CPU's attention paths (CPU module only): tests, then bench peak/decode/
+#     prefill on 2 cores (CPU_STEPS, CORES choose);
 #     tp: several GPUs (kind nvidia-h200-x2 and up): bench.cuda --tp N and the M3 example at
 #     --tp 1 and N (N = TP, default every GPU; TP_STEPS picks from "bench example m3 pytest")
 set -uo pipefail
@@ -109,6 +111,32 @@ PY
       -p no:cacheprovider 2>&1 | tee "$OUT/pytest_sharding.log" | tail -4
   fi
   date -u
+  exit 0
+fi
+
+if [ "$MODE" = cpu ]; then  # the host CPU's attention paths (AVX-512 BF16, AMX; issue 10)
+  export PYTHONPATH=$ROOT JAX_PLATFORMS=cpu
+  cmake -S ffi -B "$B/cpu" -G Ninja -DM3SPARSE_NATIVE=OFF \
+    -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/cmake_cpu.log" 2>&1 &&
+    cmake --build "$B/cpu" -j "$(nproc)" --target _m3sparse_cpu >>"$OUT/cmake_cpu.log" 2>&1 &&
+    cp "$B"/cpu/_m3sparse_cpu*.so jax_m3sparse/ ||
+    { echo "CPU module build failed"; tail -30 "$OUT/cmake_cpu.log"; exit 1; }
+  lscpu | grep -E "Model name|^CPU\(s\)"
+  grep -o -w -E "avx512f|avx512_bf16|amx_tile|amx_bf16" /proc/cpuinfo | sort | uniq -c
+  python3 -c "from jax_m3sparse import _m3sparse_cpu as m; print('paths', m.cpu_paths(), 'now', m.cpu_path())"
+  CORES=${CORES:-0,1}  # the timings on 2 cores, as on the development machine
+  for step in ${CPU_STEPS:-test peak decode prefill}; do
+    date -u
+    if [ "$step" = test ]; then
+      echo "=== pytest tests/test_cpu_paths.py (every path of this CPU)"
+      timeout 300 python3 -m pytest -q tests/test_cpu_paths.py -p no:cacheprovider 2>&1 |
+        tee "$OUT/pytest_cpu_paths.log" | tail -25
+    else
+      echo "=== taskset -c $CORES python -m jax_m3sparse.bench $step --platform cpu"
+      taskset -c "$CORES" timeout 300 python3 -m jax_m3sparse.bench "$step" --platform cpu \
+        2>"$OUT/bench_$step.err" | tee "$OUT/bench_$step.log"
+    fi
+  done
   exit 0
 fi
 

@@ -120,6 +120,11 @@ def read_bandwidth(device, nbytes=256 << 20):
     return nbytes / median_time(jax.jit(jnp.sum), (x,), 5)
 
 
+# The multiply-add loop (ffi/cpu/peak.cc) that bounds each CPU path's tile math.
+PATH_LOOPS = {"generic": "fp32_fma_avx2", "avx2": "fp32_fma_avx2",
+              "avx512": "bf16_dot_avx512", "amx": "bf16_amx"}
+
+
 def cpu_peaks():
     """{name: GFLOP/s} of the register-resident multiply-add loops in ffi/cpu/peak.cc on all
     cores, for the instructions this machine has."""
@@ -141,15 +146,16 @@ def bench_peak(device, quick=False):
         for kind, g in cpu_peaks().items():
             print(f"{kind} | {g:8.1f} GFLOP/s")
         from jax_m3sparse import _m3sparse_cpu  # noqa: PLC0415
-        print("\nattention block math, one thread (no jit, no DRAM; % of the FMA loop on one "
-              "thread, measured just before)")
-        print("path | GFLOP/s | % loop | one tile, dequantized once: GFLOP/s\n" + "-" * 62)
+        print("\nattention block math, one thread (no jit, no DRAM; % of the path's own "
+              "multiply-add loop on one thread, measured just before)")
+        print("path | GFLOP/s | loop | % loop | one tile, dequantized once: GFLOP/s\n" + "-" * 72)
         for path in cpu_paths(device):
-            loop = _m3sparse_cpu.peak_gflops("fp32_fma_avx2", 1)
+            kind = PATH_LOOPS.get(path, "fp32_fma_avx2")
+            loop = _m3sparse_cpu.peak_gflops(kind, 1)
             g = _m3sparse_cpu.kernel_gflops(path, False)
             c = f"{_m3sparse_cpu.kernel_gflops(path, True):7.1f}"
             pct = f"{100 * g / loop:5.0f}%" if loop > 0 else "  n/a"
-            print(f"{path} | {g:7.1f} | {pct} | {c}")
+            print(f"{path} | {g:7.1f} | {kind} | {pct} | {c}")
         print()
     print(f"copy (x + 1, donated, read + write) | {copy_bandwidth(device) / 1e9:8.1f} GB/s")
     print(f"read (sum) | {read_bandwidth(device) / 1e9:8.1f} GB/s")
