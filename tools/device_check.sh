@@ -90,7 +90,10 @@ a, b = (json.load(open(f)) for f in sys.argv[1:3])
 n = sum(len(v) for v in a.values())
 eq = sum(x == y for k in a for x, y in zip(a[k], b.get(k, [])))
 same = sum(a[k] == b.get(k) for k in a)
-print(f"tokens equal to tp 1: {eq} of {n}; requests identical: {same} of {len(a)}")
+first = {k: next(i for i, (x, y) in enumerate(zip(a[k], b[k])) if x != y)
+         for k in a if a[k] != b.get(k)}
+print(f"tokens equal: {eq} of {n}; requests identical: {same} of {len(a)}; first differing "
+      f"token per request: {first or 'none'}")
 PY
   }
   for label in example m3; do
@@ -100,6 +103,11 @@ PY
     example $label 1 "${flags[@]}"
     example $label "$TP" "${flags[@]}"
     same_tokens "$B/tokens_${label}_tp1.json" "$B/tokens_${label}_tp$TP.json"
+    if [ $label = m3 ]; then  # run to run at tp N: is the difference deterministic?
+      cp "$B/tokens_m3_tp$TP.json" "$B/tokens_m3_first.json"
+      example $label "$TP" "${flags[@]}"
+      same_tokens "$B/tokens_m3_first.json" "$B/tokens_m3_tp$TP.json"
+    fi
     date -u
   done
   if [[ " $STEPS " == *" pytest "* ]]; then

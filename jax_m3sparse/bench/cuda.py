@@ -107,12 +107,13 @@ def _random_cache(shape, device, seed):
     return jax.device_put(bits(jax.random.key(seed)), device)
 
 
-def decode_inputs(device, rng, T, dql, Hkv, G, seq=32768, min_pages=8192, layer_bytes=3 << 30):
+def decode_inputs(device, rng, T, dql, Hkv, G, seq=32768, min_pages=8192, layer_bytes=3 << 30,
+                  steps=None):
     """(steps, [q, cache, topks, bts, seq_lens] on ``device``) for :func:`decode_model`: each
     step its own block table, top-k and q; the cache holds random NVFP4 pages."""
     R = T // dql
     blocks = -(-seq // N)
-    steps = 8 if T <= 8 else (4 if T <= 32 else 2)
+    steps = steps or (8 if T <= 8 else (4 if T <= 32 else 2))
     # Page pool: every request of every step gets its own pages while that fits in
     # ``layer_bytes`` per layer; small batches draw from at least ``min_pages`` pages so that
     # repeated runs miss L2.
@@ -329,10 +330,17 @@ def tp_operands(args, mesh, specs, replicas, slot_axis, topk_axis):
     return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
 
 
+def _max_abs(a, b):
+    return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+
+
 def tp_compare(fn, args1, argsN, calls, ours="sparse_attention"):
     """One jitted ``fn`` on one device and on the mesh: per-call seconds (TP 1, TP N), our
     kernel's median device time in each trace, the collectives in the compiled TP-N module,
-    whether that module sees the cache's per-device shape, and max |out_N - out_1|."""
+    whether that module sees the cache's per-device shape, max |out_N - out_1| and its
+    relative Frobenius norm, and max |shard - fn(that device's own operand shards)| over the
+    devices (0: each device's part of the TP-N module computes exactly what a one-device call
+    on its shards does)."""
     t1 = _median_wall(fn, args1) / calls
     tn = _median_wall(fn, argsN) / calls
     kern = []
@@ -344,9 +352,16 @@ def tp_compare(fn, args1, argsN, calls, ours="sparse_attention"):
     local_in_hlo = f"u8[{','.join(map(str, local))}]" in text
     out1 = jax.tree.leaves(fn(*args1))
     outn = jax.tree.leaves(fn(*argsN))
-    diff = max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
-               for a, b in zip(out1, outn))
-    return t1, tn, kern, COLLECTIVE.findall(text), local_in_hlo, local, diff
+    diff = max(_max_abs(a, b) for a, b in zip(out1, outn))
+    rel = float(np.sqrt(sum(np.sum((np.asarray(a, np.float32) - np.asarray(b, np.float32)) ** 2)
+                            for a, b in zip(out1, outn)) /
+                        sum(np.sum(np.asarray(a, np.float32) ** 2) for a in out1)))
+    own = 0.0
+    for dev in argsN[1].sharding.device_set:
+        shard = lambda x: next(s.data for s in x.addressable_shards if s.device == dev)
+        got = jax.tree.leaves(fn(*[shard(a) for a in argsN]))
+        own = max([own] + [_max_abs(shard(a), b) for a, b in zip(outn, got)])
+    return t1, tn, kern, COLLECTIVE.findall(text), local_in_hlo, local, diff, rel, own
 
 
 def tp_bench(tp, platform="cuda", T=128, seq=32768, prefill_T=2048, context=8192,
@@ -372,8 +387,11 @@ def tp_bench(tp, platform="cuda", T=128, seq=32768, prefill_T=2048, context=8192
     print(f"decode: T = {T} rows (seq {seq}, top-{K}x{N}), jitted lax.scan over {LAYERS} layers, "
           f"µs per layer; prefill: {prefill_T} tokens after {context}, µs per call")
     print("case | TP 1 µs | TP N µs (per device) | TP1/TPN | TP N aggregate | TP 1 | kernel µs "
-          "TP 1 / TP N | collectives in TP-N HLO | local cache shape in HLO | max |out - TP 1|")
-    steps, args1 = decode_inputs(dev0, rng, T, 1, Hkv, G, seq, min_pages, layer_bytes)
+          "TP 1 / TP N | collectives in TP-N HLO | local cache shape in HLO | max |out - TP 1| "
+          "(rel-F) | max |shard - one-device call on its shards|")
+    # 8 steps per call (pages shared between steps, still 3 GiB a layer): the dispatch of a
+    # several-device call is amortized over 64 layers
+    steps, args1 = decode_inputs(dev0, rng, T, 1, Hkv, G, seq, min_pages, layer_bytes, steps=8)
     argsN = tp_operands(args1, mesh, DECODE_SPECS, r, slot_axis=2, topk_axis=2)
     bytes1 = T * Hkv * K * N * TOKEN_BYTES * 2      # every selected K/V byte read once
     rows = []
@@ -390,11 +408,11 @@ def tp_bench(tp, platform="cuda", T=128, seq=32768, prefill_T=2048, context=8192
     res = tp_compare(prefill_model(reps), args1, argsN, reps)
     rows.append((f"prefill {prefill_T} @ {context}", res, f"{flops / res[1] / 1e12:.1f} TFLOP/s",
                  f"{flops / res[0] / 1e12:.1f} TFLOP/s"))
-    for name, (t1, tn, kern, coll, local_ok, local, diff), agg_n, agg_1 in rows:
+    for name, (t1, tn, kern, coll, local_ok, local, diff, rel, own), agg_n, agg_1 in rows:
         print(f"{name} | {t1 * 1e6:8.2f} | {tn * 1e6:8.2f} | {t1 / tn:5.2f}x | {agg_n} | {agg_1} | "
               f"{kern[0] * 1e6:7.2f} / {kern[1] * 1e6:7.2f} | {len(coll)}"
               f"{' ' + ','.join(sorted(set(coll))) if coll else ''} | "
-              f"{'yes' if local_ok else 'NO'} u8{list(local)} | {diff:.3g}")
+              f"{'yes' if local_ok else 'NO'} u8{list(local)} | {diff:.3g} ({rel:.2g}) | {own:.3g}")
     bad = [name for name, res, *_ in rows if res[3] or not res[4]]
     print("HLO check: " + ("no collective in any TP-%d module; each device's module takes its "
                            "own cache shard" % tp if not bad else f"FAILED for {bad}"))
