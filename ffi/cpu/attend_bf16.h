@@ -52,13 +52,29 @@ inline uint32_t load_word(const uint16_t* p) {
   return w;
 }
 
-// C (16 rows, stride ldc floats) = [C +] Σ_{k < kpairs} A[·][2k, 2k+1] · B[k][·]: A has 16 rows
-// of bf16 (stride lda elements), B kpairs rows of 16 bf16 pairs (stride ldb words).
-// AVX-512 BF16: 16 accumulator rows; each B row feeds 16 vdpbf16ps with broadcast A pairs.
+// The matrix products of one block, on 16 × 16 fp32 tiles. `count` (≤ 4) independent tiles
+// share one operand, so AMX's multiply latency is hidden behind the others:
+//   shared_b: C + t·cstep (row stride ldc floats) = [C +] A_t · B, A_t = A + t·astep;
+//   shared_a: C + t·cstep = [C +] A · B_t, B_t = B + t·bstep.
+// A: 16 rows of bf16 (stride lda elements); B: kpairs rows of 16 bf16 pairs (stride ldb words);
+// the product sums kpairs pairs.
+struct Operands {
+  float* C;
+  int64_t ldc, cstep;
+  const uint16_t* A;
+  int64_t lda, astep;
+  const uint32_t* B;
+  int64_t ldb, bstep, kpairs;
+  int count;
+  bool accumulate;
+};
+
+// AVX-512 BF16: 16 accumulator rows per tile; each B row feeds 16 vdpbf16ps with broadcast
+// A pairs.
 struct DotMma {
   static void begin() {}
   static void end() {}
-  static void gemm(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint32_t* B,
+  static void tile(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint32_t* B,
                    int64_t ldb, int64_t kpairs, bool accumulate) {
     __m512 acc[16];
 #pragma GCC unroll 16
@@ -72,17 +88,26 @@ struct DotMma {
 #pragma GCC unroll 16
     for (int m = 0; m < 16; ++m) _mm512_storeu_ps(C + m * ldc, acc[m]);
   }
+  static void shared_b(const Operands& o) {
+    for (int t = 0; t < o.count; ++t)
+      tile(o.C + t * o.cstep, o.ldc, o.A + t * o.astep, o.lda, o.B, o.ldb, o.kpairs, o.accumulate);
+  }
+  static void shared_a(const Operands& o) {
+    for (int t = 0; t < o.count; ++t)
+      tile(o.C + t * o.cstep, o.ldc, o.A, o.lda, o.B + t * o.bstep, o.ldb, o.kpairs, o.accumulate);
+  }
 };
 
-// AMX: tile 0 accumulates, tiles 1/2 hold A/B; kpairs is a multiple of 16 (32 bf16 per A
-// row). The tile configuration is loaded around each block (begin/end), because other code
-// on the same thread (XLA's own AMX kernels) may configure the tiles differently.
+// AMX: tiles 0–3 accumulate, tile 4 holds the shared operand's k-step, tiles 5–7 the others'
+// (the fourth reuses 5). kpairs is a multiple of 16 (32 bf16 per A row). The configuration is
+// loaded around each block (begin/end), because other code on the same thread (XLA's own
+// AMX kernels) may configure the tiles differently. Tile numbers must be literals.
 struct AmxMma {
   static void begin() {
     alignas(64) static const std::array<uint8_t, 64> config = [] {
       std::array<uint8_t, 64> c{};
       c[0] = 1;  // palette 1
-      for (int t = 0; t < 3; ++t) {
+      for (int t = 0; t < 8; ++t) {
         c[16 + 2 * t] = 64;  // bytes per row
         c[48 + t] = 16;      // rows
       }
@@ -91,16 +116,53 @@ struct AmxMma {
     _tile_loadconfig(config.data());
   }
   static void end() { _tile_release(); }
-  static void gemm(float* C, int64_t ldc, const uint16_t* A, int64_t lda, const uint32_t* B,
-                   int64_t ldb, int64_t kpairs, bool accumulate) {
-    if (accumulate) _tile_loadd(0, C, ldc * 4);
-    else _tile_zero(0);
-    for (int64_t k = 0; k < kpairs; k += 16) {
-      _tile_loadd(1, A + 2 * k, lda * 2);
-      _tile_loadd(2, B + k * ldb, ldb * 4);
-      _tile_dpbf16ps(0, 1, 2);
+
+  static void init(const Operands& o) {
+    if (o.accumulate) {
+      _tile_loadd(0, o.C, o.ldc * 4);
+      if (o.count > 1) _tile_loadd(1, o.C + o.cstep, o.ldc * 4);
+      if (o.count > 2) _tile_loadd(2, o.C + 2 * o.cstep, o.ldc * 4);
+      if (o.count > 3) _tile_loadd(3, o.C + 3 * o.cstep, o.ldc * 4);
+    } else {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
     }
-    _tile_stored(0, C, ldc * 4);
+  }
+  static void store(const Operands& o) {
+    _tile_stored(0, o.C, o.ldc * 4);
+    if (o.count > 1) _tile_stored(1, o.C + o.cstep, o.ldc * 4);
+    if (o.count > 2) _tile_stored(2, o.C + 2 * o.cstep, o.ldc * 4);
+    if (o.count > 3) _tile_stored(3, o.C + 3 * o.cstep, o.ldc * 4);
+  }
+  static void shared_b(const Operands& o) {
+    init(o);
+    const int64_t sa = o.lda * 2, sb = o.ldb * 4;
+    for (int64_t k = 0; k < o.kpairs; k += 16) {
+      const uint16_t* a = o.A + 2 * k;
+      _tile_loadd(4, o.B + k * o.ldb, sb);
+      _tile_loadd(5, a, sa);
+      _tile_dpbf16ps(0, 5, 4);
+      if (o.count > 1) { _tile_loadd(6, a + o.astep, sa); _tile_dpbf16ps(1, 6, 4); }
+      if (o.count > 2) { _tile_loadd(7, a + 2 * o.astep, sa); _tile_dpbf16ps(2, 7, 4); }
+      if (o.count > 3) { _tile_loadd(5, a + 3 * o.astep, sa); _tile_dpbf16ps(3, 5, 4); }
+    }
+    store(o);
+  }
+  static void shared_a(const Operands& o) {
+    init(o);
+    const int64_t sa = o.lda * 2, sb = o.ldb * 4;
+    for (int64_t k = 0; k < o.kpairs; k += 16) {
+      const uint32_t* b = o.B + k * o.ldb;
+      _tile_loadd(4, o.A + 2 * k, sa);
+      _tile_loadd(5, b, sb);
+      _tile_dpbf16ps(0, 4, 5);
+      if (o.count > 1) { _tile_loadd(6, b + o.bstep, sb); _tile_dpbf16ps(1, 4, 6); }
+      if (o.count > 2) { _tile_loadd(7, b + 2 * o.bstep, sb); _tile_dpbf16ps(2, 4, 7); }
+      if (o.count > 3) { _tile_loadd(5, b + 3 * o.bstep, sb); _tile_dpbf16ps(3, 4, 5); }
+    }
+    store(o);
   }
 };
 
@@ -120,19 +182,34 @@ inline __m512 exp2_ps(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-// One group of 16 elements (8 data bytes, one E4M3 scale) as fp32 in stored-dim order: lanes
-// 0–7 the low nibbles (even dims), 8–15 the high ones. vpermps uses an index's low 4 bits,
-// which are the whole E2M1 code (sign included) for both halves.
-inline __m512 dequantize_group(const uint8_t* bytes, float scale) {
-  const __m512 codes = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
-  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
-  const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(lo), _mm256_srli_epi32(lo, 4), 1);
-  return _mm512_permutexvar_ps(idx, _mm512_mul_ps(codes, _mm512_set1_ps(scale)));
+// Dims are stored in blocks of 32 (two scale groups, 16 data bytes): a K row holds, per block,
+// the low nibbles of its 16 bytes (even dims), then the high nibbles (odd dims); q is stored
+// the same way. Position p of a block holds dim 2·(p mod 16) + p / 16.
+inline int64_t k_position(int64_t d) { return (d & ~int64_t{31}) + (d & 1) * 16 + (d & 31) / 2; }
+
+// A V pair row interleaves two keys' K-ordered rows word by word within 128-bit lanes
+// (vpunpcklwd / vpunpckhwd): pair word v of a block holds K position 8·(i / 4) + i mod 4 (+ 4
+// for the second half, v ≥ 16), i = v mod 16.
+inline int64_t v_position(int64_t d) {
+  const int64_t p = k_position(d) & 31;
+  const int64_t half = (p & 4) ? 16 : 0;
+  return (d & ~int64_t{31}) + half + (p / 8) * 4 + (p & 3);
 }
 
-// Upper 16 bits of each lane (the exact bf16 of a dequantized value), in the low half.
-inline __m512i high_half(__m512 v) { return _mm512_srli_epi32(_mm512_castps_si512(v), 16); }
+// One key's 32 dims of a block (16 data bytes, two E4M3 scales) as bf16 in K order: each
+// scale times the 16 signed E2M1 codes makes a 16-entry table (exact in bf16), the two tables
+// fill one register, and one vpermw looks up all 32 nibbles (index = code + 16 · group).
+inline __m512i dequantize_block(const uint8_t* bytes, float scale0, float scale1) {
+  const __m512 codes = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+  const __m256i group = _mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  const __m256i lo = _mm256_add_epi16(_mm256_and_si256(w, _mm256_set1_epi16(15)), group);
+  const __m256i hi = _mm256_add_epi16(_mm256_srli_epi16(w, 4), group);
+  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(codes, _mm512_set1_ps(scale1)),
+                                                     _mm512_mul_ps(codes, _mm512_set1_ps(scale0)));
+  return _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), table);
+}
 
 // Transposes a 16 × 16 matrix of 32-bit words in place (r[i] = row i).
 inline void transpose16(__m512i r[16]) {
@@ -161,48 +238,48 @@ inline void transpose16(__m512i r[16]) {
 
 // One worker's state (same interface as the other paths): C token slots (q in pairs, hi and
 // lo; accumulators; running max and sum) and the scratch they share (the K tile in bf16, the
-// V tile in key pairs, scores, P, one output slice).
+// V tile in key pairs, scores, P, the block's PV product). D is a multiple of 32 (the cache
+// geometry checks it).
 template <typename Mma>
 struct Kernel {
-  int64_t G, D, N, Gp, Dp, Np;
+  int64_t G, D, N, Gp, Np;
   Words qhi, qlo, vp, vtail;
   Halves kb, pa;
-  Floats acc, m, l, alpha, sT, ctile, out;
+  Floats acc, m, l, alpha, sT, pv, out;
   std::vector<char> has_lo;
   float logit_scale = 1.0f;
 
   Kernel(int64_t G_, int64_t D_, int64_t N_, int64_t C_)
-      : G(G_), D(D_), N(N_), Gp(round_up(G_, 16)), Dp(round_up(D_, 32)), Np(round_up(N_, 32)),
-        qhi(C_ * Gp * Dp / 2), qlo(C_ * Gp * Dp / 2), vp(Np / 2 * Dp), vtail(16 * Dp),
-        kb(Np * Dp), pa(Gp * Np), acc(C_ * Gp * Dp), m(C_ * Gp), l(C_ * Gp), alpha(Gp),
-        sT(Np * Gp), ctile(16 * 16), out(G_ * D_), has_lo(C_) {}
+      : G(G_), D(D_), N(N_), Gp(round_up(G_, 16)), Np(round_up(N_, 32)), qhi(C_ * Gp * D_ / 2),
+        qlo(C_ * Gp * D_ / 2), vp(Np / 2 * D_), vtail(16 * D_), kb(Np * D_), pa(Gp * Np),
+        acc(C_ * Gp * D_), m(C_ * Gp), l(C_ * Gp), alpha(Gp), sT(Np * Gp), pv(16 * D_),
+        out(G_ * D_), has_lo(C_) {}
 
-  // q rows in pairs of stored dims, per 16-head block: q[c][hb][dim/2][head % 16]; the
-  // logit scale is kept for the scores (a bf16 q then stays exact).
+  // q rows in pairs of K positions, per 16-head block: q[c][hb][position / 2][head % 16];
+  // the logit scale is kept for the scores (a bf16 q then stays exact).
   void begin(int64_t c, const float* q_rows, float scale) {
     logit_scale = scale;
-    uint16_t* hi = reinterpret_cast<uint16_t*>(&qhi[c * Gp * Dp / 2]);
-    uint16_t* lo = reinterpret_cast<uint16_t*>(&qlo[c * Gp * Dp / 2]);
-    std::fill(hi, hi + Gp * Dp, uint16_t(0));
-    std::fill(lo, lo + Gp * Dp, uint16_t(0));
+    uint16_t* hi = reinterpret_cast<uint16_t*>(&qhi[c * Gp * D / 2]);
+    uint16_t* lo = reinterpret_cast<uint16_t*>(&qlo[c * Gp * D / 2]);
+    std::fill(hi, hi + Gp * D, uint16_t(0));
+    std::fill(lo, lo + Gp * D, uint16_t(0));
     bool any_lo = false;
     for (int64_t h = 0; h < G; ++h)
       for (int64_t d = 0; d < D; ++d) {
-        const int64_t sd = stored_dim(d);
-        const int64_t at = ((h / 16) * (Dp / 2) + sd / 2) * 32 + (h % 16) * 2 + (sd & 1);
+        const int64_t p = k_position(d);
+        const int64_t at = ((h / 16) * (D / 2) + p / 2) * 32 + (h % 16) * 2 + (p & 1);
         const float x = q_rows[h * D + d];
         hi[at] = float_to_bf16(x);
         lo[at] = float_to_bf16(x - bf16_to_float(hi[at]));
         any_lo |= (lo[at] & 0x7FFF) != 0;
       }
     has_lo[c] = any_lo;
-    std::fill(&acc[c * Gp * Dp], &acc[(c + 1) * Gp * Dp], 0.0f);
+    std::fill(&acc[c * Gp * D], &acc[(c + 1) * Gp * D], 0.0f);
     std::fill(&l[c * Gp], &l[(c + 1) * Gp], 0.0f);
     std::fill(&m[c * Gp], &m[(c + 1) * Gp], -INFINITY);
   }
 
-  // Keys [0, n): K as bf16 rows, V as key pairs; V pairs up to the next multiple of 32 keys
-  // are zero past n.
+  // Keys [0, n): K as bf16 rows, V as key pairs (zero past n up to the next multiple of 32).
   void dequantize(const CacheGeometry& geo, const uint8_t* k_tile, const uint8_t* v_tile,
                   int64_t n) {
     const float* scale_of = nvfp4_tables().scale.data();
@@ -210,24 +287,25 @@ struct Kernel {
     const uint8_t* kd = k_tile + geo.token_data_offset(0);
     const uint8_t* ks = k_tile + geo.token_scale_offset(0);
     for (int64_t j = 0; j < n; ++j)
-      for (int64_t gi = 0; gi < srow; ++gi) {
-        const __m512 v = dequantize_group(kd + j * row + gi * 8, scale_of[ks[j * srow + gi]]);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&kb[j * Dp + gi * 16]),
-                            _mm512_cvtepi32_epi16(high_half(v)));
+      for (int64_t b = 0; b < D / 32; ++b) {
+        const uint8_t* s = ks + j * srow + 2 * b;
+        _mm512_storeu_si512(&kb[j * D + 32 * b],
+                            dequantize_block(kd + j * row + 16 * b, scale_of[s[0]], scale_of[s[1]]));
       }
     const uint8_t* vd = v_tile + geo.token_data_offset(0);
     const uint8_t* vs = v_tile + geo.token_scale_offset(0);
-    const __m512i upper = _mm512_set1_epi32(int(0xFFFF0000u));
     for (int64_t j = 0; j < n; j += 2)
-      for (int64_t gi = 0; gi < srow; ++gi) {
-        const __m512 v0 = dequantize_group(vd + j * row + gi * 8, scale_of[vs[j * srow + gi]]);
-        const __m512i v1 = j + 1 < n ? _mm512_castps_si512(dequantize_group(
-                                           vd + (j + 1) * row + gi * 8, scale_of[vs[(j + 1) * srow + gi]]))
+      for (int64_t b = 0; b < D / 32; ++b) {
+        const uint8_t* s = vs + j * srow + 2 * b;
+        const __m512i v0 = dequantize_block(vd + j * row + 16 * b, scale_of[s[0]], scale_of[s[1]]);
+        const __m512i v1 = j + 1 < n ? dequantize_block(vd + (j + 1) * row + 16 * b,
+                                                        scale_of[s[srow]], scale_of[s[srow + 1]])
                                      : _mm512_setzero_si512();
-        _mm512_storeu_si512(&vp[j / 2 * Dp + gi * 16],
-                            _mm512_or_si512(high_half(v0), _mm512_and_si512(v1, upper)));
+        uint32_t* pair = &vp[j / 2 * D + 32 * b];
+        _mm512_storeu_si512(pair, _mm512_unpacklo_epi16(v0, v1));
+        _mm512_storeu_si512(pair + 16, _mm512_unpackhi_epi16(v0, v1));
       }
-    std::fill(&vp[round_up(n, 2) / 2 * Dp], &vp[round_up(n, 32) / 2 * Dp], 0u);
+    std::fill(&vp[round_up(n, 2) / 2 * D], &vp[round_up(n, 32) / 2 * D], 0u);
   }
 
   // Folds keys [0, n) of the dequantized tile into slot c's running softmax.
@@ -243,17 +321,21 @@ struct Kernel {
     Mma::end();
   }
 
-  // sT[j][h] = q_h · k_j for keys in 16-key blocks covering [0, n) (rows past n unused).
+  // sT[j][h] = q_h · k_j for keys in 16-key tiles covering [0, n), four tiles at a time (rows
+  // past n unused).
   void scores(int64_t c, int64_t n) {
-    for (int64_t hb = 0; hb < Gp / 16; ++hb) {
-      const uint32_t* hi = &qhi[(c * Gp / 16 + hb) * Dp / 2 * 16];
-      const uint32_t* lo = &qlo[(c * Gp / 16 + hb) * Dp / 2 * 16];
-      for (int64_t j0 = 0; j0 < n; j0 += 16) {
-        float* s = &sT[j0 * Gp + hb * 16];
-        Mma::gemm(s, Gp, &kb[j0 * Dp], Dp, hi, 16, Dp / 2, false);
-        if (has_lo[c]) Mma::gemm(s, Gp, &kb[j0 * Dp], Dp, lo, 16, Dp / 2, true);
+    for (int64_t hb = 0; hb < Gp / 16; ++hb)
+      for (int64_t j0 = 0; j0 < n; j0 += 64) {
+        Operands o{&sT[j0 * Gp + hb * 16], Gp, 16 * Gp, &kb[j0 * D], D, 16 * D,
+                   &qhi[(c * Gp / 16 + hb) * D / 2 * 16], 16, 0, D / 2,
+                   int(std::min<int64_t>(4, (n - j0 + 15) / 16)), false};
+        Mma::shared_b(o);
+        if (has_lo[c]) {
+          o.B = &qlo[(c * Gp / 16 + hb) * D / 2 * 16];
+          o.accumulate = true;
+          Mma::shared_b(o);
+        }
       }
-    }
   }
 
   // vtail = the 16 key pairs from key `full` (the last partial 32-key step), keys ≥ n zeroed.
@@ -261,9 +343,9 @@ struct Kernel {
     for (int64_t r = 0; r < 16; ++r) {
       const int64_t j = full + 2 * r;
       const __m512i keep = _mm512_set1_epi32(j + 1 < n ? -1 : j < n ? 0xFFFF : 0);
-      for (int64_t d = 0; d < Dp; d += 16)
-        _mm512_storeu_si512(&vtail[r * Dp + d],
-                            _mm512_and_si512(keep, _mm512_loadu_si512(&vp[(full / 2 + r) * Dp + d])));
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_si512(&vtail[r * D + d],
+                            _mm512_and_si512(keep, _mm512_loadu_si512(&vp[(full / 2 + r) * D + d])));
     }
   }
 
@@ -301,18 +383,21 @@ struct Kernel {
     _mm512_storeu_ps(&alpha[hb * 16], a);
   }
 
-  // acc[h][d] = alpha[h] · acc[h][d] + Σ_{j<n} P[h][j] · V[j][d] for the 16 heads of block hb,
-  // 16 dims at a time; keys [0, full) from the tile, the rest from the masked tail.
+  // acc[h][·] = alpha[h] · acc[h][·] + Σ_{j<n} P[h][j] · V[j][·] for the 16 heads of block hb:
+  // keys [0, full) from the tile, the rest from the masked tail, 4 × 16 dims at a time.
   void accumulate(int64_t c, int64_t hb, int64_t full, int64_t n) {
     const uint16_t* p = &pa[hb * 16 * Np];
-    for (int64_t d0 = 0; d0 < Dp; d0 += 16) {
-      if (full > 0) Mma::gemm(ctile.data(), 16, p, Np, &vp[d0], Dp, full / 2, false);
-      if (full < n) Mma::gemm(ctile.data(), 16, p + full, Np, &vtail[d0], Dp, 16, full > 0);
-      for (int h = 0; h < 16; ++h) {
-        float* a = &acc[(c * Gp + hb * 16 + h) * Dp + d0];
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), _mm512_set1_ps(alpha[hb * 16 + h]),
-                                            _mm512_loadu_ps(&ctile[h * 16])));
-      }
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int count = int(std::min<int64_t>(4, (D - d0) / 16));
+      if (full > 0) Mma::shared_a({&pv[d0], D, 16, p, Np, 0, &vp[d0], D, 16, full / 2, count, false});
+      if (full < n)
+        Mma::shared_a({&pv[d0], D, 16, p + full, Np, 0, &vtail[d0], D, 16, 16, count, full > 0});
+    }
+    for (int h = 0; h < 16; ++h) {
+      float* a = &acc[(c * Gp + hb * 16 + h) * D];
+      const __m512 f = _mm512_set1_ps(alpha[hb * 16 + h]);
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(a + d, _mm512_fmadd_ps(_mm512_loadu_ps(a + d), f, _mm512_loadu_ps(&pv[h * D + d])));
     }
   }
 
@@ -322,7 +407,7 @@ struct Kernel {
     for (int64_t h = 0; h < G; ++h) {
       const float norm = v_scale / l[c * Gp + h];
       for (int64_t d = 0; d < D; ++d)
-        out[h * D + d] = attended ? acc[(c * Gp + h) * Dp + stored_dim(d)] * norm : 0.0f;
+        out[h * D + d] = attended ? acc[(c * Gp + h) * D + v_position(d)] * norm : 0.0f;
     }
     return out.data();
   }
