@@ -11,7 +11,8 @@
 #     cpu: the host CPU's attention paths (CPU module only): tests, then bench peak/decode/
 #     prefill on 2 cores (CPU_STEPS, CORES choose);
 #     tp: several GPUs (kind nvidia-h200-x2 and up): bench.cuda --tp N and the M3 example at
-#     --tp 1 and N (N = TP, default every GPU; TP_STEPS picks from "bench example m3 pytest")
+#     --tp 1 and N (N = TP, default every GPU; TP_STEPS picks from "bench example m3 pytest",
+#     and "repeat": the M3-heads example 3 times at each tp, run-to-run token agreement)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -110,6 +111,13 @@ PY
     fi
     date -u
   done
+  if [[ " $STEPS " == *" repeat "* ]]; then  # run to run: M3 heads 3 x tp 1, 3 x tp N
+    for i in 1 2 3; do for tp in 1 "$TP"; do example r$i "$tp" --heads 64 --kv-heads 4; done; done
+    for i in 1 2 3; do for tp in 1 "$TP"; do
+      echo -n "r$i tp $tp vs r1 tp 1: "; same_tokens "$B/tokens_r1_tp1.json" "$B/tokens_r${i}_tp$tp.json"
+    done; done
+    date -u
+  fi
   if [[ " $STEPS " == *" pytest "* ]]; then
     # tests/test_sharding.py needs 8 devices: it runs on the device machine's CPU (simulated
     # devices), which checks the partitioners under that image's jax version
