@@ -111,9 +111,9 @@ PY
     fi
     date -u
   done
-  if [[ " $STEPS " == *" repeat "* ]]; then  # run to run: M3 heads 3 x tp 1, 3 x tp N
-    for i in 1 2 3; do for tp in 1 "$TP"; do example r$i "$tp" --heads 64 --kv-heads 4; done; done
-    for i in 1 2 3; do for tp in 1 "$TP"; do
+  if [[ " $STEPS " == *" repeat "* ]]; then  # run to run: M3 heads REPEATS (3) x tp 1 and tp N
+    for i in $(seq ${REPEATS:-3}); do for tp in 1 "$TP"; do example r$i "$tp" --heads 64 --kv-heads 4; done; done
+    for i in $(seq ${REPEATS:-3}); do for tp in 1 "$TP"; do
       echo -n "r$i tp $tp vs r1 tp 1: "; same_tokens "$B/tokens_r1_tp1.json" "$B/tokens_r${i}_tp$tp.json"
     done; done
     date -u
