@@ -272,9 +272,8 @@ def test_reference_accepts_numpy_index_arrays(rng):
     """The reference functions take numpy operands like the public ones (inside jit too)."""
     p = prefill_problem(rng, 1, 16, (40,), (200,))
     args = (p.q, p.cache, p.topk, p.block_table, p.req, p.pos, 0.75, 0.85)
-    np.testing.assert_allclose(np.asarray(reference.sparse_prefill(*args)),
-                               np.asarray(m3.sparse_prefill(*args)), rtol=1e-4, atol=1e-5)
+    # SPEC §6's CPU bar, not an elementwise one: the bf16 tile paths (avx512, amx) round P
+    assert_close(np.asarray(m3.sparse_prefill(*args)), np.asarray(reference.sparse_prefill(*args)))
     d = decode_problem(rng, 1, 16, [300], 1)
     args = (d.q, d.cache, d.topk, d.block_table, d.seq_lens, 0.75, 0.85)
-    np.testing.assert_allclose(np.asarray(reference.sparse_decode(*args)),
-                               np.asarray(m3.sparse_decode(*args)), rtol=1e-4, atol=1e-5)
+    assert_close(np.asarray(m3.sparse_decode(*args)), np.asarray(reference.sparse_decode(*args)))
