@@ -100,8 +100,9 @@ struct DotMma {
 
 // AMX: tiles 0–3 accumulate, tile 4 holds the shared operand's k-step, tiles 5–7 the others'
 // (the fourth reuses 5). kpairs is a multiple of 16 (32 bf16 per A row). The configuration is
-// loaded around each block (begin/end), because other code on the same thread (XLA's own
-// AMX kernels) may configure the tiles differently. Tile numbers must be literals.
+// loaded before a chunk's first block and released at its first finish (begin/end): between
+// two calls, other code on the same thread (XLA's own AMX kernels) may configure the tiles
+// differently. Tile numbers must be literals.
 struct AmxMma {
   static void begin() {
     alignas(64) static const std::array<uint8_t, 64> config = [] {
@@ -196,18 +197,34 @@ inline int64_t v_position(int64_t d) {
   return (d & ~int64_t{31}) + half + (p / 8) * 4 + (p & 3);
 }
 
-// One key's 32 dims of a block (16 data bytes, two E4M3 scales) as bf16 in K order: each
-// scale times the 16 signed E2M1 codes makes a 16-entry table (exact in bf16), the two tables
-// fill one register, and one vpermw looks up all 32 nibbles (index = code + 16 · group).
-inline __m512i dequantize_block(const uint8_t* bytes, float scale0, float scale1) {
-  const __m512 codes = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+// bf16(e2m1(code) · e4m3(scale)) for every scale byte and signed code (exact in bf16):
+// 16 entries (32 bytes) per scale byte.
+struct Bf16Tables {
+  alignas(64) uint16_t entry[256][16];
+  Bf16Tables() {
+    const Nvfp4Tables& t = nvfp4_tables();
+    for (int s = 0; s < 256; ++s)
+      for (int c = 0; c < 16; ++c) entry[s][c] = float_to_bf16(e2m1_to_float(c) * t.scale[s]);
+  }
+};
+
+inline const Bf16Tables& bf16_tables() {
+  static const Bf16Tables tables;
+  return tables;
+}
+
+// One key's 32 dims of a block (16 data bytes, two E4M3 scale bytes) as bf16 in K order: the
+// two scales' 16-entry tables fill one register and one vpermw looks up all 32 nibbles
+// (index = code + 16 · group).
+inline __m512i dequantize_block(const uint8_t* bytes, const uint8_t* scales) {
+  const Bf16Tables& t = bf16_tables();
   const __m256i group = _mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);
   const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
   const __m256i lo = _mm256_add_epi16(_mm256_and_si256(w, _mm256_set1_epi16(15)), group);
   const __m256i hi = _mm256_add_epi16(_mm256_srli_epi16(w, 4), group);
-  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(codes, _mm512_set1_ps(scale1)),
-                                                     _mm512_mul_ps(codes, _mm512_set1_ps(scale0)));
+  const __m512i table = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(t.entry[scales[0]]))),
+      _mm256_load_si256(reinterpret_cast<const __m256i*>(t.entry[scales[1]])), 1);
   return _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), table);
 }
 
@@ -248,6 +265,7 @@ struct Kernel {
   Floats acc, m, l, alpha, sT, pv, out;
   std::vector<char> has_lo;
   float logit_scale = 1.0f;
+  bool tiles_configured = false;  // between a chunk's first block and its first finish
 
   Kernel(int64_t G_, int64_t D_, int64_t N_, int64_t C_)
       : G(G_), D(D_), N(N_), Gp(round_up(G_, 16)), Np(round_up(N_, 32)), qhi(C_ * Gp * D_ / 2),
@@ -282,24 +300,19 @@ struct Kernel {
   // Keys [0, n): K as bf16 rows, V as key pairs (zero past n up to the next multiple of 32).
   void dequantize(const CacheGeometry& geo, const uint8_t* k_tile, const uint8_t* v_tile,
                   int64_t n) {
-    const float* scale_of = nvfp4_tables().scale.data();
     const int64_t row = geo.data_bytes(), srow = geo.scale_bytes();
     const uint8_t* kd = k_tile + geo.token_data_offset(0);
     const uint8_t* ks = k_tile + geo.token_scale_offset(0);
     for (int64_t j = 0; j < n; ++j)
-      for (int64_t b = 0; b < D / 32; ++b) {
-        const uint8_t* s = ks + j * srow + 2 * b;
-        _mm512_storeu_si512(&kb[j * D + 32 * b],
-                            dequantize_block(kd + j * row + 16 * b, scale_of[s[0]], scale_of[s[1]]));
-      }
+      for (int64_t b = 0; b < D / 32; ++b)
+        _mm512_storeu_si512(&kb[j * D + 32 * b], dequantize_block(kd + j * row + 16 * b, ks + j * srow + 2 * b));
     const uint8_t* vd = v_tile + geo.token_data_offset(0);
     const uint8_t* vs = v_tile + geo.token_scale_offset(0);
     for (int64_t j = 0; j < n; j += 2)
       for (int64_t b = 0; b < D / 32; ++b) {
         const uint8_t* s = vs + j * srow + 2 * b;
-        const __m512i v0 = dequantize_block(vd + j * row + 16 * b, scale_of[s[0]], scale_of[s[1]]);
-        const __m512i v1 = j + 1 < n ? dequantize_block(vd + (j + 1) * row + 16 * b,
-                                                        scale_of[s[srow]], scale_of[s[srow + 1]])
+        const __m512i v0 = dequantize_block(vd + j * row + 16 * b, s);
+        const __m512i v1 = j + 1 < n ? dequantize_block(vd + (j + 1) * row + 16 * b, s + srow)
                                      : _mm512_setzero_si512();
         uint32_t* pair = &vp[j / 2 * D + 32 * b];
         _mm512_storeu_si512(pair, _mm512_unpacklo_epi16(v0, v1));
@@ -310,7 +323,8 @@ struct Kernel {
 
   // Folds keys [0, n) of the dequantized tile into slot c's running softmax.
   void block(int64_t c, int64_t n) {
-    Mma::begin();
+    if (!tiles_configured) Mma::begin();
+    tiles_configured = true;
     scores(c, n);
     const int64_t full = n / 32 * 32;
     if (full < n) mask_tail(full, n);
@@ -318,7 +332,6 @@ struct Kernel {
       softmax(c, hb, n);
       accumulate(c, hb, full, n);
     }
-    Mma::end();
   }
 
   // sT[j][h] = q_h · k_j for keys in 16-key tiles covering [0, n), four tiles at a time (rows
@@ -404,6 +417,8 @@ struct Kernel {
   // Slot c's rows, out[h][d] (natural order) = acc / l · v_scale, or zeros if nothing was
   // attended.
   const float* finish(int64_t c, bool attended, float v_scale) {
+    if (tiles_configured) Mma::end();
+    tiles_configured = false;
     for (int64_t h = 0; h < G; ++h) {
       const float norm = v_scale / l[c * Gp + h];
       for (int64_t d = 0; d < D; ++d)
