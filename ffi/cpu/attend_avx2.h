@@ -243,11 +243,7 @@ struct Kernel {
   // Slot c's rows, out[h][d] (natural order) = acc / l · v_scale, or zeros if nothing was
   // attended.
   const float* finish(int64_t c, bool attended, float v_scale) {
-    for (int64_t h = 0; h < G; ++h) {
-      const float norm = v_scale / l[c * Gp + h];
-      for (int64_t d = 0; d < D; ++d)
-        out[h * D + d] = attended ? acc[(c * G + h) * D + stored_dim(d)] * norm : 0.0f;
-    }
+    normalized_rows(out.data(), &acc[c * G * D], &l[c * Gp], G, D, attended, v_scale, stored_dim);
     return out.data();
   }
 };

@@ -419,11 +419,7 @@ struct Kernel {
   const float* finish(int64_t c, bool attended, float v_scale) {
     if (tiles_configured) Mma::end();
     tiles_configured = false;
-    for (int64_t h = 0; h < G; ++h) {
-      const float norm = v_scale / l[c * Gp + h];
-      for (int64_t d = 0; d < D; ++d)
-        out[h * D + d] = attended ? acc[(c * Gp + h) * D + v_position(d)] * norm : 0.0f;
-    }
+    normalized_rows(out.data(), &acc[c * Gp * D], &l[c * Gp], G, D, attended, v_scale, v_position);
     return out.data();
   }
 };

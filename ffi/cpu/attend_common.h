@@ -77,6 +77,18 @@ inline int64_t stored_dim(int64_t d) {
   return (d & ~int64_t{15}) + ((i & 1) ? 8 + i / 2 : i / 2);
 }
 
+// A slot's finished rows: out[h][d] = acc[h · D + position(d)] · v_scale / l[h] for the G
+// heads, or exact zeros if the slot attended nothing (a NaN must stay visible, so this is
+// decided by `attended`, not by l).
+template <typename Position>
+inline void normalized_rows(float* out, const float* acc, const float* l, int64_t G, int64_t D,
+                            bool attended, float v_scale, Position position) {
+  for (int64_t h = 0; h < G; ++h) {
+    const float norm = v_scale / l[h];
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = attended ? acc[h * D + position(d)] * norm : 0.0f;
+  }
+}
+
 // SPEC §5.2: the page of a selected block, or −1 if the slot is invalid.
 inline int64_t selected_page(const AttendArgs& a, int64_t r, int64_t b, int64_t vis) {
   if (b < 0 || b >= a.max_blocks || b * a.geo.block_size >= vis) return -1;

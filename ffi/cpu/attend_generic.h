@@ -154,11 +154,8 @@ struct Kernel {
   // Slot c's acc / l · v_scale, or zeros if nothing was attended (a NaN must stay visible,
   // so this is decided by `attended`, not by l).
   const float* finish(int64_t c, bool attended, float v_scale) {
-    for (int64_t i = 0; i < G; ++i) {
-      const float norm = v_scale / l[c * G + i];
-      for (int64_t d = 0; d < D; ++d)
-        out[i * D + d] = attended ? acc[(c * G + i) * D + d] * norm : 0.0f;
-    }
+    normalized_rows(out.data(), &acc[c * G * D], &l[c * G], G, D, attended, v_scale,
+                    [](int64_t d) { return d; });
     return out.data();
   }
 };
