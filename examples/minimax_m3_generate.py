@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import time
 
@@ -128,7 +129,6 @@ def main(argv=None):
           f"({st.decode_only_steps} timed steps), {1e3 / max(summary['decode_tok_s'], 1e-9):.2f} "
           f"ms per decoded token")
     if args.tokens_json:
-        import json  # noqa: PLC0415
         with open(args.tokens_json, "w") as f:
             json.dump({str(k): [int(t) for t in v] for k, v in summary["generated"].items()}, f)
     if args.plot:
