@@ -260,7 +260,20 @@ struct MergeSmem {
     cta_m = cta_o + kGroup * kHeadDim;
     cta_l = cta_m + kGroup;
   }
+  // Partial `slot`'s running max and sum of rows g8 and g8 + 8.
+  __device__ void store_stats(int slot, int g8, float m0, float m1, float l0, float l1) const {
+    pm[slot * kGroup + g8] = m0;
+    pm[slot * kGroup + g8 + 8] = m1;
+    pl[slot * kGroup + g8] = l0;
+    pl[slot * kGroup + g8 + 8] = l1;
+  }
 };
+
+// A row's sum over the 4 lanes of its quad (the lanes that hold its columns).
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
 
 // The cluster merge of thread d for the heads h = rank, rank + kS, ...: the remote (DSMEM) loads
 // are issued in batches of 4 (kS/2 round trips per head instead of 3·kS dependent ones).
@@ -665,10 +678,8 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
   __syncthreads();
 
   // ---- merge the 4 warps (shared memory), then the S CTAs of the cluster (DSMEM)
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  l0 = quad_sum(l0);
+  l1 = quad_sum(l1);
   const MergeSmem ms(smem);
 #pragma unroll
   for (int jd = 0; jd < 16; ++jd) {
@@ -680,12 +691,7 @@ __global__ void __launch_bounds__(kThreads, V::kBlocks)
       ms.part[(warp * kGroup + h) * kHeadDim + d] = acc[jd][e];
     }
   }
-  if (tig == 0) {
-    ms.pm[warp * kGroup + g8] = m0;
-    ms.pm[warp * kGroup + g8 + 8] = m1;
-    ms.pl[warp * kGroup + g8] = l0;
-    ms.pl[warp * kGroup + g8 + 8] = l1;
-  }
+  if (tig == 0) ms.store_stats(warp, g8, m0, m1, l0, l1);
   __syncthreads();
   merge_and_store<T>(p, ms, cluster, t, g, G, (*p.v_scale) * kComp);
 }
@@ -914,10 +920,8 @@ __global__ void __launch_bounds__(kPairThreads, V::kBlocks)
   __syncthreads();
 
   // ---- merge: pair wp is partial wp (its two warps hold identical m, l and one D half each)
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  l0 = quad_sum(l0);
+  l1 = quad_sum(l1);
   const MergeSmem ms(smem);
 #pragma unroll
   for (int jd = 0; jd < 8; ++jd) {
@@ -928,12 +932,7 @@ __global__ void __launch_bounds__(kPairThreads, V::kBlocks)
       ms.part[(wp * kGroup + h) * kHeadDim + d] = acc[jd][e];
     }
   }
-  if (hf == 0 && tig == 0) {
-    ms.pm[wp * kGroup + g8] = m0;
-    ms.pm[wp * kGroup + g8 + 8] = m1;
-    ms.pl[wp * kGroup + g8] = l0;
-    ms.pl[wp * kGroup + g8 + 8] = l1;
-  }
+  if (hf == 0 && tig == 0) ms.store_stats(wp, g8, m0, m1, l0, l1);
   __syncthreads();
   merge_and_store<T, V::kBlocks == 2>(p, ms, cluster, t, g, G, (*p.v_scale) * kComp);
 }
