@@ -73,6 +73,7 @@ def main(argv=None):
         jax.config.update("jax_platforms", args.platform)
     from tqdm import tqdm  # noqa: PLC0415
 
+    import jax_m3sparse as m3  # noqa: PLC0415
     from minimax_m3 import report  # noqa: PLC0415
     from minimax_m3.checkpoint import load_checkpoint  # noqa: PLC0415
     from minimax_m3.model import init_params  # noqa: PLC0415
@@ -95,6 +96,9 @@ def main(argv=None):
           f"hidden {cfg.hidden_size}, Hq {cfg.num_heads}, Hkv {cfg.num_kv_heads}, D {cfg.head_dim}, "
           f"top-{cfg.topk_blocks} of {cfg.block_size}-token blocks; weights: "
           f"{args.checkpoint or f'random (seed {args.seed})'}")
+    if jax.default_backend() == "cpu" and m3.cpu_attention_paths():
+        print(f"CPU attention path: {m3.cpu_attention_paths()[1]} of "
+              f"{', '.join(m3.cpu_attention_paths()[0])} (BUILD.md)")
     if not args.checkpoint:
         print("NOTE: random weights -> the generated text is gibberish; the point is the serving "
               "path and its accuracy.")

@@ -97,6 +97,18 @@ def native_platforms() -> tuple[str, ...]:
     return tuple(p for p in _MODULES if registered_targets(p))
 
 
+def cpu_attention_paths() -> tuple[tuple[str, ...], str] | None:
+    """The CPU module's attention paths (BUILD.md "CPU paths"): (every path this CPU supports,
+    narrowest first, from "generic", "avx2", "avx512", "amx"; the one a call takes now — the
+    widest, capped by the environment variable ``M3SPARSE_CPU_ISA``), or None without the CPU
+    module. Raises ValueError if ``M3SPARSE_CPU_ISA`` names no path.
+    """
+    if "cpu" not in native_platforms():
+        return None
+    module = importlib.import_module(_MODULES["cpu"][0])
+    return tuple(module.cpu_paths()), module.cpu_path()
+
+
 def registered_targets(platform: str) -> set[str]:
     """The FFI target names registered for ``platform`` ("cpu", "rocm", "cuda")."""
     if platform not in _registered:

@@ -108,3 +108,12 @@ def test_unknown_path_is_an_error(monkeypatch, rng):
     p = decode_problem(rng, 1, 4, [130], 1)
     with pytest.raises(Exception, match="M3SPARSE_CPU_ISA must be one of .*got 'sse9'"):
         run_decode(p, "native")
+
+
+def test_public_cpu_attention_paths(path, monkeypatch):
+    """jax_m3sparse.cpu_attention_paths() reports the machine's paths and the capped one a call
+    takes; a value of M3SPARSE_CPU_ISA that names no path is a ValueError naming it."""
+    assert m3.cpu_attention_paths() == (tuple(PATHS), path)
+    monkeypatch.setenv("M3SPARSE_CPU_ISA", "AVX2")
+    with pytest.raises(ValueError, match="got 'AVX2'"):
+        m3.cpu_attention_paths()

@@ -49,7 +49,12 @@ def timed_path(platform=None) -> str:
         platform = "rocm" if "rocm" in jax.devices()[0].client.platform_version.lower() else "cuda"
     if platform in _ffi.native_platforms():
         module = _ffi._MODULES[platform][0]
-        return f"timed path on {platform}: native module {module} (FFI custom calls)"
+        line = f"timed path on {platform}: native module {module} (FFI custom calls)"
+        if platform == "cpu":
+            paths, now = _ffi.cpu_attention_paths()
+            line += (f"; CPU attention paths timed: {', '.join(paths[:paths.index(now) + 1])} "
+                     f"(a call takes {now}; M3SPARSE_CPU_ISA caps it)")
+        return line
     why = _ffi.import_error(platform) or "not built"
     return (f"timed path on {platform}: THE PURE-JAX REFERENCE, no native module ({why}); "
             "'ours' below is the reference, not the kernels")

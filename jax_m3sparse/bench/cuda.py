@@ -371,7 +371,9 @@ def tp_bench(tp, platform="cuda", T=128, seq=32768, prefill_T=2048, context=8192
     1-D mesh; prints one table row per case."""
     devices = jax.devices(platform)
     if len(devices) < tp:
-        raise SystemExit(f"--tp {tp} needs {tp} {platform} devices, JAX sees {len(devices)}")
+        hint = (f" (on the CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={tp} "
+                "before Python starts)") if platform == "cpu" else ""
+        raise SystemExit(f"--tp {tp} needs {tp} {platform} devices, JAX sees {len(devices)}{hint}")
     mesh = jax.make_mesh((tp,), (AXIS,), axis_types=(AxisType.Auto,), devices=devices[:tp])
     dev0, rng = devices[0], np.random.default_rng(0)
     Hkv, G = 4, 16

@@ -88,15 +88,14 @@ def device_name(device):
 
 
 def cpu_paths(device):
-    """The CPU attention paths to time: every one this machine supports (one row each);
-    [None] elsewhere or without the native module."""
-    if device.platform != "cpu":
+    """The CPU attention paths to time (one row each): every one this machine supports, up to
+    the cap M3SPARSE_CPU_ISA sets (ValueError if it names no path); [None] elsewhere or
+    without the native module."""
+    found = m3.cpu_attention_paths() if device.platform == "cpu" else None
+    if found is None:
         return [None]
-    try:
-        from jax_m3sparse import _m3sparse_cpu  # noqa: PLC0415
-    except ImportError:
-        return [None]
-    return _m3sparse_cpu.cpu_paths()
+    paths, now = found
+    return list(paths[:paths.index(now) + 1])
 
 
 @contextlib.contextmanager
@@ -146,16 +145,19 @@ def bench_peak(device, quick=False):
         for kind, g in cpu_peaks().items():
             print(f"{kind} | {g:8.1f} GFLOP/s")
         from jax_m3sparse import _m3sparse_cpu  # noqa: PLC0415
-        print("\nattention block math, one thread (no jit, no DRAM; % of the path's own "
-              "multiply-add loop on one thread, measured just before)")
-        print("path | GFLOP/s | loop | % loop | one tile, dequantized once: GFLOP/s\n" + "-" * 72)
+        print("\nattention block math, one thread (no jit, no DRAM): each block's K/V tiles "
+              "dequantized, then one tile dequantized once and folded in every time (the block "
+              "math alone); % of the path's own multiply-add loop on one thread, measured just "
+              "before")
+        print("path | GFLOP/s | loop | loop, 1 thread | % loop | tile dequantized once: GFLOP/s\n"
+              + "-" * 84)
         for path in cpu_paths(device):
             kind = PATH_LOOPS.get(path, "fp32_fma_avx2")
             loop = _m3sparse_cpu.peak_gflops(kind, 1)
             g = _m3sparse_cpu.kernel_gflops(path, False)
             c = f"{_m3sparse_cpu.kernel_gflops(path, True):7.1f}"
             pct = f"{100 * g / loop:5.0f}%" if loop > 0 else "  n/a"
-            print(f"{path} | {g:7.1f} | {kind} | {pct} | {c}")
+            print(f"{path} | {g:7.1f} | {kind} | {loop:7.1f} | {pct} | {c}")
         print()
     print(f"copy (x + 1, donated, read + write) | {copy_bandwidth(device) / 1e9:8.1f} GB/s")
     print(f"read (sum) | {read_bandwidth(device) / 1e9:8.1f} GB/s")
