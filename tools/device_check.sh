@@ -9,7 +9,7 @@
 #     variants: harness only (every launch variant's correctness and timings, ncu of NCU_KERNELS;
 #     SANITIZE=1, PYTEST=1, NCU_PIPES add steps); race: racecheck of harness --short only;
 #     cpu: the host CPU's attention paths (CPU module only): tests, then bench peak/decode/
-#     prefill on 2 cores (CPU_STEPS picks from "test suite peak decode prefill"; CORES);
+#     prefill on 2 cores (CPU_STEPS picks from "test suite sanitize peak decode prefill"; CORES);
 #     tp: several GPUs (kind nvidia-h200-x2 and up): bench.cuda --tp N and the M3 example at
 #     --tp 1 and N (N = TP, default every GPU; TP_STEPS picks from "bench example m3 pytest",
 #     and "repeat": the M3-heads example 3 times at each tp, run-to-run token agreement)
@@ -149,6 +149,14 @@ if [ "$MODE" = cpu ]; then  # the host CPU's attention paths (AVX-512 BF16, AMX;
       echo "=== pytest tests/test_cpu_paths.py (every path of this CPU)"
       timeout 300 python3 -m pytest -q tests/test_cpu_paths.py -p no:cacheprovider 2>&1 |
         tee "$OUT/pytest_cpu_paths.log" | tail -25
+    elif [ "$step" = sanitize ]; then  # ASan + UBSan: every path's tests, the fuzz and
+      # reliability tests on avx512 (its vdpbf16ps operands are instrumented loads over the
+      # same regions the AMX tile loads read, which ASan cannot see)
+      mkdir -p /tmp/bin && ln -sf "$(command -v python3)" /tmp/bin/python
+      echo "=== M3SPARSE_CPU_ISA=avx512 tools/sanitize.sh (cpu paths, fuzz, reliability)"
+      PATH=/tmp/bin:$PATH M3SPARSE_CPU_ISA=avx512 timeout 400 bash tools/sanitize.sh \
+        tests/test_cpu_paths.py tests/test_fuzz.py tests/test_reliability.py 2>&1 |
+        tee "$OUT/sanitize.log" | tail -15
     elif [ "$step" = suite ]; then  # the attention suites on this CPU's default (widest) path
       echo "=== pytest (attention, faults, fuzz, reliability, sharding, API tour), path $(python3 -c \
         'from jax_m3sparse import _m3sparse_cpu as m; print(m.cpu_path())')"

@@ -18,7 +18,7 @@ GEN=(); command -v ninja >/dev/null && GEN=(-G Ninja)
 cmake -S ffi -B "$B" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$PY" \
   -DCMAKE_CXX_FLAGS="$SAN -fno-omit-frame-pointer -g" \
   -DCMAKE_MODULE_LINKER_FLAGS="$SAN" -DCMAKE_SHARED_LINKER_FLAGS="$SAN" >/dev/null
-cmake --build "$B" -j2 >/dev/null
+cmake --build "$B" -j "$(nproc)" >/dev/null
 
 # 2. A package directory with the sanitized module only (no editable-install hook, no build/).
 SITE=$B/site
