@@ -152,7 +152,8 @@ if [ "$MODE" = cpu ]; then  # the host CPU's attention paths (AVX-512 BF16, AMX;
     elif [ "$step" = sanitize ]; then  # ASan + UBSan: every path's tests, the fuzz and
       # reliability tests on avx512 (its vdpbf16ps operands are instrumented loads over the
       # same regions the AMX tile loads read, which ASan cannot see)
-      mkdir -p /tmp/bin && ln -sf "$(command -v python3)" /tmp/bin/python
+      mkdir -p /tmp/bin && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" >/tmp/bin/python &&
+        chmod +x /tmp/bin/python  # sanitize.sh calls `python`; a link would lose the venv
       echo "=== M3SPARSE_CPU_ISA=avx512 tools/sanitize.sh (cpu paths, fuzz, reliability)"
       PATH=/tmp/bin:$PATH M3SPARSE_CPU_ISA=avx512 timeout 400 bash tools/sanitize.sh \
         tests/test_cpu_paths.py tests/test_fuzz.py tests/test_reliability.py 2>&1 |
