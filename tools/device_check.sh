@@ -154,10 +154,14 @@ if [ "$MODE" = cpu ]; then  # the host CPU's attention paths (AVX-512 BF16, AMX;
       # same regions the AMX tile loads read, which ASan cannot see)
       mkdir -p /tmp/bin && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" >/tmp/bin/python &&
         chmod +x /tmp/bin/python  # sanitize.sh calls `python`; a link would lose the venv
-      echo "=== M3SPARSE_CPU_ISA=avx512 tools/sanitize.sh (cpu paths, fuzz, reliability)"
-      PATH=/tmp/bin:$PATH M3SPARSE_CPU_ISA=avx512 timeout 400 bash tools/sanitize.sh \
-        tests/test_cpu_paths.py tests/test_fuzz.py tests/test_reliability.py 2>&1 |
-        tee "$OUT/sanitize.log" | tail -15
+      # (the wider selection, every path's tests plus fuzz and reliability, ran past a 330 s
+      # call on 2026-12-01 and returned nothing: keep to the bf16 paths and a short fuzz)
+      echo "=== M3SPARSE_CPU_ISA=avx512 tools/sanitize.sh (avx512/amx path tests, fuzz)"
+      PATH=/tmp/bin:$PATH M3SPARSE_CPU_ISA=avx512 M3SPARSE_FUZZ_EXAMPLES=10 timeout 240 \
+        bash tools/sanitize.sh tests/test_cpu_paths.py -k "avx512 or amx" 2>&1 |
+        tee "$OUT/sanitize.log" | tail -8
+      PATH=/tmp/bin:$PATH M3SPARSE_CPU_ISA=avx512 M3SPARSE_FUZZ_EXAMPLES=10 timeout 120 \
+        bash tools/sanitize.sh tests/test_fuzz.py 2>&1 | tee -a "$OUT/sanitize.log" | tail -4
     elif [ "$step" = suite ]; then  # the attention suites on this CPU's default (widest) path
       echo "=== pytest (attention, faults, fuzz, reliability, sharding, API tour), path $(python3 -c \
         'from jax_m3sparse import _m3sparse_cpu as m; print(m.cpu_path())')"
