@@ -96,9 +96,9 @@ def main(argv=None):
           f"hidden {cfg.hidden_size}, Hq {cfg.num_heads}, Hkv {cfg.num_kv_heads}, D {cfg.head_dim}, "
           f"top-{cfg.topk_blocks} of {cfg.block_size}-token blocks; weights: "
           f"{args.checkpoint or f'random (seed {args.seed})'}")
-    if jax.default_backend() == "cpu" and m3.cpu_attention_paths():
-        print(f"CPU attention path: {m3.cpu_attention_paths()[1]} of "
-              f"{', '.join(m3.cpu_attention_paths()[0])} (BUILD.md)")
+    cpu_paths = m3.cpu_attention_paths() if jax.default_backend() == "cpu" else None
+    if cpu_paths:
+        print(f"CPU attention path: {cpu_paths[1]} of {', '.join(cpu_paths[0])} (BUILD.md)")
     if not args.checkpoint:
         print("NOTE: random weights -> the generated text is gibberish; the point is the serving "
               "path and its accuracy.")

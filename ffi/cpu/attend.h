@@ -10,9 +10,9 @@
 // v_scale into the epilogue. A row with nothing attended gets exact zeros.
 //
 // The tile math runs on one of several paths chosen per call (isa.h): `generic` here,
-// `avx2` in attend_avx2.h, `avx512` and `amx` in attend_bf16.h. Each path is a Kernel of kChunk token slots with begin (a slot's q
-// rows) / dequantize (one selected tile pair, shared) / block (fold it into one slot) / finish
-// (a slot's normalized rows).
+// `avx2` in attend_avx2.h, `avx512` and `amx` in attend_bf16.h. Each path is a Kernel of
+// kChunk token slots with begin (a slot's q rows) / dequantize (one selected tile pair,
+// shared) / block (fold it into one slot) / finish (a slot's normalized rows).
 #pragma once
 
 #include <memory>

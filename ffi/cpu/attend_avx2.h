@@ -30,6 +30,12 @@
 namespace m3sparse {
 namespace avx2 {
 
+// Where dim d of a group-of-16 layout is stored (see 1. above).
+inline int64_t stored_dim(int64_t d) {
+  const int64_t i = d & 15;
+  return (d & ~int64_t{15}) + ((i & 1) ? 8 + i / 2 : i / 2);
+}
+
 // 2^x for x <= 0 (NaN stays NaN, −inf gives 0); no float→int conversion of NaN in C++.
 inline __m256 exp2_ps(__m256 x) {
   x = _mm256_max_ps(_mm256_set1_ps(-127.0f), x);  // vmaxps returns x when x is NaN

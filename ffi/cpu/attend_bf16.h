@@ -19,9 +19,9 @@
 //   PV: A = P head-major [head][key] bf16 (the softmax writes it through a 16 × 16
 //       transpose); B = V in pairs of keys, [key/2][dim]; C = one 16-dim slice of 16 heads'
 //       output, folded into the fp32 accumulators with the softmax factor.
-// Dims are stored in the AVX2 path's order within each group of 16 (even dims, then odd), q
-// in the same order, the output put back in natural order at the end. Heads are padded to
-// 16, dims to 32 and keys to 32 with zeros.
+// Dims are stored in a permuted order within each block of 32 (k_position, v_position below),
+// q in K's order, the output put back in natural order at the end. Heads are padded to 16 and
+// keys to 32 with zeros (D is a multiple of 32: the cache geometry checks it).
 // Only keys j < n reach the output: the softmax reads scores j < n, P is zero past n, and the
 // last partial 32-key step of PV reads a copy of V whose keys ≥ n are zeroed (another token
 // of the chunk may attend those keys, and they may hold NaN).

@@ -69,14 +69,6 @@ inline float fast_exp2(float x) {
   return p * bits_float(uint32_t(e) << 23);
 }
 
-// Where the SIMD paths store dim d of a dequantized row: within each group of 16, the even
-// dims (low nibbles) first, then the odd ones (high nibbles); q and the output are permuted to
-// match, which dot products do not notice.
-inline int64_t stored_dim(int64_t d) {
-  const int64_t i = d & 15;
-  return (d & ~int64_t{15}) + ((i & 1) ? 8 + i / 2 : i / 2);
-}
-
 // A slot's finished rows: out[h][d] = acc[h · D + position(d)] · v_scale / l[h] for the G
 // heads, or exact zeros if the slot attended nothing (a NaN must stay visible, so this is
 // decided by `attended`, not by l).

@@ -51,9 +51,10 @@ def timed_path(platform=None) -> str:
         module = _ffi._MODULES[platform][0]
         line = f"timed path on {platform}: native module {module} (FFI custom calls)"
         if platform == "cpu":
-            paths, now = _ffi.cpu_attention_paths()
-            line += (f"; CPU attention paths timed: {', '.join(paths[:paths.index(now) + 1])} "
-                     f"(a call takes {now}; M3SPARSE_CPU_ISA caps it)")
+            from jax_m3sparse.bench import timing  # noqa: PLC0415
+            paths = timing.cpu_paths(jax.devices("cpu")[0])
+            line += (f"; CPU attention paths timed: {', '.join(paths)} "
+                     f"(a call takes {paths[-1]}; M3SPARSE_CPU_ISA caps it)")
         return line
     why = _ffi.import_error(platform) or "not built"
     return (f"timed path on {platform}: THE PURE-JAX REFERENCE, no native module ({why}); "
