@@ -3,9 +3,10 @@
 The indexer gives every KV head one index query ``idx_q`` per token and every token one shared
 index key ``idx_k`` (stored in its own key-only paged cache, same pages and block table as the
 NVFP4 K/V cache). A block's score for (KV head g, token t) is the maximum over the block's
-tokens p ≤ pos(t) of ``idx_q[t, g] · idx_k[p]`` in fp32; the token's own (local) block is always
-selected, then the best-scoring earlier blocks, ``min(topk_blocks, pos // N + 1)`` ids in all,
-−1 in the unused tail. The result is the ``topk_indices`` operand of
+tokens p ≤ pos(t) of ``idx_q[t, g] · idx_k[p]`` in fp32; the token's own (local) block and the
+``local_blocks − 1`` blocks before it are always selected, then the best-scoring earlier blocks,
+``min(topk_blocks, pos // N + 1)`` ids in all, −1 in the unused tail (transformers'
+``MiniMaxM3VLIndexer``; M3 has ``index_local_blocks`` = 1). The result is the ``topk_indices`` operand of
 :func:`jax_m3sparse.sparse_attention` (SPEC §5.1).
 
 Everything here is plain ``jax.numpy``: jit-, vmap- and scan-compatible on any backend.
@@ -69,17 +70,20 @@ def indexer_block_scores(idx_q, idx_k_cache, block_table, query_req_id, query_ab
     return jnp.moveaxis(out, 0, 1).reshape(Hkv, n * chunk, M)[:, :T]
 
 
-def top_blocks(block_scores, query_abs_pos, *, topk_blocks=16, block_size=128):
-    """Top-k logical blocks per (KV head, token) from block scores, local block first.
+def top_blocks(block_scores, query_abs_pos, *, topk_blocks=16, block_size=128, local_blocks=1):
+    """Top-k logical blocks per (KV head, token) from block scores, local blocks first.
 
     Args:
       block_scores: ``float32[Hkv, T, M]`` (from :func:`indexer_block_scores`).
       query_abs_pos: ``int32[T]``; a negative position (padding) selects nothing.
       topk_blocks: static K (16 in MiniMax M3).
       block_size: static N (128).
+      local_blocks: static; blocks ``pos // N − j`` for ``0 ≤ j < local_blocks`` (those ≥ 0)
+        are always kept.
 
     Returns:
-      ``int32[Hkv, T, K]``: the local block ``pos // N``, then the highest-scoring earlier
+      ``int32[Hkv, T, K]``: the local blocks (``pos // N`` and the ``local_blocks − 1``
+      before it, in unspecified order), then the highest-scoring earlier
       blocks in descending score order (ties: lower id first); ``min(K, pos // N + 1)`` ids
       when every earlier block has a finite score, −1 in the rest.
     """
@@ -88,7 +92,8 @@ def top_blocks(block_scores, query_abs_pos, *, topk_blocks=16, block_size=128):
     local = jnp.where(pos >= 0, pos // block_size, -1)                  # [T]
     b = jnp.arange(M)
     s = jnp.where(b[None, None, :] <= local[None, :, None], block_scores, -jnp.inf)
-    s = jnp.where(b[None, None, :] == local[None, :, None], jnp.inf, s)  # always keep local
+    near = (b[None, :] <= local[:, None]) & (b[None, :] > local[:, None] - local_blocks)
+    s = jnp.where(near[None], jnp.inf, s)                                # always keep local
     k = min(topk_blocks, M)
     vals, ids = jax.lax.top_k(s, k)
     ids = jnp.where(vals > -jnp.inf, ids, -1).astype(jnp.int32)
@@ -96,13 +101,13 @@ def top_blocks(block_scores, query_abs_pos, *, topk_blocks=16, block_size=128):
 
 
 def select_blocks(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, *,
-                  topk_blocks=16):
+                  topk_blocks=16, local_blocks=1):
     """MiniMax M3's indexer selection: ``topk_indices`` for :func:`sparse_attention`.
 
     For KV head g and token t (request ``query_req_id[t]``, position ``pos = query_abs_pos[t]``)
     block b scores ``max_{p in block b, p <= pos} idx_q[t, g] · idx_k[p]`` (fp32); the local
-    block ``pos // N`` is always selected, then the best earlier blocks, ``min(topk_blocks,
-    pos // N + 1)`` ids in all, −1 after them. Write this step's index keys into
+    block ``pos // N`` (and the ``local_blocks − 1`` before it) is always selected, then the
+    best earlier blocks, ``min(topk_blocks, pos // N + 1)`` ids in all, −1 after them. Write this step's index keys into
     ``idx_k_cache`` before calling (the local block's scores include the token itself).
 
     Args:
@@ -113,6 +118,7 @@ def select_blocks(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, 
       query_req_id: ``int32[T]`` row of ``block_table`` per token; −1 marks padding.
       query_abs_pos: ``int32[T]`` absolute position per token (−1 for padding).
       topk_blocks: static K.
+      local_blocks: static, ≥ 1: blocks always kept, the token's own and those before it.
 
     Returns:
       ``int32[Hkv, T, K]`` logical block ids (SPEC §5.1); padding tokens get all −1.
@@ -124,6 +130,8 @@ def select_blocks(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, 
     block_table = jnp.asarray(block_table, jnp.int32)
     query_req_id = jnp.asarray(query_req_id, jnp.int32)
     query_abs_pos = jnp.asarray(query_abs_pos, jnp.int32)
+    if local_blocks < 1:
+        raise ValueError(f"local_blocks must be >= 1 (the token's own block), got {local_blocks}")
     if idx_q.ndim != 3 or idx_k_cache.ndim != 3 or idx_q.shape[2] != idx_k_cache.shape[2]:
         raise ValueError(f"idx_q [T, Hkv, Di] and idx_k_cache [P, N, Di] disagree: "
                          f"{idx_q.shape}, {idx_k_cache.shape}")
@@ -134,4 +142,5 @@ def select_blocks(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, 
                          f"{query_abs_pos.shape}")
     scores = indexer_block_scores(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos)
     pos = jnp.where(query_req_id >= 0, query_abs_pos, -1)
-    return top_blocks(scores, pos, topk_blocks=topk_blocks, block_size=idx_k_cache.shape[1])
+    return top_blocks(scores, pos, topk_blocks=topk_blocks, block_size=idx_k_cache.shape[1],
+                      local_blocks=local_blocks)

@@ -1,51 +1,206 @@
-"""Model and engine configuration of the example."""
+"""MiniMax M3's text-model configuration, field for field transformers' ``MiniMaxM3VLTextConfig``.
+
+:func:`from_hf_config` reads a checkpoint's ``config.json`` (the text model's own, or the VL
+wrapper's with the text model under ``text_config``; legacy ``sparse_attention_config`` /
+``moe_layer_freq`` keys too). Differences from transformers, all deliberate:
+
+* the rotated width is transformers' ``head_dim · rope_parameters.partial_rotary_factor``
+  (1.0 when absent); a ``rotary_dim`` field that disagrees with it is an error, because
+  transformers never reads ``rotary_dim`` and a silent choice would rotate the wrong dims;
+* ``index_n_heads`` must equal ``num_key_value_heads`` (it does in M3): the sparse kernels take
+  one block selection per KV head;
+* ``index_block_size`` must be 128, the NVFP4 cache's page size (SPEC §1).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
+import os
+
+import jax_m3sparse as m3
+
+FULL, SPARSE = "full_attention", "minimax_m3_sparse"     # layer_types
+DENSE_MLP, MOE = "dense", "sparse"                       # mlp_layer_types
+
+_LEGACY_INDEX = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
+                 "index_block_size": "sparse_block_size",
+                 "index_topk_blocks": "sparse_topk_blocks",
+                 "index_local_blocks": "sparse_local_block"}
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A MiniMax M3-shaped decoder, small enough for a CPU.
+    """M3's text architecture; the defaults are the main job's CPU-sized random model.
 
-    The attention geometry is M3's (D = 128, G = Hq/Hkv = 16, RoPE on 64 of 128 dims,
-    theta 5e6, 128-token blocks, top-16 blocks); width, depth and the MLP are shrunk, and
-    the MLP is a dense SwiGLU (the real model uses a mixture of experts).
+    The attention geometry is M3's (D = 128, 128-token blocks, RoPE on 64 of 128 dims,
+    theta 5e6, Gemma norms); width, depth, vocabulary and expert counts are shrunk.
+    ``M3_TEXT`` below holds the published sizes.
     """
 
-    vocab_size: int = 256            # byte-level tokenizer
+    vocab_size: int = 256                      # the byte tokenizer (no tokenizer.json)
     hidden_size: int = 1024
-    num_layers: int = 4
-    num_dense_layers: int = 1        # the first layers attend densely (all blocks)
-    num_heads: int = 16              # Hq
-    num_kv_heads: int = 1            # Hkv
-    head_dim: int = 128              # D
-    rope_dim: int = 64               # RoPE on the first 64 dims of each head
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 16              # Hq
+    num_key_value_heads: int = 1               # Hkv
+    head_dim: int = 128                        # D
+    rms_norm_eps: float = 1e-6
     rope_theta: float = 5e6
-    intermediate_size: int = 1536    # SwiGLU width
-    index_head_dim: int = 128        # Di of idx_q / idx_k
-    topk_blocks: int = 16            # K
-    block_size: int = 128            # N
-    rms_eps: float = 1e-6
-    kv_replicas: int = 1             # copies of each KV head in the cache (TP > Hkv, see --tp)
+    rotary_dim: int = 64                       # = head_dim · partial_rotary_factor
+    tie_word_embeddings: bool = False
+    # MLPs: swiglu-oai everywhere; "dense" layers one MLP, "sparse" layers a mixture of experts
+    dense_intermediate_size: int = 1536
+    intermediate_size: int = 256               # per expert
+    shared_intermediate_size: int = 256
+    num_local_experts: int = 8
+    num_experts_per_tok: int = 2
+    routed_scaling_factor: float = 2.0
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # the lightning indexer of "minimax_m3_sparse" layers
+    index_n_heads: int = 1
+    index_head_dim: int = 128
+    index_block_size: int = 128
+    index_topk_blocks: int = 16
+    index_local_blocks: int = 1
+    layer_types: tuple[str, ...] = (FULL, SPARSE, SPARSE, SPARSE)
+    mlp_layer_types: tuple[str, ...] = (DENSE_MLP, MOE, MOE, MOE)
+    # serving, not architecture
+    kv_replicas: int = 1                       # copies of each KV head in the cache (TP > Hkv)
+    reference_dtype: str = "bfloat16"          # the reference stream's caches (or "float32")
 
     def __post_init__(self):
-        if not 0 <= self.num_dense_layers <= self.num_layers:
-            raise ValueError(f"num_dense_layers ({self.num_dense_layers}) must be in "
-                             f"[0, num_layers = {self.num_layers}]")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
-                             f"num_kv_heads ({self.num_kv_heads})")
-        if self.rope_dim % 2 or self.rope_dim > self.head_dim:
-            raise ValueError(f"rope_dim ({self.rope_dim}) must be even and <= head_dim")
+        L = self.num_hidden_layers
+        for name in ("layer_types", "mlp_layer_types"):
+            v = tuple(getattr(self, name))
+            object.__setattr__(self, name, v)
+            if len(v) != L:
+                raise ValueError(f"{name} has {len(v)} entries, num_hidden_layers is {L}")
+        if bad := set(self.layer_types) - {FULL, SPARSE}:
+            raise ValueError(f"layer_types: unknown {sorted(bad)} (want {FULL!r} or {SPARSE!r})")
+        if bad := set(self.mlp_layer_types) - {DENSE_MLP, MOE}:
+            raise ValueError(f"mlp_layer_types: unknown {sorted(bad)} (want 'dense' or 'sparse')")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a "
+                             f"multiple of num_key_value_heads ({self.num_key_value_heads})")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary_dim ({self.rotary_dim}) must be even and in (0, head_dim]")
+        if SPARSE in self.layer_types and self.index_n_heads != self.num_key_value_heads:
+            raise ValueError(f"index_n_heads ({self.index_n_heads}) != num_key_value_heads "
+                             f"({self.num_key_value_heads}): jax_m3sparse's attention takes one "
+                             f"block selection per KV head (M3 has 4 and 4)")
+        if self.index_block_size != 128:
+            raise ValueError(f"index_block_size {self.index_block_size}: the NVFP4 cache's "
+                             f"pages hold 128 tokens (SPEC §1)")
+        if not 1 <= self.num_experts_per_tok <= self.num_local_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                             f"[1, num_local_experts = {self.num_local_experts}]")
+        if self.index_local_blocks < 1:
+            raise ValueError(f"index_local_blocks {self.index_local_blocks}: M3's indexer "
+                             f"always keeps the query's own block (>= 1)")
+        reason = m3.spec.unsupported_reason(self.num_attention_heads, self.num_key_value_heads,
+                                            self.head_dim, self.index_topk_blocks,
+                                            self.index_block_size)
+        if reason:
+            raise ValueError(reason)
+
+    # names the engine and the library use
+    @property
+    def num_layers(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def block_size(self) -> int:
+        return self.index_block_size
 
     @property
     def cache_kv_heads(self) -> int:
         """KV heads the NVFP4 cache holds: each model KV head ``kv_replicas`` times
         (jax_m3sparse.sharding.replicate_kv_heads), so every TP device owns whole heads."""
-        return self.num_kv_heads * self.kv_replicas
+        return self.num_key_value_heads * self.kv_replicas
 
     @property
-    def num_sparse_layers(self) -> int:
-        return self.num_layers - self.num_dense_layers
+    def sparse_layers(self) -> tuple[int, ...]:
+        """Layer indices with the indexer; the index-key cache holds these, in order."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == SPARSE)
+
+    def segments(self) -> tuple[tuple[str, str, int, int], ...]:
+        """Runs of consecutive layers of one kind: ``(layer_type, mlp_layer_type, first,
+        count)``. Each run's weights are stacked and run under one ``lax.scan``."""
+        out, first = [], 0
+        kinds = zip(self.layer_types, self.mlp_layer_types)
+        for (attn, mlp), run in itertools.groupby(kinds):
+            n = len(list(run))
+            out.append((attn, mlp, first, n))
+            first += n
+        return tuple(out)
+
+
+def from_hf_config(source, **overrides) -> ModelConfig:
+    """A :class:`ModelConfig` from a Hugging Face ``config.json`` (path, directory or dict).
+
+    Raises:
+      ValueError: a field our model cannot serve (rope type other than default, rotary_dim
+        disagreeing with partial_rotary_factor, index heads != KV heads, ...), naming it.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+        with open(path) as f:
+            source = json.load(f)
+    c = dict(source.get("text_config") or source)
+    sparse_cfg = c.get("sparse_attention_config") or {}
+    for flat, legacy in _LEGACY_INDEX.items():
+        if flat not in c and legacy in sparse_cfg:
+            c[flat] = sparse_cfg[legacy]
+    L = c.get("num_hidden_layers", 60)
+    layer_types = c.get("layer_types")
+    if layer_types is None and "sparse_attention_freq" in sparse_cfg:
+        layer_types = [SPARSE if f else FULL for f in sparse_cfg["sparse_attention_freq"]]
+    mlp_types = c.get("mlp_layer_types")
+    if mlp_types is None and c.get("moe_layer_freq") is not None:
+        mlp_types = [MOE if f else DENSE_MLP for f in c["moe_layer_freq"]]
+    rope = dict(c.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", c.get("rope_theta", 5e6))
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_parameters.rope_type {rope['rope_type']!r}: only 'default' "
+                         f"(M3's) is implemented")
+    D = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    rotated = int(D * rope.get("partial_rotary_factor", 1.0))
+    if c.get("rotary_dim") is not None and c["rotary_dim"] != rotated:
+        raise ValueError(f"config.json: rotary_dim {c['rotary_dim']} disagrees with head_dim "
+                         f"{D} × rope_parameters.partial_rotary_factor "
+                         f"{rope.get('partial_rotary_factor', 1.0)} = {rotated}; transformers "
+                         f"rotates {rotated} dims (it never reads rotary_dim): make them agree")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    kw = {k: v for k, v in c.items() if k in fields}
+    kw.update(head_dim=D, rotary_dim=rotated, rope_theta=float(rope["rope_theta"]),
+              num_hidden_layers=L,
+              layer_types=tuple(layer_types or [FULL] * L),
+              mlp_layer_types=tuple(mlp_types or [MOE] * L),
+              tie_word_embeddings=bool(source.get("tie_word_embeddings", False)
+                                       or c.get("tie_word_embeddings", False)))
+    kw.update(overrides)
+    return ModelConfig(**kw)
+
+
+def quantization_config(source) -> dict | None:
+    """The checkpoint's ``quantization_config`` (top level or under ``text_config``), or None."""
+    if isinstance(source, (str, os.PathLike)):
+        path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+        with open(path) as f:
+            source = json.load(f)
+    return source.get("quantization_config") or (source.get("text_config") or {}).get(
+        "quantization_config")
+
+
+# The published MiniMax M3 text model (transformers' MiniMaxM3VLTextConfig defaults; llama.cpp
+# #24908 reports 3 dense-MLP layers then 57 MoE layers). Which layers attend sparsely is not in
+# those defaults: the dry-run README numbers assume every layer does (the most index-cache
+# bytes); a real config.json's layer_types replaces the guess.
+M3_TEXT = dict(vocab_size=200064, hidden_size=6144, num_hidden_layers=60,
+               num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+               dense_intermediate_size=12288, intermediate_size=3072,
+               shared_intermediate_size=3072, num_local_experts=128, num_experts_per_tok=4,
+               index_n_heads=4, index_head_dim=128, index_topk_blocks=16,
+               layer_types=(SPARSE,) * 60, mlp_layer_types=(DENSE_MLP,) * 3 + (MOE,) * 57)

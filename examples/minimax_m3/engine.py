@@ -8,6 +8,7 @@ compiled once (jit's cache; a jax.monitoring hook counts compilations), never pe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -120,8 +121,9 @@ class EngineConfig:
     chunk_size: int = 256           # prefill tokens per step (all prefill requests together)
     max_seq_len: int = 8192         # sets the block table width M
     spec_tokens: int = 0            # prompt-lookup draft tokens verified per decode step
-    compare: bool = True            # run the bf16 reference stream alongside
+    compare: bool = True            # run the reference stream alongside
     tp: int = 1                     # tensor-parallel devices (parallel.py); 1: one device
+    follow: str = "served"          # whose greedy tokens are generated: "served" or "reference"
 
     @property
     def decode_query_len(self) -> int:
@@ -141,9 +143,13 @@ class Engine:
         # forward_step of model.py's signature (examples/real_model passes its Llama here).
         self.params, self.cfg, self.ecfg, self.model = params, cfg, ecfg, model
         self.caches = model.allocate_caches(cfg, ecfg.num_pages, ecfg.compare)
+        self.mesh = None
         if ecfg.tp > 1:
             self.mesh = parallel.make_mesh(ecfg.tp)
             self.params, self.caches = parallel.shard(params, self.caches, cfg, self.mesh)
+        if ecfg.follow not in ("served", "reference") or (ecfg.follow == "reference"
+                                                          and not ecfg.compare):
+            raise ValueError(f"follow={ecfg.follow!r}: 'served', or 'reference' with compare")
         self.allocator = PageAllocator(ecfg.num_pages)
         self.max_blocks = -(-ecfg.max_seq_len // cfg.block_size)
         self.compiles: dict[tuple, int] = {}     # padded batch shapes -> XLA compilations
@@ -234,11 +240,15 @@ class Engine:
         key = tuple((k, v.shape) for k, v in sorted(batch.items()))
         before = _COMPILES.count
         t0 = time.perf_counter()
-        self.caches, out = self.model.forward_step(
-            self.params, self.caches, batch, cfg=self.cfg,
-            num_decode_requests=self.ecfg.max_running,
-            decode_query_len=self.ecfg.decode_query_len, compare=self.ecfg.compare)
+        # The mesh context lets the MLPs run per device (moe.mlp's shard_map).
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            self.caches, out = self.model.forward_step(
+                self.params, self.caches, batch, cfg=self.cfg,
+                num_decode_requests=self.ecfg.max_running,
+                decode_query_len=self.ecfg.decode_query_len, compare=self.ecfg.compare)
         out = jax.device_get(out)
+        if self.ecfg.follow == "reference":
+            out["greedy"] = out["ref_greedy"]
         seconds = time.perf_counter() - t0
         compiled = _COMPILES.count - before
         if compiled:
@@ -258,6 +268,8 @@ class Engine:
                                out.get("attn_stats"),
                                None if ref is None else (out["logits"][rows], ref[rows]))
         self.stats.blocks += np.asarray(out["blocks"], np.int64)
+        if "same_blocks" in out:
+            self.stats.same_blocks += np.asarray(out["same_blocks"], np.int64)
         for r in [r for r in self.running if r.done]:
             self._finish(r)
         return prefilled + emitted + first_tokens
@@ -329,6 +341,7 @@ class RunStats:
         self.decode_tokens = self.decode_seconds = 0
         self.decode_only_steps = self.decode_requests = 0
         self.blocks = np.zeros((num_layers, 2), np.int64)    # (selected, visible) per layer
+        self.same_blocks = np.zeros((num_layers, 2), np.int64)  # (same set, pairs), served vs ref
         self.attn_sums = np.zeros((num_layers, 4))          # over all rows of the run
         self.decode_steps: list[dict] = []                   # per step with decode rows
 

@@ -1,14 +1,17 @@
-"""Tensor parallel over a 1-D mesh axis "tp", Megatron style, by shardings alone.
+"""Tensor parallel over a 1-D mesh axis "tp", Megatron style, by shardings (and one shard_map).
 
-Only the weights and caches are placed; ``jax.jit`` partitions the step from there:
+Each weight gets a ``NamedSharding`` (:func:`param_specs`); ``jax.jit`` partitions the step:
 
-* attention: ``wq`` column-parallel (query heads over "tp"), ``wo`` row-parallel (XLA adds the
-  all-reduce after it); ``wk``/``wv`` column-parallel when "tp" divides Hkv, else replicated
-  (each device computes every KV head and keeps its replica, jax_m3sparse.sharding);
-* MLP: ``w_gate``/``w_up`` column-parallel, ``w_down`` row-parallel;
+* attention: ``q_proj`` column-parallel (query heads over "tp"), ``o_proj`` row-parallel (XLA
+  adds the all-reduce after it); ``k_proj``/``v_proj`` column-parallel when "tp" divides Hkv,
+  else replicated (each device computes every KV head and keeps its replica,
+  jax_m3sparse.sharding);
+* MLPs (dense, shared expert, every routed expert): the intermediate axis split over "tp"
+  (``gate_up_proj [..., 2, I, H]`` on I, ``down_proj [..., H, I]`` on I); ``moe.mlp`` runs them
+  in a ``shard_map`` ending in one ``psum``. No device holds all of any expert's weights;
 * the NVFP4 cache over its head-slot axis (jax_m3sparse.sharding.cache_spec): our ops run per
-  device on local KV heads with no collective; embeddings, norms, the indexer, the bf16
-  comparison caches are replicated.
+  device on local KV heads with no collective; embeddings, norms, router, indexer and the
+  reference stream's caches are replicated.
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from jax_m3sparse import sharding as shd
 
 AXIS = "tp"
-_COLUMN = ("wq", "w_gate", "w_up")
-_ROW = ("wo", "w_down")
+
+
+def is_shape(x) -> bool:
+    """A leaf of model.param_shapes' pytree (a tuple of ints)."""
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
 
 
 def make_mesh(tp: int) -> jax.sharding.Mesh:
@@ -32,22 +38,51 @@ def make_mesh(tp: int) -> jax.sharding.Mesh:
                          devices=jax.devices()[:tp])
 
 
-def _weight_spec(name: str, cfg, tp: int) -> P:
-    """Stacked layer weights are ``[layers, in, out]``."""
-    if name in _COLUMN or (name in ("wk", "wv") and cfg.num_kv_heads % tp == 0):
-        return P(None, None, AXIS)
-    if name in _ROW:
-        return P(None, AXIS, None)
+def check_divisible(cfg, tp: int) -> None:
+    """Raises ValueError naming each size that ``tp`` does not divide."""
+    sizes = dict(num_attention_heads=cfg.num_attention_heads,
+                 dense_intermediate_size=cfg.dense_intermediate_size,
+                 intermediate_size=cfg.intermediate_size,
+                 shared_intermediate_size=cfg.shared_intermediate_size)
+    bad = [f"{k} = {v}" for k, v in sizes.items() if v % tp]
+    if bad:
+        raise ValueError(f"--tp {tp} must divide " + ", ".join(bad))
+
+
+def leaf_spec(path, cfg, tp: int) -> P:
+    """The PartitionSpec of one parameter, by its path in the pytree (model.param_shapes);
+    a path inside one layer (no leading "segments") gives the per-layer spec (moe.mlp)."""
+    names = [getattr(k, "key", None) for k in path]
+    stacked = names[0] == "segments"                  # leading layer axis
+    lead = (None,) if stacked else ()
+    leaf, parent = names[-1], names[-2] if len(names) > 1 else None
+    if parent == "self_attn":
+        if leaf == "q_proj" or (leaf in ("k_proj", "v_proj") and cfg.num_key_value_heads % tp == 0):
+            return P(*lead, AXIS, None)
+        if leaf == "o_proj":
+            return P(*lead, None, AXIS)
+    if leaf == "gate_up_proj":
+        return P(*lead, *(None,) * (parent == "experts"), None, AXIS, None)
+    if leaf == "down_proj":
+        return P(*lead, *(None,) * (parent == "experts"), None, AXIS)
     return P()
 
 
-def shard(params: dict, caches: dict, cfg, mesh) -> tuple[dict, dict]:
-    """Places ``params`` and ``caches`` on ``mesh`` (see the module docstring)."""
+def param_shardings(shapes: dict, cfg, mesh) -> dict:
+    """A ``NamedSharding`` per leaf of ``shapes`` (model.param_shapes) on ``mesh``."""
     tp = mesh.shape[AXIS]
-    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
-    params = {k: ({n: put(w, _weight_spec(n, cfg, tp)) for n, w in v.items()}
-                  if isinstance(v, dict) else put(v, P())) for k, v in params.items()}
-    caches = {k: put(c, shd.cache_spec(AXIS, c.ndim) if k == "kv" else P())
+    check_divisible(cfg, tp)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: NamedSharding(mesh, leaf_spec(path, cfg, tp)), shapes, is_leaf=is_shape)
+
+
+def shard(params: dict, caches: dict, cfg, mesh) -> tuple[dict, dict]:
+    """Places ``params`` (a no-op for leaves already placed so) and ``caches`` on ``mesh``."""
+    specs = jax.tree_util.tree_map_with_path(
+        lambda path, _: NamedSharding(mesh, leaf_spec(path, cfg, mesh.shape[AXIS])), params)
+    params = jax.tree_util.tree_map(jax.device_put, params, specs)
+    caches = {k: jax.device_put(c, NamedSharding(mesh, shd.cache_spec(AXIS, c.ndim)
+                                                 if k == "kv" else P()))
               for k, c in caches.items()}
     return params, caches
 

@@ -13,7 +13,7 @@ The K/V path is chosen by ``LlamaConfig.kv_format`` and ``topk_blocks`` (the stu
   per-layer global scales ``params["kv_scale"] [L, 2]`` (data, calibrated: see
   :func:`calibrated_kv_scales`).
 * ``bf16``: bf16 paged K and V ``[L, P, Hkv, N, D]``, plain-jnp paged attention (the M3
-  example's reference-stream attention, ``paged_attention_bf16``): the unquantized baseline.
+  example's reference-stream attention, ``paged_attention_jnp``): the unquantized baseline.
   ``f32``: the same in float32 (no K/V rounding at all: the independent check's path).
 * ``topk_blocks = 0`` attends every block; ``K > 0`` selects K blocks of 128 tokens per
   (KV head, token) with :func:`select_by_attention` (SmolLM2 has no trained indexer).
@@ -33,7 +33,8 @@ import numpy as np
 
 import jax_m3sparse as m3
 from jax_m3sparse.select import indexer_block_scores, top_blocks
-from minimax_m3.model import batch_rows, paged_attention_bf16, rope
+from minimax_m3.attention import paged_attention_jnp, rope
+from minimax_m3.model import batch_rows
 
 KV_LAYOUT = "LBHNC"
 DENSE_FORMATS = {"bf16": jnp.bfloat16, "f32": jnp.float32}   # plain paged caches
@@ -202,7 +203,7 @@ def _layer(cfg: LlamaConfig, meta, slots, req, pos, carry, xs):
         topk = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (Hkv, T, M))
     scale = D ** -0.5
     if cfg.kv_format in DENSE_FORMATS:   # q stays fp32 here (the function computes in fp32)
-        attn = paged_attention_bf16(q, keys, vals, topk, meta.block_table, req, pos, scale)
+        attn = paged_attention_jnp(q, keys, vals, topk, meta.block_table, req, pos, scale)
     else:   # the GPU kernels serve D = 128, G = 16 only: elsewhere the library's reference
         attend = (m3.sparse_attention if jax.default_backend() == "cpu"
                   else m3.reference.sparse_attention)
