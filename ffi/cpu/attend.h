@@ -40,9 +40,10 @@ Kernel& worker_kernel(int64_t G, int64_t D, int64_t N) {
   return *k;
 }
 
-// One selected block of token slot c of a chunk: its page and attended keys n.
+// One selected block of token slot c of a chunk: its logical block id, page and attended
+// keys n.
 struct Pick {
-  int64_t page, n, c;
+  int64_t block, page, n, c;
 };
 
 // Appends the valid picks of token t (slot c) of KV head g to `picks`, in slot order: none if
@@ -57,17 +58,25 @@ inline void token_picks(const AttendArgs& a, int64_t t, int64_t g, int64_t c,
   const int32_t* ids = a.topk + (g * a.num_tokens + t) * a.topk_blocks;
   for (int64_t k = 0; k < a.topk_blocks; ++k) {
     const int64_t page = selected_page(a, r, ids[k], vis);
-    if (page >= 0) picks.push_back({page, std::min(N, vis - int64_t(ids[k]) * N), c});
+    if (page >= 0) picks.push_back({ids[k], page, std::min(N, vis - int64_t(ids[k]) * N), c});
   }
 }
 
-// Tokens [t0, t0 + count) of KV head g, served together: each distinct selected page is
-// dequantized once (with the largest n any of them attends) and folded into every token that
-// selected it (a block selected twice counts twice, SPEC §5.1). Consecutive tokens of a
-// prefill chunk mostly select the same blocks, so this divides the dequantization work by up
-// to kChunk; tokens with nothing in common cost what they would alone. Every token folds its
-// blocks in increasing page order, whatever its chunk holds, so a token's result does not
-// depend on how tokens are grouped into chunks, tasks or devices.
+// Tokens [t0, t0 + count) of KV head g, served together: each selected page is dequantized
+// once per run of picks that share it (with the largest n any of them attends) and folded
+// into every token that selected it (a block selected twice counts twice, SPEC §5.1).
+// Consecutive tokens of a prefill chunk mostly select the same blocks, so this divides the
+// dequantization work by up to kChunk; tokens with nothing in common cost what they would
+// alone.
+// Every token folds its blocks in increasing logical block id (key position) order: the
+// online softmax rounds (the bf16 paths round P against the running max), so the order is
+// part of the result. Position order depends on nothing but the token's own selection, so
+// its result is the same bits whatever its chunk holds, however tokens are grouped into
+// tasks or devices, in whatever order the selection lists its blocks, and whichever pages
+// hold them (an engine hands a request freed pages in any order; issue 21: ordering by page
+// made a request's logits change with its batch). Within one request a block id names one
+// page, so the picks of a page stay adjacent after the sort; a page two requests share at
+// different block ids is dequantized once per run.
 template <typename Kernel>
 void attend_chunk(const AttendArgs& a, Kernel& w, std::vector<float>& q, std::vector<Pick>& picks,
                   int64_t t0, int64_t count, int64_t g) {
@@ -79,8 +88,9 @@ void attend_chunk(const AttendArgs& a, Kernel& w, std::vector<float>& q, std::ve
     load_floats(a.dtype, a.q, ((t0 + c) * a.num_heads + g * G) * a.geo.head_dim, q.size(), q.data());
     w.begin(c, q.data(), a.logit_scale);
   }
-  std::stable_sort(picks.begin(), picks.end(),
-                   [](const Pick& x, const Pick& y) { return x.page < y.page; });
+  std::stable_sort(picks.begin(), picks.end(), [](const Pick& x, const Pick& y) {
+    return x.block != y.block ? x.block < y.block : x.page < y.page;
+  });
   for (size_t i = 0; i < picks.size();) {
     const int64_t page = picks[i].page;
     size_t end = i;
