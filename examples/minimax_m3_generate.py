@@ -1,13 +1,15 @@
-"""Serve real text through a MiniMax M3-shaped model on jax_m3sparse's NVFP4 sparse path.
+"""Serve real text through MiniMax M3 on jax_m3sparse's NVFP4 sparse path.
 
-    python examples/minimax_m3_generate.py                      # defaults: < 3 min on 2 CPU cores
-    python examples/minimax_m3_generate.py --prompt-file a.txt --prompt-file b.txt \
-        --max-new-tokens 64 --spec-tokens 3 --plot accuracy.png
+    python examples/minimax_m3_generate.py                      # a small random M3, CPU, ~30 s
+    python examples/minimax_m3_generate.py --checkpoint DIR --tp 8 --max-new-tokens 64
+    python examples/minimax_m3_generate.py --config DIR/config.json --dry-run --tp 8 \
+        --context-len 131072 --batch 8 --device-memory-gb 192
 
-With the default seeded random weights the generated text is gibberish: the point is the
-serving path (paged NVFP4 cache, indexer, sparse attention, continuous batching) and its
-accuracy against the same model with a bf16 cache. ``--checkpoint`` loads real weights from a
-safetensors file (see examples/minimax_m3/checkpoint.py for the names).
+Without ``--checkpoint`` the model is M3's architecture at CPU size with seeded random
+weights (the generated text is gibberish: the point is the serving path and its accuracy
+against the same model with a bf16 cache). ``--checkpoint DIR`` loads an M3 checkpoint
+directory as published (config.json, safetensors shards, transformers' or the upstream names,
+FP8 blocks, tokenizer.json); see examples/minimax_m3/checkpoint.py.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     io = p.add_argument_group("input / output")
     io.add_argument("--prompt-file", action="append", help="a text file to serve (repeatable); "
-                    "default: a few files under /usr/share/common-licenses cut to 300-2800 bytes")
+                    "default: a few files under /usr/share/common-licenses cut to 300-2800 tokens")
     io.add_argument("--max-prompt-tokens", type=int, default=None, help="cut every prompt to this")
     io.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per prompt")
     io.add_argument("--plot", metavar="FILE.png", help="draw accuracy per layer and decode step")
@@ -36,18 +38,34 @@ def parse_args(argv=None):
                     help="write the generated tokens per request (to compare runs, e.g. --tp)")
     io.add_argument("--platform", help="JAX backend (cpu, cuda, rocm, ...); default: JAX's choice")
     io.add_argument("--tp", type=int, default=1,
-                    help="tensor-parallel devices: heads, MLP and the NVFP4 cache sharded over "
-                         "them (simulated CPU devices on the CPU; real GPUs when present)")
+                    help="tensor-parallel devices: heads, every MLP and expert, and the NVFP4 "
+                         "cache sharded over them (simulated CPU devices on the CPU)")
     model = p.add_argument_group("model")
+    model.add_argument("--checkpoint", metavar="DIR",
+                       help="an M3 checkpoint directory (else random weights of the flags below)")
+    model.add_argument("--dtype", default=None, help="cast weights to this (default: the "
+                       "checkpoint's; FP8 checkpoints dequantize to bfloat16)")
     d = ModelConfig()
-    model.add_argument("--hidden", type=int, default=d.hidden_size, help="model width")
-    model.add_argument("--layers", type=int, default=d.num_layers, help="decoder layers")
-    model.add_argument("--dense-layers", type=int, default=d.num_dense_layers, help="first layers that attend densely")
-    model.add_argument("--heads", type=int, default=d.num_heads, help="query heads Hq")
-    model.add_argument("--kv-heads", type=int, default=d.num_kv_heads, help="KV heads Hkv")
-    model.add_argument("--intermediate", type=int, default=d.intermediate_size, help="SwiGLU width")
-    model.add_argument("--checkpoint", metavar="PATH", help="safetensors weights (else random)")
+    model.add_argument("--hidden", type=int, default=d.hidden_size, help="random model: width")
+    model.add_argument("--layers", type=int, default=d.num_hidden_layers,
+                       help="random model: layers (the first a full-attention dense-MLP layer, "
+                            "the rest sparse attention with MoE)")
+    model.add_argument("--heads", type=int, default=d.num_attention_heads, help="query heads Hq")
+    model.add_argument("--kv-heads", type=int, default=d.num_key_value_heads, help="KV heads Hkv")
+    model.add_argument("--experts", type=int, default=d.num_local_experts, help="routed experts")
+    model.add_argument("--experts-per-tok", type=int, default=d.num_experts_per_tok)
+    model.add_argument("--intermediate", type=int, default=d.intermediate_size,
+                       help="per-expert (and shared-expert) width; the dense MLP is 4x (as in M3)")
     model.add_argument("--seed", type=int, default=0, help="random-weight seed")
+    model.add_argument("--reference-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                       help="the reference stream's caches")
+    plan = p.add_argument_group("dry run (no weights)")
+    plan.add_argument("--config", metavar="PATH", help="a config.json (or its directory)")
+    plan.add_argument("--dry-run", action="store_true",
+                      help="build the model abstractly and print per-device bytes; no run")
+    plan.add_argument("--context-len", type=int, default=131072)
+    plan.add_argument("--batch", type=int, default=8, help="requests of --context-len")
+    plan.add_argument("--device-memory-gb", type=float, default=None)
     eng = p.add_argument_group("engine")
     e = EngineConfig()
     eng.add_argument("--chunk-size", type=int, default=e.chunk_size, help="prefill tokens per step")
@@ -62,40 +80,85 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def model_config(args) -> ModelConfig:
+    """The checkpoint's (or --config's) config.json, else the random model of the flags."""
+    from minimax_m3.config import DENSE_MLP, FULL, MOE, SPARSE, from_hf_config  # noqa: PLC0415
+    source = args.checkpoint or args.config
+    if source:
+        return from_hf_config(source, reference_dtype=args.reference_dtype)
+    L = args.layers
+    return ModelConfig(hidden_size=args.hidden, num_hidden_layers=L,
+                       num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                       index_n_heads=args.kv_heads, num_local_experts=args.experts,
+                       num_experts_per_tok=args.experts_per_tok,
+                       intermediate_size=args.intermediate,
+                       shared_intermediate_size=args.intermediate,
+                       dense_intermediate_size=4 * args.intermediate,
+                       layer_types=(FULL,) + (SPARSE,) * (L - 1),
+                       mlp_layer_types=(DENSE_MLP,) + (MOE,) * (L - 1),
+                       reference_dtype=args.reference_dtype)
+
+
 def main(argv=None):
     args = parse_args(argv)
     flags = os.environ.get("XLA_FLAGS", "")
-    if args.tp > 1 and "xla_force_host_platform_device_count" not in flags:
+    if args.tp > 1 and not args.dry_run and "xla_force_host_platform_device_count" not in flags:
         # Simulated CPU devices; must be set before JAX starts (harmless on GPU backends).
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.tp}"
     import jax  # noqa: PLC0415 (the platform must be chosen before JAX starts a backend)
     if args.platform:
         jax.config.update("jax_platforms", args.platform)
+    cfg = model_config(args)
+    if args.dry_run:
+        from minimax_m3 import plan  # noqa: PLC0415
+        p = plan.plan(cfg, tp=args.tp, context_len=args.context_len, batch=args.batch,
+                      device_memory_gb=args.device_memory_gb)
+        print(plan.format_plan(p))
+        return p
+    return serve(args, cfg)
+
+
+def load_model(args, cfg, mesh):
+    """(params, tokenizer): the checkpoint's, placed on ``mesh``, or random weights."""
+    from tqdm import tqdm  # noqa: PLC0415
+    from minimax_m3 import checkpoint, model, parallel  # noqa: PLC0415
+    shardings = parallel.param_shardings(model.param_shapes(cfg), cfg, mesh)
+    if not args.checkpoint:
+        return model.init_params(cfg, args.seed, shardings), text.ByteTokenizer()
+    with tqdm(total=checkpoint.count_tensors(cfg), unit="tensor", desc="loading") as bar:
+        params = checkpoint.load_params(args.checkpoint, cfg, shardings, dtype=args.dtype,
+                                        progress=bar.update)
+    return params, text.tokenizer_for(args.checkpoint)
+
+
+def serve(args, cfg):
+    import jax  # noqa: PLC0415
     from tqdm import tqdm  # noqa: PLC0415
 
     import jax_m3sparse as m3  # noqa: PLC0415
-    from minimax_m3 import report  # noqa: PLC0415
-    from minimax_m3.checkpoint import load_checkpoint  # noqa: PLC0415
-    from minimax_m3.model import init_params  # noqa: PLC0415
-
-    cfg = ModelConfig(hidden_size=args.hidden, num_layers=args.layers,
-                      num_dense_layers=args.dense_layers, num_heads=args.heads,
-                      num_kv_heads=args.kv_heads, intermediate_size=args.intermediate)
     from jax_m3sparse.sharding import kv_head_replicas  # noqa: PLC0415
-    cfg = dataclasses.replace(cfg, kv_replicas=kv_head_replicas(cfg.num_kv_heads, args.tp))
-    prompts = text.load_prompts(args.prompt_file, args.max_prompt_tokens)
+    from minimax_m3 import parallel, report  # noqa: PLC0415
+
+    cfg = dataclasses.replace(cfg, kv_replicas=kv_head_replicas(cfg.num_key_value_heads, args.tp))
+    mesh = parallel.make_mesh(args.tp)
+    params, tokenizer = load_model(args, cfg, mesh)
+    prompts = text.load_prompts(args.prompt_file, args.max_prompt_tokens, tokenizer)
+    if max(max(t) for _, t in prompts) >= cfg.vocab_size:
+        raise ValueError(f"a prompt token is >= vocab_size {cfg.vocab_size}")
     need = sorted(-(-(len(t) + args.max_new_tokens + args.spec_tokens) // cfg.block_size)
                   for _, t in prompts)
-    longest = need[-1] * cfg.block_size
     ecfg = EngineConfig(num_pages=args.num_pages or sum(need[-args.max_running:]),
                         max_running=args.max_running, chunk_size=args.chunk_size,
-                        spec_tokens=args.spec_tokens, max_seq_len=longest,
+                        spec_tokens=args.spec_tokens, max_seq_len=need[-1] * cfg.block_size,
                         compare=not args.no_compare, tp=args.tp)
-    params = load_checkpoint(args.checkpoint, cfg) if args.checkpoint else init_params(cfg, args.seed)
-    print(f"backend {jax.default_backend()}, tp {args.tp} of {jax.device_count()} devices; {cfg.num_layers} layers ({cfg.num_dense_layers} dense), "
-          f"hidden {cfg.hidden_size}, Hq {cfg.num_heads}, Hkv {cfg.num_kv_heads}, D {cfg.head_dim}, "
-          f"top-{cfg.topk_blocks} of {cfg.block_size}-token blocks; weights: "
-          f"{args.checkpoint or f'random (seed {args.seed})'}")
+    moe_layers = sum(t == "sparse" for t in cfg.mlp_layer_types)
+    print(f"backend {jax.default_backend()}, tp {args.tp} of {jax.device_count()} devices; "
+          f"MiniMax M3: {cfg.num_layers} layers ({len(cfg.sparse_layers)} sparse attention, "
+          f"{moe_layers} MoE of {cfg.num_local_experts} experts top-{cfg.num_experts_per_tok} "
+          f"+ shared), hidden {cfg.hidden_size}, Hq {cfg.num_attention_heads}, Hkv "
+          f"{cfg.num_key_value_heads}, D {cfg.head_dim}, top-{cfg.index_topk_blocks} of "
+          f"{cfg.block_size}-token blocks; weights: {args.checkpoint or f'random (seed {args.seed})'}"
+          f"; tokenizer: {tokenizer.name}")
     cpu_paths = m3.cpu_attention_paths() if jax.default_backend() == "cpu" else None
     if cpu_paths:
         print(f"CPU attention path: {cpu_paths[1]} of {', '.join(cpu_paths[0])} (BUILD.md)")
@@ -119,11 +182,11 @@ def main(argv=None):
     wall = time.perf_counter() - t0
 
     for r in finished:
-        print(f"  request {r.rid} -> {text.printable(r.generated)}")
+        print(f"  request {r.rid} -> {tokenizer.printable(r.generated)}")
     summary = report.summarize(engine, wall)
     kv = engine.caches["kv"]
     summary.update(tp=args.tp, kv_cache_bytes=kv.nbytes,
-                   kv_cache_bytes_per_device=kv.addressable_shards[0].data.nbytes,
+                   kv_cache_bytes_per_device=parallel.bytes_per_device(kv),
                    cache_kv_heads=cfg.cache_kv_heads,
                    generated={r.rid: r.generated for r in finished})
     print(report.format_summary(summary, cfg))

@@ -1,105 +1,427 @@
-"""safetensors checkpoints in Hugging Face naming (``model.layers.{i}.self_attn.q_proj.weight``).
+"""Loads MiniMax M3 checkpoint directories as they are published, lazily, onto their devices.
 
-Linear weights are stored ``[out, in]`` (the PyTorch convention) and transposed on load; the
-loader checks every name and shape against the config and names what is missing, unexpected
-or mis-shaped. The names follow the usual HF decoder layout plus
-``self_attn.indexer.{q,k}_proj`` / ``{q,k}_norm`` for the indexer; the real MiniMax M3
-checkpoint (MoE experts, other sizes) does not fit this small dense-MLP model as is.
+A checkpoint directory holds ``config.json`` and ``model.safetensors`` or shards listed in
+``model.safetensors.index.json``. Two naming layouts are read (detected from the names):
+
+* **transformers'** (``MiniMaxM3VLForCausalLM.save_pretrained``): ``model.layers.{i}.…``,
+  ``mlp.gate_up_proj.weight [2I, H]`` (dense), ``mlp.experts.gate_up_proj [E, 2I, H]`` and
+  ``mlp.experts.down_proj [E, H, I]``, ``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``,
+  ``mlp.shared_experts.{gate_up,down}_proj.weight``, ``self_attn.indexer.{q,k}_{proj,norm}``;
+* **upstream** (the published MiniMax names, which transformers renames on load):
+  ``language_model.model.layers.{i}.…``, ``block_sparse_moe.experts.{j}.w1/w3/w2.weight``
+  (gate, up, down), ``block_sparse_moe.gate.weight``, ``block_sparse_moe.e_score_correction_bias``,
+  ``block_sparse_moe.shared_experts.{gate,up,down}_proj.weight``, dense
+  ``mlp.{gate,up,down}_proj.weight``, ``self_attn.index_{q,k}_{proj,norm}.weight``,
+  ``language_model.lm_head.weight``. ``mtp.*`` and the vision tower are skipped.
+
+Tied embeddings (``tie_word_embeddings``) need no ``lm_head.weight``. Block-scaled FP8
+(``float8_e4m3fn`` weights with a ``weight_scale_inv`` per 128 × 128 block, the
+``quantization_config`` of published MiniMax checkpoints) is dequantized on load, block by
+block, to bf16 (or the ``dtype`` asked for): real M3 in bf16 fits TP 8 on 192 GB devices
+(``plan.py``), and XLA has no block-scaled FP8 matmul on every backend we serve.
+
+Lazy: every parameter is built with ``jax.make_array_from_callback`` for its
+``NamedSharding``, so each device reads only its slice; stacked layer weights are filled one
+layer at a time into a buffer allocated on the devices. Reads go through safetensors'
+``safe_open`` in row chunks of at most ``CHUNK_BYTES``, a file opened per chunk, so the
+memory-mapped pages a read touches are released before the next: host memory above the loaded
+weights stays within one layer-slice of one parameter plus a chunk. Tensors keep the
+checkpoint's dtype (fp32 or bf16; never an fp32 copy of a bf16 checkpoint) unless ``dtype``
+says otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
-from .config import ModelConfig
-from .model import unflatten, param_shapes
+from .config import MOE, SPARSE, ModelConfig, quantization_config
+from .parallel import is_shape
 
-# our per-layer key -> (HF suffix, stored transposed)
-_LAYER_NAMES = {
-    "ln1": ("input_layernorm.weight", False),
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "wo": ("self_attn.o_proj.weight", True),
-    "ln2": ("post_attention_layernorm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
-    "w_iq": ("self_attn.indexer.q_proj.weight", True),
-    "w_ik": ("self_attn.indexer.k_proj.weight", True),
-    "iq_norm": ("self_attn.indexer.q_norm.weight", False),
-    "ik_norm": ("self_attn.indexer.k_norm.weight", False),
-}
-_TOP_NAMES = {"embed": ("model.embed_tokens.weight", False),
-              "final_norm": ("model.norm.weight", False),
-              "lm_head": ("lm_head.weight", True)}
+CHUNK_BYTES = 16 << 20
+_SKIP = re.compile(r"(^|\.)mtp\.|^(model\.)?(vision_tower|multi_modal_projector|patch_merge_mlp)\.")
+_FP8_BLOCK = 128
 
 
-def _layer_groups(cfg: ModelConfig):
-    """(group, first global layer index, count)."""
-    return (("dense", 0, cfg.num_dense_layers),
-            ("sparse", cfg.num_dense_layers, cfg.num_sparse_layers))
+# ----------------------------------------------------------------------------- files
+class CheckpointFiles:
+    """The tensors of a checkpoint directory (or one ``.safetensors`` file): name -> file,
+    stored shape and dtype, read by slices."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if os.path.isdir(path):
+            index = os.path.join(path, "model.safetensors.index.json")
+            if os.path.exists(index):
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+                files = sorted(set(weight_map.values()))
+            else:
+                files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not files:
+                raise ValueError(f"{path}: no model.safetensors, no index, no *.safetensors")
+            files = [os.path.join(path, f) for f in files]
+        else:
+            files = [path]
+        self.file, self.shape, self.dtype = {}, {}, {}
+        for fn in files:
+            with safe_open(fn, framework="numpy") as f:
+                for name in f.keys():
+                    s = f.get_slice(name)
+                    self.file[name], self.shape[name] = fn, tuple(s.get_shape())
+                    self.dtype[name] = s.get_dtype()
+
+    def names(self) -> set[str]:
+        return set(self.file)
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """``tensor[index]`` (one slice per axis) in the stored dtype, in row chunks."""
+        shape = self.shape[name]
+        index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
+        out_shape = tuple(s.stop - s.start for s in index)
+        row_bytes = max(int(np.prod(out_shape[1:], dtype=np.int64)), 1) * self._itemsize(name)
+        step = max(1, CHUNK_BYTES // row_bytes)
+        parts = []
+        for r0 in range(index[0].start, index[0].stop, step):
+            rows = (slice(r0, min(r0 + step, index[0].stop)), *index[1:])
+            parts.append(self._read_chunk(name, rows))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _itemsize(self, name):
+        return {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1}.get(self.dtype[name], 4)
+
+    def _read_chunk(self, name, index):
+        if self.dtype[name] == "F8_E4M3":   # safetensors' numpy reader has no fp8 dtype
+            return self._read_fp8(name, index)
+        with safe_open(self.file[name], framework="numpy") as f:   # closed: pages unmapped
+            return f.get_slice(name)[index]
+
+    def _read_fp8(self, name, index):
+        """FP8 bytes through a memory map of the tensor's data (header offsets), viewed as
+        ``float8_e4m3fn``."""
+        fn = self.file[name]
+        with open(fn, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            begin, _ = json.loads(f.read(n))[name]["data_offsets"]
+        data = np.memmap(fn, np.uint8, "r", offset=8 + n + begin, shape=self.shape[name])
+        out = np.array(data[index]).view(ml_dtypes.float8_e4m3fn)
+        del data
+        return out
 
 
-def hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """The params as ``{HF name: float32 array}`` (one tensor per layer, [out, in])."""
+# ----------------------------------------------------------------------------- names
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where one layer's (or the model's) parameter comes from: ``kind`` says how the stored
+    tensors ``names`` (stored shapes ``stored``) assemble into our layout."""
+
+    kind: str          # plain | gate_up (packed [2I, H]) | gate_up_pair | experts_* (see _read)
+    names: tuple[str, ...]
+    stored: tuple[tuple[int, ...], ...]
+
+
+def _sources(cfg: ModelConfig, layout: str) -> dict:
+    """{("segment path", ...): [Source per layer]} and top-level {key: Source}."""
+    up = layout == "upstream"
+    root = "language_model.model." if up else "model."
+    H, D, E = cfg.hidden_size, cfg.head_dim, cfg.num_local_experts
+    Hq, Hkv, Di = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.index_head_dim
+
+    def plain(name, shape):
+        return Source("plain", (name,), (tuple(shape),))
+
+    def swiglu(pre, inter, shapes):   # dense MLP or shared expert, our keys gate_up/down
+        if up:
+            shapes["gate_up_proj"] = Source("gate_up_pair", (pre + "gate_proj.weight",
+                                                            pre + "up_proj.weight"),
+                                            ((inter, H), (inter, H)))
+        else:
+            shapes["gate_up_proj"] = Source("gate_up", (pre + "gate_up_proj.weight",),
+                                            ((2 * inter, H),))
+        shapes["down_proj"] = plain(pre + "down_proj.weight", (H, inter))
+        return shapes
+
+    def layer(i, attn, mlp):
+        pre = f"{root}layers.{i}."
+        sa = pre + "self_attn."
+        src = {"input_layernorm": plain(pre + "input_layernorm.weight", (H,)),
+               "post_attention_layernorm": plain(pre + "post_attention_layernorm.weight", (H,)),
+               "self_attn": dict(q_proj=plain(sa + "q_proj.weight", (Hq * D, H)),
+                                 k_proj=plain(sa + "k_proj.weight", (Hkv * D, H)),
+                                 v_proj=plain(sa + "v_proj.weight", (Hkv * D, H)),
+                                 o_proj=plain(sa + "o_proj.weight", (H, Hq * D)),
+                                 q_norm=plain(sa + "q_norm.weight", (D,)),
+                                 k_norm=plain(sa + "k_norm.weight", (D,)))}
+        if attn == SPARSE:
+            ix = (lambda n: f"{sa}index_{n}.weight") if up else (lambda n: f"{sa}indexer.{n}.weight")
+            src["self_attn"]["indexer"] = dict(
+                q_proj=plain(ix("q_proj"), (cfg.index_n_heads * Di, H)),
+                k_proj=plain(ix("k_proj"), (Di, H)), q_norm=plain(ix("q_norm"), (Di,)),
+                k_norm=plain(ix("k_norm"), (Di,)))
+        if mlp != MOE:
+            src["mlp"] = swiglu(pre + "mlp.", cfg.dense_intermediate_size, {})
+            return src
+        I = cfg.intermediate_size
+        if up:
+            m = pre + "block_sparse_moe."
+            ex = [f"{m}experts.{j}." for j in range(E)]
+            experts = dict(
+                gate_up_proj=Source("experts_gate_up_split",
+                                    tuple(e + w for e in ex for w in ("w1.weight", "w3.weight")),
+                                    ((I, H),) * (2 * E)),
+                down_proj=Source("experts_down_split", tuple(e + "w2.weight" for e in ex),
+                                 ((H, I),) * E))
+            gate, bias = plain(m + "gate.weight", (E, H)), plain(m + "e_score_correction_bias", (E,))
+        else:
+            m = pre + "mlp."
+            experts = dict(gate_up_proj=Source("experts_gate_up", (m + "experts.gate_up_proj",),
+                                               ((E, 2 * I, H),)),
+                           down_proj=plain(m + "experts.down_proj", (E, H, I)))
+            gate = plain(m + "gate.weight", (E, H))
+            bias = plain(m + "gate.e_score_correction_bias", (E,))
+        src["mlp"] = dict(gate=gate, e_score_correction_bias=bias, experts=experts,
+                          shared_experts=swiglu(m + "shared_experts.",
+                                                cfg.shared_intermediate_size, {}))
+        return src
+
+    top = {"embed_tokens": plain(root + "embed_tokens.weight", (cfg.vocab_size, H)),
+           "norm": plain(root + "norm.weight", (H,))}
+    if not cfg.tie_word_embeddings:
+        top["lm_head"] = plain(("language_model." if up else "") + "lm_head.weight",
+                               (cfg.vocab_size, H))
+    segments = [[layer(i, a, m) for i in range(first, first + n)]
+                for a, m, first, n in cfg.segments()]
+    return top, segments
+
+
+def _read(files: CheckpointFiles, src: Source, index: tuple[slice, ...], shape) -> np.ndarray:
+    """Our-layout slice ``index`` of the parameter that ``src`` describes (stored dtype; FP8
+    blocks dequantized to float32)."""
+    get = functools.partial(_read_dequantized, files)
+    idx = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
+    if src.kind == "plain":
+        return get(src.names[0], idx)
+    if src.kind in ("gate_up", "gate_up_pair"):           # ours [2, I, H]
+        g, i, h = idx
+        inter = shape[1]
+        if src.kind == "gate_up":
+            rows = lambda k: slice(k * inter + i.start, k * inter + i.stop)
+            return np.stack([get(src.names[0], (rows(k), h)) for k in range(*g.indices(2))])
+        return np.stack([get(src.names[k], (i, h)) for k in range(*g.indices(2))])
+    if src.kind == "experts_gate_up":                     # ours [E, 2, I, H], stored [E, 2I, H]
+        e, g, i, h = idx
+        inter = shape[2]
+        return np.stack([get(src.names[0], (e, slice(k * inter + i.start, k * inter + i.stop), h))
+                         for k in range(*g.indices(2))], axis=1)
+    if src.kind == "experts_gate_up_split":               # per expert w1 (gate), w3 (up)
+        e, g, i, h = idx
+        return np.stack([np.stack([get(src.names[2 * j + k], (i, h)) for k in range(*g.indices(2))])
+                         for j in range(*e.indices(shape[0]))])
+    if src.kind == "experts_down_split":                  # ours [E, H, I]; per expert w2
+        e, h, i = idx
+        return np.stack([get(src.names[j], (h, i)) for j in range(*e.indices(shape[0]))])
+    raise AssertionError(src.kind)
+
+
+def _read_dequantized(files: CheckpointFiles, name: str, index) -> np.ndarray:
+    """``files.read``, with a ``float8_e4m3fn`` weight times its 128 × 128 ``weight_scale_inv``
+    blocks (in float32)."""
+    a = files.read(name, index)
+    if files.dtype[name] != "F8_E4M3":
+        return a
+    r, c = index[-2], index[-1]
+    b = _FP8_BLOCK
+    blocks = tuple(slice(s.start // b, -(-s.stop // b)) for s in (r, c))
+    scale = files.read(name + "_scale_inv", (*index[:-2], *blocks)).astype(np.float32)
+    scale = np.repeat(np.repeat(scale, b, axis=-2), b, axis=-1)
+    scale = scale[..., r.start - blocks[0].start * b:r.stop - blocks[0].start * b,
+                  c.start - blocks[1].start * b:c.stop - blocks[1].start * b]
+    return a.astype(np.float32) * scale
+
+
+# ----------------------------------------------------------------------------- checks
+def detect_layout(names) -> str:
+    return "upstream" if any(n.startswith("language_model.") for n in names) else "transformers"
+
+
+def _check(files: CheckpointFiles, top, segments, fp8: bool) -> None:
+    """Raises ValueError naming every missing, unexpected or mis-shaped tensor."""
+    leaves = jax.tree_util.tree_leaves((top, segments), is_leaf=lambda x: isinstance(x, Source))
+    want = {n: s for src in leaves for n, s in zip(src.names, src.stored)}
+    have = files.names()
+    problems = [f"missing {n}" for n in sorted(set(want) - have)]
+    problems += [f"{n}: expected shape {want[n]}, got {files.shape[n]}"
+                 for n in sorted(set(want) & have) if files.shape[n] != want[n]]
+    used = set(want)
+    if fp8:
+        used |= {n + "_scale_inv" for n in want if files.dtype.get(n) == "F8_E4M3"}
+        problems += [f"missing {n}_scale_inv (FP8 weight)" for n in sorted(want)
+                     if files.dtype.get(n) == "F8_E4M3" and n + "_scale_inv" not in have]
+    elif any(files.dtype.get(n) == "F8_E4M3" for n in want):
+        problems.append("FP8 tensors but no quantization_config in config.json")
+    extra = sorted(n for n in have - used if not _SKIP.search(n)
+                   and not n.endswith("lm_head.weight"))        # a tied model may carry one
+    problems += [f"unexpected {n}" for n in extra]
+    if problems:
+        raise ValueError(f"checkpoint {files.path} does not fit the config: " + "; ".join(problems))
+
+
+# ----------------------------------------------------------------------------- placing
+def _out_dtype(files, src: Source, dtype):
+    if dtype is not None:
+        return jnp.dtype(dtype)
+    stored = files.dtype[src.names[0]]
+    return jnp.dtype({"F32": jnp.float32, "F16": jnp.float16}.get(stored, jnp.bfloat16))
+
+
+def _place(files, src, shape, sharding, dtype):
+    """One array made from its devices' slices (each read on its own)."""
+    def slice_of(index):
+        return _read(files, src, index, shape).astype(dtype)
+    return jax.make_array_from_callback(tuple(shape), sharding, slice_of)
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros(shape, dtype, sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _setter(sharding):
+    """buffer.at[i].set(x), in place (the buffer is donated)."""
+    return jax.jit(lambda buf, x, i: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0),
+                   donate_argnums=0, out_shardings=sharding)
+
+
+def load_params(path: str, cfg: ModelConfig, shardings, dtype=None, progress=None) -> dict:
+    """Reads a checkpoint directory into the param pytree of :func:`model.param_shapes`.
+
+    Args:
+      path: a checkpoint directory (or one ``.safetensors`` file).
+      cfg: the model config (``config.from_hf_config(path)`` for a directory).
+      shardings: a pytree of ``NamedSharding`` like ``param_shapes(cfg)``
+        (``parallel.param_shardings``).
+      dtype: None keeps each tensor's stored dtype (FP8 becomes bf16); else cast to it.
+      progress: optional callable(n) told after each stored tensor group is placed (tqdm).
+
+    Returns:
+      The params, each leaf on its devices with its sharding.
+
+    Raises:
+      ValueError naming every missing, unexpected or mis-shaped tensor, before reading any.
+    """
+    from .model import param_shapes  # noqa: PLC0415 (model -> parallel; keeps imports one way)
+    files = CheckpointFiles(path)
+    layout = detect_layout(files.names())
+    top, segments = _sources(cfg, layout)
+    fp8 = bool(os.path.isdir(path) and (quantization_config(path) or {}).get("quant_method") == "fp8")
+    _check(files, top, segments, fp8)
+    shapes = param_shapes(cfg)
+    tick = progress or (lambda n: None)
     out = {}
-    for key, (name, t) in _TOP_NAMES.items():
-        a = np.asarray(params[key], np.float32)
-        out[name] = np.ascontiguousarray(a.T if t else a)
-    for group, first, n in _layer_groups(cfg):
-        for key, stacked in params.get(group, {}).items():
-            suffix, t = _LAYER_NAMES[key]
-            for i in range(n):
-                a = np.asarray(stacked[i], np.float32)
-                out[f"model.layers.{first + i}.{suffix}"] = np.ascontiguousarray(a.T if t else a)
+    for key, src in top.items():
+        out[key] = _place(files, src, shapes[key], shardings[key], _out_dtype(files, src, dtype))
+        tick(1)
+    out["segments"] = []
+    for seg_src, seg_shapes, seg_shard in zip(segments, shapes["segments"], shardings["segments"]):
+        def stacked(shape, sharding, *srcs):
+            dt = _out_dtype(files, srcs[0], dtype)
+            layer_sharding = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
+            buf = _zeros(shape, dt, sharding)()
+            for i, src in enumerate(srcs):
+                buf = _setter(sharding)(buf, _place(files, src, shape[1:], layer_sharding, dt), i)
+                tick(1)
+            return buf
+        out["segments"].append(jax.tree_util.tree_map(
+            stacked, seg_shapes, seg_shard, *seg_src, is_leaf=is_shape))
     return out
 
 
-def save_checkpoint(path: str, params: dict, cfg: ModelConfig) -> None:
-    """Writes ``params`` as one safetensors file in HF naming."""
-    save_file(hf_tensors(params, cfg), path)
+def count_tensors(cfg: ModelConfig) -> int:
+    """Parameter groups load_params reports to ``progress`` (for a progress bar's total)."""
+    top, segments = _sources(cfg, "transformers")
+    return len(top) + sum(len(jax.tree_util.tree_leaves(s, is_leaf=lambda x: isinstance(x, Source)))
+                          for s in segments)
 
 
-def load_checkpoint(path: str, cfg: ModelConfig, dtype=np.float32) -> dict:
-    """Reads a safetensors file into the param pytree of :func:`model.init_params`.
+# ----------------------------------------------------------------------------- writing
+def to_hf_config(cfg: ModelConfig) -> dict:
+    """A transformers ``config.json`` (``model_type`` minimax_m3_vl_text) for ``cfg``."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    for serving in ("kv_replicas", "reference_dtype", "reference_selection", "rope_theta"):
+        fields.pop(serving)
+    fields.update(model_type="minimax_m3_vl_text", architectures=["MiniMaxM3VLForCausalLM"],
+                  layer_types=list(cfg.layer_types), mlp_layer_types=list(cfg.mlp_layer_types),
+                  rope_parameters=dict(rope_type="default", rope_theta=cfg.rope_theta,
+                                       partial_rotary_factor=cfg.rotary_dim / cfg.head_dim))
+    return fields
 
-    Tensors may be stored in any float dtype (bf16 included); they are cast to ``dtype``.
 
-    Raises:
-      ValueError naming every missing, unexpected or mis-shaped tensor.
-    """
-    shapes = param_shapes(cfg)
-    flat, problems = {}, []
-    with safe_open(path, framework="numpy") as f:
-        names = set(f.keys())
-        used = set()
+def _stored(src: Source, value: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """Our-layout value -> the transformers-layout tensors of ``src`` (the inverse of _read)."""
+    if src.kind == "plain":
+        return [(src.names[0], value)]
+    if src.kind == "gate_up":                     # [2, I, H] -> [2I, H]
+        return [(src.names[0], value.reshape(-1, value.shape[-1]))]
+    if src.kind == "experts_gate_up":             # [E, 2, I, H] -> [E, 2I, H]
+        return [(src.names[0], value.reshape(value.shape[0], -1, value.shape[-1]))]
+    raise ValueError(f"save_checkpoint writes transformers' layout, not {src.kind}")
 
-        def get(name, transposed, shape):
-            if name not in names:
-                problems.append(f"missing {name}")
-                return np.zeros(shape, dtype)
-            used.add(name)
-            a = f.get_tensor(name)
-            a = a.T if transposed else a
-            if a.shape != tuple(shape):
-                problems.append(f"{name}: expected shape {tuple(shape[::-1]) if transposed else shape}"
-                                f", got {a.shape[::-1] if transposed else a.shape}")
-                return np.zeros(shape, dtype)
-            return a.astype(dtype)
 
-        for key, (name, t) in _TOP_NAMES.items():
-            flat[key] = get(name, t, shapes[key])
-        for group, first, n in _layer_groups(cfg):
-            for key, shape in shapes.get(group, {}).items():
-                suffix, t = _LAYER_NAMES[key]
-                flat[f"{group}.{key}"] = np.stack(
-                    [get(f"model.layers.{first + i}.{suffix}", t, shape[1:]) for i in range(n)])
-    problems += [f"unexpected {name}" for name in sorted(names - used)]
-    if problems:
-        raise ValueError(f"checkpoint {path} does not fit {cfg}: " + "; ".join(problems))
-    return unflatten(flat, shapes)
+def save_checkpoint(path: str, params: dict, cfg: ModelConfig, max_shard_bytes: int | None = None,
+                    dtype=None) -> None:
+    """Writes ``params`` as a transformers-layout checkpoint directory (config.json and
+    ``model.safetensors``, or shards of at most ``max_shard_bytes`` with
+    ``model.safetensors.index.json``), one shard in host memory at a time."""
+    from safetensors.numpy import save_file  # noqa: PLC0415
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(to_hf_config(cfg), f, indent=1)
+    top, segments = _sources(cfg, "transformers")
+
+    def tensors():
+        for key, src in top.items():
+            yield from _stored(src, np.asarray(params[key]))
+        for seg_src, seg_params in zip(segments, params["segments"]):
+            for i, layer_src in enumerate(seg_src):
+                yield from (t for src, value in zip(
+                    jax.tree_util.tree_leaves(layer_src, is_leaf=lambda x: isinstance(x, Source)),
+                    jax.tree_util.tree_leaves(seg_params)) for t in _stored(src, np.asarray(value[i])))
+
+    if not max_shard_bytes:
+        save_file({n: _contiguous(a, dtype) for n, a in tensors()},
+                  os.path.join(path, "model.safetensors"))
+        return
+    shard, size, count = {}, 0, 0
+    for name, a in tensors():
+        a = _contiguous(a, dtype)
+        if shard and size + a.nbytes > max_shard_bytes:
+            count += 1
+            save_file(shard, os.path.join(path, f"model-{count:05d}.safetensors"))
+            shard, size = {}, 0
+        shard[name], size = a, size + a.nbytes
+    save_file(shard, os.path.join(path, f"model-{count + 1:05d}.safetensors"))
+    _write_index(path)
+
+
+def _contiguous(a, dtype):
+    return np.ascontiguousarray(a if dtype is None else a.astype(dtype))
+
+
+def _write_index(path):
+    weight_map = {}
+    for fn in sorted(f for f in os.listdir(path) if f.startswith("model-")):
+        with safe_open(os.path.join(path, fn), framework="numpy") as f:
+            weight_map.update({k: fn for k in f.keys()})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)

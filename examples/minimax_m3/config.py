@@ -50,9 +50,9 @@ class ModelConfig:
     rotary_dim: int = 64                       # = head_dim · partial_rotary_factor
     tie_word_embeddings: bool = False
     # MLPs: swiglu-oai everywhere; "dense" layers one MLP, "sparse" layers a mixture of experts
-    dense_intermediate_size: int = 1536
-    intermediate_size: int = 256               # per expert
-    shared_intermediate_size: int = 256
+    dense_intermediate_size: int = 512
+    intermediate_size: int = 128               # per expert
+    shared_intermediate_size: int = 128
     num_local_experts: int = 8
     num_experts_per_tok: int = 2
     routed_scaling_factor: float = 2.0
@@ -69,6 +69,7 @@ class ModelConfig:
     # serving, not architecture
     kv_replicas: int = 1                       # copies of each KV head in the cache (TP > Hkv)
     reference_dtype: str = "bfloat16"          # the reference stream's caches (or "float32")
+    reference_selection: str = "served"        # its block selections: "served" or "own"
 
     def __post_init__(self):
         L = self.num_hidden_layers
@@ -90,6 +91,8 @@ class ModelConfig:
             raise ValueError(f"index_n_heads ({self.index_n_heads}) != num_key_value_heads "
                              f"({self.num_key_value_heads}): jax_m3sparse's attention takes one "
                              f"block selection per KV head (M3 has 4 and 4)")
+        if self.reference_selection not in ("served", "own"):
+            raise ValueError(f"reference_selection {self.reference_selection!r}: 'served' or 'own'")
         if self.index_block_size != 128:
             raise ValueError(f"index_block_size {self.index_block_size}: the NVFP4 cache's "
                              f"pages hold 128 tokens (SPEC §1)")

@@ -14,9 +14,10 @@ SPEC §5.6) through every layer, as two streams in lockstep on the same tokens:
   selection by :func:`jax_m3sparse.select.select_blocks`, attention by
   :func:`jax_m3sparse.sparse_attention` (full-attention layers: every block selected);
 * the **reference** stream (``compare=True``): the same model with a dense-format paged cache
-  (``cfg.reference_dtype``: bf16, or float32 to match transformers' fp32 run), its own index
-  keys and selections, and plain-``jnp`` attention. It measures what NVFP4 and the served
-  stream's bf16 index keys cost.
+  (``cfg.reference_dtype``: bf16, or float32 to match transformers' fp32 run) and plain-``jnp``
+  attention, over the served stream's selections (``reference_selection="served"``: it
+  measures what NVFP4 costs at equal selections) or its own index keys and selections
+  (``"own"``: an independent twin of transformers' model, as the tests use it).
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ class _Step:
         return select(p["indexer"], h, self.cos, self.sin, self.cfg, idx_cache, self.slots,
                       self.meta.block_table, self.req, self.pos)
 
-    def served_attention(self, p, h, caches, layer, li, sparse):
+    def served_attention(self, p, h, caches, layer, li, sparse, given=None):
         """The NVFP4 stream's attention output ``[T, Hq·D]`` (fp32), caches, topk."""
         cfg = self.cfg
         q, k, v = qkv(p, h, self.cos, self.sin, cfg)
@@ -200,18 +201,20 @@ class _Step:
                       scale=cfg.head_dim ** -0.5, layer=layer, layout=KV_LAYOUT)
         return attn.astype(jnp.float32).reshape(h.shape[0], -1), caches, topk
 
-    def reference_attention(self, p, h, caches, layer, li, sparse):
-        """The reference stream's: dense-format paged cache, own selection, plain jnp."""
+    def reference_attention(self, p, h, caches, layer, li, sparse, given=None):
+        """The reference stream's: dense-format paged cache, plain jnp; the served stream's
+        selection ``given``, or its own (``cfg.reference_selection == "own"``)."""
         cfg = self.cfg
         q, k, v = qkv(p, h, self.cos, self.sin, cfg)
         # The ref caches are [L, P, Hkv, N, D]; write_pages wants the slot axes (P, N) first.
         put = lambda c, x: jnp.swapaxes(write_pages(jnp.swapaxes(c[layer], 1, 2), x, self.slots,
                                                     cfg.block_size), 1, 2)
         rk, rv = put(caches["ref_k"], k), put(caches["ref_v"], v)
-        topk, idx_l = self.selection(p, h, caches["ref_idx"][li], sparse)
         caches = dict(caches, ref_k=caches["ref_k"].at[layer].set(rk),
                       ref_v=caches["ref_v"].at[layer].set(rv))
-        if sparse:
+        topk = given
+        if sparse and cfg.reference_selection == "own":
+            topk, idx_l = self.selection(p, h, caches["ref_idx"][li], sparse)
             caches["ref_idx"] = caches["ref_idx"].at[li].set(idx_l)
         attn = paged_attention_jnp(q.astype(rk.dtype), rk, rv, topk, self.meta.block_table,
                                    self.req, self.pos, cfg.head_dim ** -0.5)
@@ -224,9 +227,9 @@ class _Step:
         p, layer, li = xs
         cfg, sparse, is_moe = self.cfg, attn_kind == SPARSE, mlp_kind == MOE
 
-        def block(x, attention, caches):
+        def block(x, attention, caches, given=None):
             h = gemma_rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
-            attn, caches, topk = attention(p["self_attn"], h, caches, layer, li, sparse)
+            attn, caches, topk = attention(p["self_attn"], h, caches, layer, li, sparse, given)
             x = x + moe.linear(attn, p["self_attn"]["o_proj"])
             h = gemma_rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
             return x + moe.mlp(p["mlp"], h, cfg, is_moe), caches, attn, topk
@@ -238,7 +241,7 @@ class _Step:
             jnp.sum(jnp.where(live[None, :, None], topk >= 0, False)),
             cfg.num_key_value_heads * jnp.sum(jnp.where(live, self.pos // cfg.block_size + 1, 0))]))
         if self.compare:
-            x_ref, caches, attn_r, topk_r = block(x_ref, self.reference_attention, caches)
+            x_ref, caches, attn_r, topk_r = block(x_ref, self.reference_attention, caches, topk)
             is_dec = jnp.arange(x.shape[0]) < self.meta.num_decode_tokens
             ys.update(attn_stats=jnp.stack([_agreement_sums(attn, attn_r, live & is_dec),
                                             _agreement_sums(attn, attn_r, live & ~is_dec)]),

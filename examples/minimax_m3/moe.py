@@ -5,11 +5,14 @@ transformers' ``MiniMaxM3VLDenseMLP``, ``MiniMaxM3VLTopKRouter``, ``MiniMaxM3VLE
 packed ``gate_up_proj`` is held as ``[..., 2, I, H]`` (gate half first) so that tensor parallel
 can split ``I`` and every device keeps matching gate and up rows.
 
-The routed experts are grouped matmuls (``jax.lax.ragged_dot_general``) over the tokens sorted
-by expert, so their work follows ``num_experts_per_tok``, not ``num_local_experts`` (M3: 4 of
-128). On this project's CPUs a dense dispatch (every expert on every token, masked) measured
-1.3–2.5× faster at CPU sizes (jaxlib 0.10.2's CPU ragged_dot computes every group); it would
-cost M3 32× the FLOPs, so the grouped form is the one kept (README, "The model").
+The routed experts are dispatched densely: every expert runs on every token and its output
+is weighted by the token's routing weight (zero where not chosen). Chosen by measurement on the
+CPU (README, "The model"): ``jax.lax.ragged_dot`` (sorted tokens, grouped matmuls) was 1.3–4×
+slower at the example's shapes, because jaxlib's CPU lowering of ragged_dot is itself a masked
+product over every group for every row. Dense dispatch is exact, sort-free and static-shaped;
+its FLOPs are ``num_local_experts / num_experts_per_tok`` times the routed ones (M3: 32×),
+which a decode step at M3 size hides (it is bound by reading the experts' weights) and a
+prefill chunk does not.
 
 Tensor parallel (``parallel.py``): every MLP's intermediate axis ``I`` is split over the mesh
 axis "tp" (Megatron style; each device holds ``1/tp`` of every expert, never all of one
@@ -26,11 +29,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from .parallel import AXIS, leaf_spec
-
-_RAGGED = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((1,), (2,)), ((), ())),     # x [m, in] · w[g] [out, in]
-    lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-
 
 def linear(x, w):
     """``x @ w.T`` for a PyTorch-layout weight ``[out, in]``, in the weight's dtype with fp32
@@ -66,24 +64,21 @@ def route(p, x, cfg):
 
 
 def experts(p, x, weights, chosen, cfg):
-    """``MiniMaxM3VLExperts``: Σ_k weights[t, k] · expert_{chosen[t, k]}(x[t]).
+    """``MiniMaxM3VLExperts``: Σ_k weights[t, k] · expert_{chosen[t, k]}(x[t]), dispatched
+    densely: every expert on every token, each output scaled by its routing weight (0 where
+    not chosen), summed in one contraction over experts and ``I``.
 
     p ``gate_up_proj [E, 2, I, H]``, ``down_proj [E, H, I]`` (I may be this device's slice).
     """
-    E, _, I, H = p["gate_up_proj"].shape
-    k = chosen.shape[1]
-    flat = chosen.reshape(-1)
-    order = jnp.argsort(flat, stable=True)                 # (token, k) pairs grouped by expert
-    token = order // k
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    E = p["gate_up_proj"].shape[0]
+    dense_w = jnp.sum(jnp.where(chosen[:, :, None] == jnp.arange(E), weights[:, :, None], 0.0),
+                      axis=1)                                            # [T, E]
     w_gu, w_down = p["gate_up_proj"], p["down_proj"]
-    xs = x[token].astype(w_gu.dtype)
-    gu = jax.lax.ragged_dot_general(xs, w_gu.reshape(E, 2 * I, H), sizes, _RAGGED,
-                                    preferred_element_type=jnp.float32).reshape(-1, 2, I)
-    h = swiglu_oai(gu, cfg.swiglu_alpha, cfg.swiglu_limit).astype(w_down.dtype)
-    y = jax.lax.ragged_dot_general(h, w_down, sizes, _RAGGED, preferred_element_type=jnp.float32)
-    y = y * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((x.shape[0], H), jnp.float32).at[token].add(y)
+    gu = jnp.einsum("th,egih->etgi", x.astype(w_gu.dtype), w_gu,
+                    preferred_element_type=jnp.float32)
+    h = swiglu_oai(gu, cfg.swiglu_alpha, cfg.swiglu_limit) * dense_w.T[:, :, None]
+    return jnp.einsum("eti,ehi->th", h.astype(w_down.dtype), w_down,
+                      preferred_element_type=jnp.float32)
 
 
 def sparse_moe(p, x, cfg):

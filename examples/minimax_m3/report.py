@@ -42,8 +42,10 @@ def summarize(engine: Engine, wall_seconds: float) -> dict:
         cos, rel = s.per_layer()
         served = [x for r in engine.finished for x in r.logits]
         ref = [x for r in engine.finished for x in r.ref_logits]
+        same = s.same_blocks[list(engine.cfg.sparse_layers)]
         out.update(
             attn_cos=cos, attn_rel_f=rel,
+            same_selection=float(same[:, 0].sum() / max(same[:, 1].sum(), 1)) if len(same) else None,
             logit_cos=float(np.mean([cosine(x, y) for x, y in zip(served, ref)])),
             logit_cos_min=float(np.min([cosine(x, y) for x, y in zip(served, ref)])),
             agreement=float(np.mean([x.argmax() == y.argmax() for x, y in zip(served, ref)])))
@@ -68,19 +70,26 @@ def format_summary(s: dict, cfg) -> str:
         lines.append(f"NVFP4 cache: {s['kv_cache_bytes_per_device'] / 2**20:.2f} MiB per device "
                      f"({s['kv_cache_bytes'] / 2**20:.2f} MiB in all, tp {s['tp']}, "
                      f"{s.get('cache_kv_heads', '?')} KV heads stored)")
-    sparse = s["blocks_attended"][cfg.num_dense_layers:]
+    sparse = [s["blocks_attended"][i] for i in cfg.sparse_layers]
     if sparse:
         lines.append(f"sparse selection: {100 * np.mean(sparse):.1f}% of the visible (token, block) "
-                     f"pairs attended, {s['blocks_skipped']} skipped (top-{cfg.topk_blocks} of up to "
+                     f"pairs attended, {s['blocks_skipped']} skipped (top-{cfg.index_topk_blocks} of up to "
                      f"{s['max_blocks']} blocks)")
     if "spec_acceptance" in s:
         lines.append(f"speculative: {100 * s['spec_acceptance']:.0f}% of prompt-lookup drafts accepted")
     if "attn_cos" in s:
-        lines.append("accuracy of the NVFP4 sparse path vs the same model with a bf16 cache and the "
-                     "same selections:")
+        how = ("its own index keys and selections" if cfg.reference_selection == "own"
+               else "the same selections")
+        lines.append(f"accuracy of the NVFP4 sparse path vs the same model with a "
+                     f"{cfg.reference_dtype} cache ({how}):")
         for layer, (c, r) in enumerate(zip(s["attn_cos"], s["attn_rel_f"])):
-            kind = "dense " if layer < cfg.num_dense_layers else "sparse"
-            lines.append(f"  layer {layer} ({kind}) attention output: cosine {c:.5f}, rel-F {r:.4f}")
+            kind = "sparse" if layer in cfg.sparse_layers else "full  "
+            lines.append(f"  layer {layer} ({kind}, {cfg.mlp_layer_types[layer]:6s} MLP) attention "
+                         f"output: cosine {c:.5f}, rel-F {r:.4f}")
+        if s.get("same_selection") is not None and cfg.reference_selection == "own":
+            lines.append(f"  block selections: {100 * s['same_selection']:.2f}% of (token, KV head) "
+                         f"pairs pick the same set in both streams (bf16 vs "
+                         f"{cfg.reference_dtype} index keys)")
         lines.append(f"  final logits: cosine mean {s['logit_cos']:.5f} (min {s['logit_cos_min']:.5f}); "
                      f"greedy-token agreement {100 * s['agreement']:.1f}%")
     return "\n".join(lines)
@@ -96,7 +105,7 @@ def plot(engine: Engine, summary: dict, path: str) -> None:
     layers = np.arange(len(summary["attn_cos"]))
     ax1.bar(layers - 0.2, 1 - np.array(summary["attn_cos"]), 0.4, label="1 − cosine")
     ax1.bar(layers + 0.2, summary["attn_rel_f"], 0.4, label="rel-F error")
-    ax1.set_xlabel("layer (first dense, then sparse)")
+    ax1.set_xlabel("layer")
     ax1.set_title("attention output: NVFP4 sparse vs bf16 cache")
     ax1.set_yscale("log")
     errs = np.concatenate([1 - np.array(summary["attn_cos"]), summary["attn_rel_f"]])

@@ -1,4 +1,4 @@
-"""Byte-level tokenizer (token = byte, vocabulary 256: nothing to download) and prompts."""
+"""Tokenizers (a checkpoint's ``tokenizer.json`` through ``tokenizers``, else bytes) and prompts."""
 
 from __future__ import annotations
 
@@ -24,6 +24,43 @@ def decode(tokens) -> str:
     return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
 
+class ByteTokenizer:
+    """Token = byte (vocabulary 256): what the random-weight model and a checkpoint without
+    ``tokenizer.json`` use."""
+
+    name = "bytes (no tokenizer.json)"
+
+    def encode(self, data: bytes) -> list[int]:
+        return list(data)
+
+    def printable(self, tokens, limit: int = 72) -> str:
+        return printable(tokens, limit)
+
+
+class HFTokenizer:
+    """A checkpoint directory's ``tokenizer.json`` (Hugging Face ``tokenizers``)."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer  # noqa: PLC0415 (optional dependency)
+        self.tok = Tokenizer.from_file(path)
+        self.name = f"{path} ({self.tok.get_vocab_size()} tokens)"
+
+    def encode(self, data: bytes) -> list[int]:
+        return self.tok.encode(data.decode("utf-8", errors="replace"),
+                               add_special_tokens=False).ids
+
+    def printable(self, tokens, limit: int = 72) -> str:
+        s = self.tok.decode([int(t) for t in tokens])
+        s = "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
+        return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+def tokenizer_for(checkpoint: str | None):
+    """The checkpoint directory's tokenizer.json when there is one, else bytes."""
+    path = checkpoint and os.path.join(checkpoint, "tokenizer.json")
+    return HFTokenizer(path) if path and os.path.exists(path) else ByteTokenizer()
+
+
 def printable(tokens, limit: int = 72) -> str:
     """One console line: valid UTF-8 as text, other bytes and controls as escapes, cut."""
     s = bytes(int(t) for t in tokens).decode("utf-8", errors="backslashreplace")
@@ -31,8 +68,10 @@ def printable(tokens, limit: int = 72) -> str:
     return s if len(s) <= limit else s[:limit - 3] + "..."
 
 
-def load_prompts(files=None, max_tokens=None) -> list[tuple[str, list[int]]]:
-    """(name, tokens) per prompt: ``files`` whole (cut to ``max_tokens``), else the defaults."""
+def load_prompts(files=None, max_tokens=None, tokenizer=None) -> list[tuple[str, list[int]]]:
+    """(name, tokens) per prompt: ``files`` whole (cut to ``max_tokens`` tokens), else the
+    defaults, each cut to its token count."""
+    tokenizer = tokenizer or ByteTokenizer()
     if files:
         specs = [(f, max_tokens) for f in files]
     else:
@@ -41,6 +80,6 @@ def load_prompts(files=None, max_tokens=None) -> list[tuple[str, list[int]]]:
     for path, n in specs:
         with open(path, "rb") as fh:
             data = fh.read()
-        tokens = list(data[:n] if n else data)
-        prompts.append((os.path.basename(path), tokens))
+        tokens = tokenizer.encode(data)
+        prompts.append((os.path.basename(path), tokens[:n] if n else tokens))
     return prompts

@@ -1,0 +1,106 @@
+"""``--dry-run``: the model at any size, built abstractly, and what one device must hold.
+
+No weight is read or allocated: the step is traced with ``jax.eval_shape`` over
+``ShapeDtypeStruct`` parameters and caches (so the real M3 config is checked end to end: every
+shape of every layer), and the bytes per device follow from each leaf's PartitionSpec
+(parallel.py) and the caches' layout. Not counted: activations and XLA's workspace (a prefill
+chunk's, a few GB at M3 size), and the framework's own reserve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+import jax_m3sparse as m3
+from jax_m3sparse.sharding import kv_head_replicas
+
+from . import model
+from .parallel import AXIS, check_divisible, is_shape, leaf_spec
+
+
+def _per_device(shape, spec, tp: int) -> int:
+    """Elements of one device's shard of ``shape`` under ``spec``."""
+    dims = [d // tp if ax == AXIS else d for d, ax in zip(shape, (*spec, *(None,) * len(shape)))]
+    return math.prod(dims)
+
+
+def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
+         device_memory_gb: float | None = None) -> dict:
+    """Per-device bytes of weights and caches of ``cfg`` at tensor parallel ``tp`` for
+    ``batch`` requests of ``context_len`` tokens, and whether the step traces.
+
+    Raises:
+      ValueError when ``tp`` does not divide the model's sizes.
+    """
+    check_divisible(cfg, tp)
+    cfg = dataclasses.replace(cfg, kv_replicas=kv_head_replicas(cfg.num_key_value_heads, tp))
+    shapes = model.param_shapes(cfg)
+    itemsize = jnp.dtype(weight_dtype).itemsize
+    weights = jax.tree_util.tree_map_with_path(
+        lambda path, s: _per_device(s, leaf_spec(path, cfg, tp), tp) * itemsize, shapes,
+        is_leaf=is_shape)
+    weight_bytes = sum(jax.tree_util.tree_leaves(weights))
+    total_weights = sum(math.prod(s) for s in jax.tree_util.tree_leaves(shapes, is_leaf=is_shape))
+    pages = batch * -(-context_len // cfg.block_size)
+    spec = m3.KVCacheSpec(cfg.cache_kv_heads // tp, cfg.head_dim, cfg.block_size)
+    kv_bytes = cfg.num_layers * pages * spec.page_bytes
+    idx_bytes = len(cfg.sparse_layers) * pages * cfg.block_size * cfg.index_head_dim * 2  # bf16
+    traced = _trace(cfg, shapes, weight_dtype, pages)
+    out = dict(tp=tp, context_len=context_len, batch=batch, pages=pages,
+               parameters=total_weights, weight_dtype=str(jnp.dtype(weight_dtype)),
+               weight_bytes_per_device=weight_bytes, kv_cache_bytes_per_device=kv_bytes,
+               index_cache_bytes_per_device=idx_bytes,
+               total_bytes_per_device=weight_bytes + kv_bytes + idx_bytes,
+               cache_kv_heads=cfg.cache_kv_heads, step_logits=traced)
+    if device_memory_gb:
+        out["device_memory_bytes"] = int(device_memory_gb * 1e9)
+        out["fits"] = out["total_bytes_per_device"] <= out["device_memory_bytes"]
+    return out
+
+
+def _trace(cfg, shapes, weight_dtype, pages) -> tuple[int, ...]:
+    """The logits shape of one decode step of 8 requests, traced abstractly (no weights)."""
+    params = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(weight_dtype)),
+                                    shapes, is_leaf=is_shape)
+    caches = jax.eval_shape(lambda: model.allocate_caches(cfg, min(pages, 64), compare=False))
+    R, M = 8, 4
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    batch = dict(tokens=i32(R), slot_mapping=i32(R), query_lens=i32(R), context_lens=i32(R),
+                 block_table=i32(R, M))
+    _, out = jax.eval_shape(lambda p, c, b: model.forward_step(
+        p, c, b, cfg=cfg, num_decode_requests=R, decode_query_len=1, compare=False), params,
+        caches, batch)
+    return tuple(out["logits"].shape)
+
+
+def format_plan(p: dict) -> str:
+    gb = lambda b: f"{b / 1e9:,.1f} GB"
+    lines = [
+        f"dry run: {p['parameters'] / 1e9:,.1f} B parameters ({p['weight_dtype']}), tp {p['tp']}, "
+        f"{p['batch']} requests × {p['context_len']} tokens ({p['pages']} pages of 128); the "
+        f"step traces (logits {p['step_logits']})",
+        f"  weights per device:        {gb(p['weight_bytes_per_device'])}",
+        f"  NVFP4 K/V cache per device: {gb(p['kv_cache_bytes_per_device'])} "
+        f"({p['cache_kv_heads']} KV heads stored, {p['cache_kv_heads'] // p['tp']} per device)",
+        f"  index-key cache per device: {gb(p['index_cache_bytes_per_device'])} (bf16, replicated)",
+        f"  total per device:           {gb(p['total_bytes_per_device'])}"
+        + (f" of {gb(p['device_memory_bytes'])}: {'fits' if p['fits'] else 'does NOT fit'}"
+           if "fits" in p else ""),
+        "  (not counted: activations and XLA workspace)"]
+    return "\n".join(lines)
+
+
+def max_context(cfg, *, tp: int, batch: int, device_memory_gb: float, weight_dtype="bfloat16",
+                reserve_gb: float = 8.0) -> int:
+    """The longest context (tokens, a multiple of 128) that fits next to the weights, leaving
+    ``reserve_gb`` per device for activations."""
+    one = plan(cfg, tp=tp, context_len=128, batch=batch, weight_dtype=weight_dtype)
+    per_page = (one["kv_cache_bytes_per_device"] + one["index_cache_bytes_per_device"]) / batch
+    free = (device_memory_gb - reserve_gb) * 1e9 - one["weight_bytes_per_device"]
+    return int(max(free, 0) // (per_page * batch)) * 128 if per_page else 0
+
+
