@@ -1,7 +1,7 @@
 """The MiniMax M3 example (examples/minimax_m3): engine smoke test, select_blocks, checkpoints.
 
 Tiny sizes (D = 128 as in M3, everything else shrunk; top-2 blocks so that 3-5 block prompts
-really skip blocks). The jitted step's padded shapes are shared by every engine of a module
+really skip blocks; sparse and full attention, MoE and dense MLPs interleaved). The jitted step's padded shapes are shared by every engine of a module
 (jit's cache), so the batched and the one-request runs compile each shape once.
 """
 
@@ -17,16 +17,19 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
-from minimax_m3 import report, text  # noqa: E402
-from minimax_m3.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from minimax_m3.config import ModelConfig  # noqa: E402
+from minimax_m3 import parallel, report, text  # noqa: E402
+from minimax_m3.checkpoint import load_params, save_checkpoint  # noqa: E402
+from minimax_m3.config import DENSE_MLP, FULL, MOE, SPARSE, ModelConfig, from_hf_config  # noqa: E402
 from minimax_m3.engine import Engine, EngineConfig, cosine, propose_drafts  # noqa: E402
-from minimax_m3.model import init_params  # noqa: E402
+from minimax_m3.model import init_params, param_shapes  # noqa: E402
 
 from jax_m3sparse.select import select_blocks  # noqa: E402
 
-CFG = ModelConfig(hidden_size=128, num_layers=3, num_dense_layers=1, num_heads=4,
-                  num_kv_heads=1, intermediate_size=256, index_head_dim=64, topk_blocks=2)
+CFG = ModelConfig(hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=1, index_n_heads=1, dense_intermediate_size=256,
+                  intermediate_size=64, shared_intermediate_size=64, num_local_experts=4,
+                  index_head_dim=64, index_topk_blocks=2, layer_types=(SPARSE, FULL, SPARSE),
+                  mlp_layer_types=(MOE, DENSE_MLP, MOE))
 ECFG = EngineConfig(num_pages=9, max_running=2, chunk_size=256, max_seq_len=768,
                     spec_tokens=2, compare=True)
 LICENSES = pathlib.Path("/usr/share/common-licenses")
@@ -100,14 +103,22 @@ def test_accuracy_within_documented_bounds(batched):
     assert s["logit_cos"] >= b["logit_cos_min"], s["logit_cos"]
     assert s["agreement"] >= b["agreement_min"], s["agreement"]
     assert s["generated_tokens"] == 15
-    assert max(s["blocks_attended"][CFG.num_dense_layers:]) < 0.9 and s["blocks_skipped"] > 0
+    assert max(s["blocks_attended"][i] for i in CFG.sparse_layers) < 0.9 and s["blocks_skipped"] > 0
     assert "prefill" in report.format_summary(s, CFG)
 
 
-def test_checkpoint_roundtrip(params, tmp_path):
-    path = str(tmp_path / "tiny.safetensors")
-    save_checkpoint(path, params, CFG)
-    loaded = load_checkpoint(path, CFG)
+def _load(path, cfg, dtype=None):
+    shardings = parallel.param_shardings(param_shapes(cfg), cfg, parallel.make_mesh(1))
+    return load_params(str(path), cfg, shardings, dtype=dtype)
+
+
+@pytest.mark.parametrize("shard_bytes", [None, 100_000])
+def test_checkpoint_roundtrip(params, tmp_path, shard_bytes):
+    save_checkpoint(str(tmp_path), params, CFG, max_shard_bytes=shard_bytes)
+    cfg = from_hf_config(str(tmp_path))
+    assert cfg == CFG
+    assert (tmp_path / "model.safetensors.index.json").exists() == bool(shard_bytes)
+    loaded = _load(tmp_path, cfg)
     flat_a = jax.tree_util.tree_leaves_with_path(params)
     flat_b = dict(jax.tree_util.tree_leaves_with_path(loaded))
     assert len(flat_a) == len(flat_b)
@@ -116,26 +127,26 @@ def test_checkpoint_roundtrip(params, tmp_path):
 
 
 def test_checkpoint_bf16_and_errors(params, tmp_path):
-    from safetensors.numpy import save_file
-    from minimax_m3.checkpoint import hf_tensors
     import ml_dtypes
-    tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in hf_tensors(params, CFG).items()}
-    good = str(tmp_path / "bf16.safetensors")
-    save_file(tensors, good)
-    loaded = load_checkpoint(good, CFG)
-    np.testing.assert_allclose(np.asarray(loaded["lm_head"]), np.asarray(params["lm_head"]),
-                               rtol=1e-2, atol=1e-2)
-    del tensors["model.layers.1.self_attn.indexer.k_proj.weight"]
-    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:7]
+    from safetensors.numpy import load_file, save_file
+    save_checkpoint(str(tmp_path), params, CFG, dtype=ml_dtypes.bfloat16)
+    loaded = _load(tmp_path, CFG)
+    assert loaded["lm_head"].dtype == jnp.bfloat16          # kept bf16, no fp32 copy
+    np.testing.assert_allclose(np.asarray(loaded["lm_head"], np.float32),
+                               np.asarray(params["lm_head"]), rtol=1e-2, atol=1e-2)
+    f = tmp_path / "model.safetensors"
+    tensors = load_file(str(f))
+    del tensors["model.layers.0.self_attn.indexer.k_proj.weight"]
+    tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"][:7]
     tensors["extra.weight"] = np.zeros(3, np.float32)
-    bad = str(tmp_path / "bad.safetensors")
-    save_file(tensors, bad)
+    tensors["mtp.0.proj.weight"] = np.zeros(3, np.float32)            # skipped, as published
+    save_file(tensors, str(f))
     with pytest.raises(ValueError) as e:
-        load_checkpoint(bad, CFG)
+        _load(tmp_path, CFG)
     msg = str(e.value)
-    assert "missing model.layers.1.self_attn.indexer.k_proj.weight" in msg
-    assert "model.layers.0.mlp.up_proj.weight: expected shape" in msg
-    assert "unexpected extra.weight" in msg
+    assert "missing model.layers.0.self_attn.indexer.k_proj.weight" in msg
+    assert "model.layers.1.mlp.down_proj.weight: expected shape (128, 256), got (7, 256)" in msg
+    assert "unexpected extra.weight" in msg and "mtp" not in msg
 
 
 def _select_bruteforce(iq, kc, table, req, pos, K, N):
@@ -182,9 +193,17 @@ def test_propose_drafts():
     assert propose_drafts([4, 8, 4], 2) == [8, 4]
 
 
-def test_text_roundtrip():
+def test_text_roundtrip(tmp_path):
     s = "naïve text\n"
     assert text.decode(text.encode(s)) == s
+    assert isinstance(text.tokenizer_for(str(tmp_path)), text.ByteTokenizer)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = text.tokenizer_for(str(tmp_path))
+    assert hf.encode(b"hello world foo") == [1, 2, 0]
+    assert hf.printable([1, 2]) == "hello world"
 
 
 def test_plot(batched, tmp_path):
@@ -198,16 +217,14 @@ def test_cli_with_checkpoint_and_prompt_files(tmp_path):
     """The entry point end to end: --checkpoint, repeated --prompt-file (no reference stream,
     which keeps its compilations cheap)."""
     import minimax_m3_generate as cli
-    cfg = ModelConfig(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256)
-    ckpt = str(tmp_path / "w.safetensors")
-    save_checkpoint(ckpt, init_params(cfg, seed=3), cfg)
+    ckpt = str(tmp_path / "ckpt")
+    save_checkpoint(ckpt, init_params(CFG, seed=3), CFG, max_shard_bytes=200_000)
     files = []
     for i, n in enumerate((150, 300)):
         f = tmp_path / f"p{i}.txt"
         f.write_bytes(bytes(_prompts()[2][:n]))
         files += ["--prompt-file", str(f)]
-    s = cli.main(["--hidden", "128", "--layers", "2", "--heads", "4", "--intermediate", "256",
-                  "--checkpoint", ckpt, *files, "--max-new-tokens", "3", "--no-compare",
+    s = cli.main(["--checkpoint", ckpt, *files, "--max-new-tokens", "3", "--no-compare",
                   "--chunk-size", "128", "--max-running", "2", "--num-pages", "8"])
     assert s["requests"] == 2 and s["generated_tokens"] == 6
     assert s["prefill_tokens"] + s["decode_tokens"] <= 450 + 6
@@ -218,7 +235,7 @@ def test_bf16_reference_attention_matches_library_reference():
     """The reference stream's plain-jnp paged attention (both its paths) equals
     jax_m3sparse.reference on K/V that bf16 holds exactly (dequantized NVFP4)."""
     import jax_m3sparse as m3
-    from minimax_m3.model import paged_attention_bf16
+    from minimax_m3.attention import paged_attention_jnp
     rng = np.random.default_rng(2)
     P, Hkv, G, D, N = 8, 2, 4, 128, 128
     cache = m3.allocate_kv_cache(m3.KVCacheSpec(Hkv, D, N), P)
@@ -239,7 +256,7 @@ def test_bf16_reference_attention_matches_library_reference():
     q = jnp.asarray(rng.normal(size=(T, Hkv * G, D)), jnp.float32)
     topk, table, req, pos = map(jnp.asarray, (topk, table, req, pos))
     want = m3.reference.sparse_prefill(q, cache, topk, table, req, pos, 1.0, 1.0)
-    got = paged_attention_bf16(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), topk, table,
+    got = paged_attention_jnp(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), topk, table,
                                req, pos, D ** -0.5, chunk=16)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-5)
 

@@ -1,28 +1,72 @@
 """The M3 example with --tp: Megatron-style shardings over simulated CPU devices give the same
-tokens as one device, with KV heads replicated past Hkv (M3's 64 query / 4 KV heads at TP 8)."""
+tokens as one device, with KV heads replicated past Hkv (M3's 64 query / 4 KV heads at TP 8)
+and every MLP (dense, shared expert, each routed expert) split over the devices."""
 
+import dataclasses
+import math
 import pathlib
+import re
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
 import minimax_m3_generate  # noqa: E402
+from minimax_m3 import model, parallel  # noqa: E402
+from minimax_m3.engine import Engine, EngineConfig  # noqa: E402
 
-TINY = ["--layers", "2", "--hidden", "128", "--intermediate", "128", "--max-new-tokens", "4",
-        "--max-prompt-tokens", "200", "--no-compare"]
+TINY = ["--layers", "3", "--hidden", "128", "--intermediate", "64", "--experts", "4",
+        "--max-new-tokens", "4", "--max-prompt-tokens", "200", "--no-compare"]
+HEADS = ["--heads", "64", "--kv-heads", "4"]
+needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated devices")
 
 
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated devices")
+@needs8
 def test_tp8_with_replicated_kv_heads_matches_tp1(capsys):
-    heads = ["--heads", "64", "--kv-heads", "4"]
-    one = minimax_m3_generate.main(TINY + heads + ["--tp", "1"])
-    eight = minimax_m3_generate.main(TINY + heads + ["--tp", "8"])
+    one = minimax_m3_generate.main(TINY + HEADS + ["--tp", "1"])
+    eight = minimax_m3_generate.main(TINY + HEADS + ["--tp", "8"])
     assert eight["generated"] == one["generated"]
     assert all(len(g) == 4 for g in one["generated"].values())
     # 4 KV heads stored twice over 8 devices: each holds 1 KV head, 1/4 of the TP1 cache.
     assert eight["cache_kv_heads"] == 8
     assert eight["kv_cache_bytes_per_device"] * 4 == one["kv_cache_bytes_per_device"]
     assert "MiB per device" in capsys.readouterr().out
+
+
+@needs8
+def test_tp8_splits_every_expert():
+    """No device holds all of any expert's weights: each holds 1/8 of every expert's I rows."""
+    args = minimax_m3_generate.parse_args(TINY + HEADS)
+    cfg = minimax_m3_generate.model_config(args)
+    mesh = parallel.make_mesh(8)
+    params = model.init_params(cfg, 0, parallel.param_shardings(model.param_shapes(cfg), cfg, mesh))
+    moe = params["segments"][1]["mlp"]                     # layers 1-2: sparse attention + MoE
+    gu, down = moe["experts"]["gate_up_proj"], moe["experts"]["down_proj"]
+    assert gu.shape == (2, 4, 2, 64, 128)
+    for s in gu.addressable_shards:
+        assert s.data.shape == (2, 4, 2, 8, 128)
+    for s in down.addressable_shards:
+        assert s.data.shape == (2, 4, 128, 8)
+    assert len({str(s.index) for s in gu.addressable_shards}) == 8
+    np.testing.assert_array_equal(np.asarray(gu), np.asarray(model.init_params(cfg, 0)[
+        "segments"][1]["mlp"]["experts"]["gate_up_proj"]))
+    # The compiled step sums partial outputs (o_proj, each MLP) and gathers nothing big: no
+    # weight and no cache ever moves between devices.
+    cfg = dataclasses.replace(cfg, kv_replicas=2)
+    params = model.init_params(cfg, 0, parallel.param_shardings(model.param_shapes(cfg), cfg, mesh))
+    engine = Engine(params, cfg, EngineConfig(num_pages=8, max_running=2, chunk_size=128,
+                                              max_seq_len=512, compare=False, tp=8))
+    engine.add_request(0, list(range(100)), 2)
+    batch = engine._build_batch()[0]
+    with jax.set_mesh(mesh):
+        hlo = model.forward_step.lower(engine.params, engine.caches, batch, cfg=cfg,
+                                       num_decode_requests=2, decode_query_len=1,
+                                       compare=False).compile().as_text()
+    moved = [(op, math.prod(int(d) for d in dims.split(",") if d))
+             for dims, op in re.findall(r"= \w+\[([\d,]*)\]\S* (all-gather|all-reduce|all-to-all)\(",
+                                        hlo)]
+    assert any(op == "all-reduce" for op, _ in moved)
+    assert all(n <= 130 * 128 for _, n in moved), moved     # at most one [T, H] activation
