@@ -55,6 +55,26 @@ def static_int(x, name, minimum):
     return value
 
 
+def static_values(x):
+    """x as a NumPy array if its values are static (a Python number or sequence, a NumPy
+    array or scalar), else None: a jax.Array, concrete or traced, is data with a defined
+    result for any value (SPEC §7)."""
+    if isinstance(x, (bool, int, float, list, tuple, np.ndarray, np.generic)):
+        return np.asarray(x)
+    return None
+
+
+def static_layer(layer, num_layers, shape):
+    """A static layer outside [0, L) is the caller's bug: ValueError naming it (issue 21); a
+    jax.Array layer keeps SPEC §3.3's defined result (read nothing / write nothing)."""
+    value = static_values(layer)
+    if value is None or value.ndim or not np.issubdtype(value.dtype, np.integer):
+        return
+    if not 0 <= int(value) < num_layers:
+        raise ValueError(f"layer must be in [0, {num_layers}) for a kv_cache of {num_layers} "
+                         f"layers (shape {tuple(shape)}), got {int(value)}")
+
+
 def cache_geometry(kv_cache, layer, layout):
     """Checks a 4-D/5-D uint8 cache with its layer/layout; returns (layer operand, layout code,
     num_layers, num_pages, num_slots, block_size, head_dim)."""
@@ -83,6 +103,8 @@ def cache_geometry(kv_cache, layer, layout):
         raise ValueError(f"kv_cache head-slot dim must be 2·Hkv (even), got {num_slots}")
     cache_sharding(kv_cache)
     layer_op = scalar(0 if layer is None else layer, "layer", jnp.int32)
+    if layer is not None:
+        static_layer(layer, num_layers, kv_cache.shape)
     return layer_op, code, num_layers, num_pages, num_slots, block_size, full_dim * 16 // 9
 
 

@@ -13,7 +13,8 @@ BLOCK_SIZE = 128  # N, the one block size the kernels serve (SPEC §1)
 
 
 def check_inputs(*, topk_indices=None, block_table=None, num_pages=None, seq_lens=None,
-                 cu_seqlens_q=None, slot_mapping=None, k_scale=None, v_scale=None):
+                 cu_seqlens_q=None, num_tokens=None, slot_mapping=None, k_scale=None,
+                 v_scale=None, layer=None, num_layers=None):
     """Checks engine inputs for data faults (SPEC §7); every argument is optional.
 
     Every fault found is reported, not only the first. Eagerly (concrete inputs) this raises
@@ -30,10 +31,15 @@ def check_inputs(*, topk_indices=None, block_table=None, num_pages=None, seq_len
       * ``seq_lens`` (``int32[R_dec]``, the first rows of ``block_table``): negative lengths;
         with ``block_table``, lengths beyond what the request's row covers (max_blocks·128)
         and rows with no page (−1) in a block the sequence covers.
-      * ``cu_seqlens_q``: ``cu[0] != 0`` or a decrease.
+      * ``cu_seqlens_q``: ``cu[0] != 0`` or a decrease; with ``num_tokens`` (static int, the
+        padded prefill rows: ``query_token_positions``' ``num_tokens``, or
+        ``build_attention_metadata``'s minus its decode rows), ``cu[R] > num_tokens``, which
+        cuts the tokens past ``num_tokens``.
       * ``slot_mapping`` with ``num_pages``: slots ≥ P·N (N = 128).
       * ``k_scale``/``v_scale``: g outside ``[2^-126, 2^126]`` (≤ 0, NaN, ±Inf, subnormal, or
         1/g subnormal), which packs NaN groups (SPEC §2.2 step 5, docs/spec_decisions.md).
+      * ``layer`` with ``num_layers``: a layer outside ``[0, L)`` (attention reads nothing,
+        pack writes nothing, SPEC §3.3).
     """
     faults = []  # (fault present: bool scalar, message, {name: value shown in the message})
 
@@ -70,9 +76,16 @@ def check_inputs(*, topk_indices=None, block_table=None, num_pages=None, seq_len
         cu = jnp.asarray(cu_seqlens_q)
         add(cu[0] != 0, "cu_seqlens_q[0] must be 0, got {c}", c=cu[0])
         add(jnp.any(cu[1:] < cu[:-1]), "cu_seqlens_q is not non-decreasing")
+        if num_tokens is not None:
+            add(cu[-1] > num_tokens, f"cu_seqlens_q[R] = {{c}} exceeds num_tokens = {num_tokens}: "
+                "the tokens past it are cut", c=cu[-1])
     if slot_mapping is not None and num_pages is not None:
         add(jnp.any(jnp.asarray(slot_mapping) >= num_pages * BLOCK_SIZE),
             f"slot_mapping has slots >= num_pages·{BLOCK_SIZE} = {num_pages * BLOCK_SIZE}")
+    if layer is not None and num_layers is not None:
+        lyr = jnp.asarray(layer)
+        add((lyr < 0) | (lyr >= num_layers), f"layer must be in [0, {num_layers}), got {{x}}",
+            x=lyr)
     for name, g in (("k_scale", k_scale), ("v_scale", v_scale)):
         if g is not None:
             g = jnp.asarray(g, jnp.float32)

@@ -49,15 +49,21 @@ def build_attention_metadata(query_lens, context_lens, block_table, *, num_decod
       context_lens: ``int32[R]`` tokens already in the cache before this step.
       block_table: ``int32[R, max_blocks]``.
       num_decode_requests: static int R_dec.
-      num_tokens: static int, the padded total of rows (decode rows + prefill tokens + padding).
+      num_tokens: static int, the padded total of rows (decode rows + prefill tokens + padding),
+        at least ``num_decode_requests · decode_query_len + Σ query_lens[num_decode_requests:]``.
+        With a traced (or jax.Array) ``query_lens`` whose prefill chunks do not fit, the
+        tokens past ``num_tokens`` are cut (SPEC §4's result for the rows there are);
+        ``check_inputs(cu_seqlens_q=..., num_tokens=...)`` reports it (SPEC §7).
       decode_query_len: static int ≥ 1.
 
     Returns:
       The metadata; prefill tokens past the last request get ``query_req_id = −1``.
 
     Raises:
-      ValueError / TypeError at trace time for wrong shapes or static values.
+      ValueError / TypeError at trace time for wrong shapes or static values, among them a
+      static (Python / NumPy) ``query_lens`` whose rows do not fit in ``num_tokens``.
     """
+    static_q = _checks.static_values(query_lens)
     query_lens, context_lens, block_table = map(jnp.asarray, (query_lens, context_lens, block_table))
     r_dec = _checks.static_int(num_decode_requests, "num_decode_requests", 0)
     num_tokens = _checks.static_int(num_tokens, "num_tokens", 0)
@@ -69,6 +75,12 @@ def build_attention_metadata(query_lens, context_lens, block_table, *, num_decod
     if not 0 <= r_dec <= R or dql < 1 or num_tokens < r_dec * dql:
         raise ValueError(f"need 0 <= num_decode_requests ({r_dec}) <= R ({R}), decode_query_len "
                          f"({dql}) >= 1 and num_tokens ({num_tokens}) >= R_dec·decode_query_len")
+    if static_q is not None:
+        need = r_dec * dql + int(static_q[r_dec:].sum())
+        if num_tokens < need:
+            raise ValueError(f"num_tokens must be >= {need} (R_dec·decode_query_len = "
+                             f"{r_dec * dql} decode rows + {need - r_dec * dql} prefill tokens "
+                             f"of query_lens), got {num_tokens}: the prefill chunks would be cut")
     query_lens = query_lens.astype(jnp.int32)
     context_lens = context_lens.astype(jnp.int32)
     dec_q = query_lens[:r_dec]

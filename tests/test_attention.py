@@ -130,9 +130,32 @@ def test_5d_cache_traced_layer_in_scan(rng, layout):
     _, outs = jax.jit(lambda: jax.lax.scan(body, None, jnp.arange(L)))()
     for layer in range(L):
         assert_close(np.asarray(outs[layer], np.float64), expected(p, layer=layer, layout=layout))
-    bad = m3.sparse_decode(p.q, p.cache, p.topk, p.block_table, p.seq_lens, 0.75, 0.85, layer=L,
-                           layout=layout)
-    assert not np.asarray(bad).any()
+    # A jax.Array layer out of range (it could be traced): zeros (SPEC §3.3). A static one is
+    # the caller's bug: a ValueError at trace time (issue 21), for every op taking a layer.
+    for bad_layer in (L, -1):
+        bad = m3.sparse_decode(p.q, p.cache, p.topk, p.block_table, p.seq_lens, 0.75, 0.85,
+                               layer=jnp.int32(bad_layer), layout=layout)
+        assert not np.asarray(bad).any()
+    req, pos = np.zeros(2, np.int32), np.array([5, 6], np.int32)
+    kv = np.zeros((2, 1, 128), np.float32)
+    ops = {
+        "sparse_decode": lambda lyr: m3.sparse_decode(p.q, p.cache, p.topk, p.block_table,
+                                                      p.seq_lens, 0.75, 0.85, layer=lyr, layout=layout),
+        "sparse_prefill": lambda lyr: m3.sparse_prefill(p.q[:2], p.cache, p.topk[:, :2], p.block_table,
+                                                        req, pos, 0.75, 0.85, layer=lyr, layout=layout),
+        "sparse_attention": lambda lyr: m3.sparse_attention(
+            p.q[:2], p.cache, p.topk[:, :2], m3.build_attention_metadata(
+                np.array([2], np.int32), np.array([0], np.int32), p.block_table[:1],
+                num_decode_requests=0, num_tokens=2), 0.75, 0.85, layer=lyr, layout=layout),
+        "pack_kv_pages": lambda lyr: m3.pack_kv_pages(p.cache, kv, kv, np.array([0, 1], np.int32),
+                                                      1.0, 1.0, layer=lyr, layout=layout),
+        "unpack_kv_pages": lambda lyr: m3.unpack_kv_pages(p.cache, np.array([0], np.int32), 1.0, 1.0,
+                                                          layer=lyr, layout=layout),
+    }
+    for name, op in ops.items():
+        for bad_layer in (L, 7, -1, np.int32(L)):
+            with pytest.raises(ValueError, match=rf"layer must be in \[0, {L}\) .* got {int(bad_layer)}"):
+                jax.jit(lambda: op(bad_layer))()
 
 
 def test_blhnc_cache_over_2gib(rng):

@@ -97,8 +97,9 @@ def test_traced_layer_in_scan(rng, layout):
 def test_layer_out_of_range_writes_nothing(rng, impl):
     cache = random_cache(rng, m3.KVCacheSpec(1).cache_shape(2, 2))
     key, value = kv(rng, 4, 1)
-    for layer in (-1, 2, 1000):
-        out = IMPLS[impl](cache, key, value, jnp.arange(4, dtype=jnp.int32), 1.0, 1.0, layer=layer)
+    for layer in (-1, 2, 1000):  # a jax.Array (may be traced); a static int raises (test_attention)
+        out = IMPLS[impl](cache, key, value, jnp.arange(4, dtype=jnp.int32), 1.0, 1.0,
+                          layer=jnp.int32(layer))
         np.testing.assert_array_equal(np.asarray(out), np.asarray(cache))
 
 

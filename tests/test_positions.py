@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 import jax_m3sparse as m3
 from jax_m3sparse import reference
@@ -34,8 +35,9 @@ def test_zero_length_requests_and_padding(rng, impl):
 
 def test_native_matches_reference_on_garbage(rng):
     for _ in range(5):
-        cu = rng.integers(-5, 40, 7).astype(np.int32)  # not monotonic: still defined, equal
-        ctx = rng.integers(-100, 100, 6).astype(np.int32)
+        # not monotonic: still defined, equal (jax.Arrays: data, so cu[R] > 32 is no error)
+        cu = jnp.asarray(rng.integers(-5, 40, 7).astype(np.int32))
+        ctx = jnp.asarray(rng.integers(-100, 100, 6).astype(np.int32))
         a = m3.query_token_positions(cu, ctx, 32)
         b = reference.query_token_positions(cu, ctx, 32)
         for x, y in zip(a, b):
@@ -47,3 +49,43 @@ def test_errors():
         m3.query_token_positions(jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), 4)
     with pytest.raises(TypeError, match="num_tokens must be a static int"):
         m3.query_token_positions(jnp.zeros(2, jnp.int32), jnp.zeros(1, jnp.int32), 4.5)
+
+
+def test_static_tokens_that_do_not_fit_are_an_error():
+    """Issue 21: static (Python / NumPy) values that num_tokens would cut raise at trace time,
+    naming the argument and the size needed."""
+    with pytest.raises(ValueError, match=r"num_tokens must be >= cu_seqlens_q\[R\] = 12 .* got 10"):
+        m3.query_token_positions(np.array([0, 5, 12], np.int32), np.zeros(2, np.int32), 10)
+    table = np.zeros((2, 4), np.int32)
+    with pytest.raises(ValueError, match=r"num_tokens must be >= 51 .*50 prefill tokens.* got 8"):
+        m3.build_attention_metadata([1, 50], [99, 0], table, num_decode_requests=1, num_tokens=8)
+    with pytest.raises(ValueError, match=r"num_tokens must be >= 56 .*got 55"):
+        m3.build_attention_metadata(np.array([3, 0, 50], np.int32), np.array([99, 0, 7], np.int32),
+                                    np.zeros((3, 4), np.int32), num_decode_requests=2,
+                                    num_tokens=55, decode_query_len=3)
+    meta = m3.build_attention_metadata([1, 50], [99, 0], table, num_decode_requests=1, num_tokens=51)
+    assert list(np.asarray(meta.query_req_id)) == [1] * 50
+
+
+def test_traced_tokens_that_do_not_fit_are_cut_and_reported():
+    """Traced, the same values keep SPEC §4's result for the rows there are (the tokens past
+    num_tokens are cut), and check_inputs reports it, eagerly and under checkify (SPEC §7)."""
+    cu, ctx = np.array([0, 5, 12], np.int32), np.array([100, 200], np.int32)
+    req, pos = jax.jit(m3.query_token_positions, static_argnums=2)(cu, ctx, 10)
+    want_req, want_pos = oracle.positions(cu, ctx, 10)
+    np.testing.assert_array_equal(np.asarray(req), want_req)
+    np.testing.assert_array_equal(np.asarray(pos), want_pos)
+    assert list(np.asarray(pos)) == [100, 101, 102, 103, 104, 200, 201, 202, 203, 204]
+
+    build = jax.jit(lambda q, c: m3.build_attention_metadata(
+        q, c, np.zeros((2, 4), np.int32), num_decode_requests=1, num_tokens=8))
+    meta = build(np.array([1, 50], np.int32), np.array([99, 0], np.int32))
+    assert list(np.asarray(meta.query_req_id)) == [1] * 7
+    assert list(np.asarray(meta.query_abs_pos)) == list(range(7))
+
+    with pytest.raises(checkify.JaxRuntimeError, match=r"cu_seqlens_q\[R\] = 12 exceeds num_tokens = 10"):
+        m3.check_inputs(cu_seqlens_q=jnp.asarray(cu), num_tokens=10)
+    m3.check_inputs(cu_seqlens_q=jnp.asarray(cu), num_tokens=12)  # fits: nothing to report
+    err, _ = jax.jit(checkify.checkify(lambda c: m3.check_inputs(cu_seqlens_q=c, num_tokens=10)))(cu)
+    with pytest.raises(checkify.JaxRuntimeError, match=r"\[True\] cu_seqlens_q\[R\] = 12 exceeds"):
+        err.throw()

@@ -165,6 +165,17 @@ def test_check_inputs_reports_seq_lens_beyond_the_block_table_row():
     m3.check_inputs(seq_lens=np.array([384], np.int32), block_table=holes)   # blocks 0-2 only
 
 
+def test_check_inputs_reports_layer_out_of_range():
+    """Issue 21: a traced layer outside [0, L) keeps its defined result (SPEC §3.3);
+    check_inputs reports it."""
+    with pytest.raises(checkify.JaxRuntimeError, match=r"layer must be in \[0, 4\), got 7"):
+        m3.check_inputs(layer=jnp.int32(7), num_layers=4)
+    m3.check_inputs(layer=jnp.int32(3), num_layers=4)
+    err, _ = jax.jit(checkify.checkify(lambda lyr: m3.check_inputs(layer=lyr, num_layers=4)))(-1)
+    with pytest.raises(checkify.JaxRuntimeError, match=r"\[True\] layer must be in"):
+        err.throw()
+
+
 def test_check_inputs_reports_every_fault_not_only_the_first():
     with pytest.raises(checkify.JaxRuntimeError) as e:
         m3.check_inputs(topk_indices=np.array([[[1, 1, -9]]], np.int32),

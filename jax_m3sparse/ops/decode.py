@@ -48,7 +48,9 @@ def sparse_decode(q, kv_cache, topk_indices, block_table, seq_lens, k_scale, v_s
       k_scale, v_scale: fp32 scalar global scales (operands, may be traced).
       scale: static softmax scale, default ``D ** -0.5``.
       decode_query_len: static, 1 + speculative tokens per request.
-      layer: int32 scalar, required iff the cache is 5-D (outside ``[0, L)``: zeros).
+      layer: int32 scalar, required iff the cache is 5-D. A jax.Array (may be traced)
+        outside ``[0, L)`` gives zeros (SPEC §3.3); a static one (Python / NumPy int) there
+        is a ValueError.
       layout: "LBHNC" or "BLHNC".
 
     Returns:
@@ -57,7 +59,8 @@ def sparse_decode(q, kv_cache, topk_indices, block_table, seq_lens, k_scale, v_s
 
     Raises:
       ValueError / TypeError at trace time for wrong shapes, dtypes or geometry (naming the
-      argument, expected and actual), and ValueError with ``unsupported_reason``'s sentence
+      argument, expected and actual), for a static ``layer`` outside ``[0, L)``, and
+      ValueError with ``unsupported_reason``'s sentence
       when lowering for a platform whose kernels cannot serve the geometry.
     """
     q, kv_cache, topk_indices, block_table, seq_lens = map(

@@ -40,7 +40,8 @@ def pack_kv_pages(kv_cache, key, value, slot_mapping, k_scale, v_scale, *, layer
       k_scale, v_scale: fp32 scalars g (dequantization multipliers; may be traced). A
         non-finite or non-positive g writes NaN groups (scale byte 0x7F, codes 0).
       layer: int32 scalar (may be traced, e.g. in ``lax.scan``); required iff the cache
-        is 5-D. A layer outside ``[0, L)`` writes nothing.
+        is 5-D. A jax.Array layer outside ``[0, L)`` writes nothing (SPEC §3.3); a static
+        one (Python / NumPy int) there is a ValueError.
       layout: "LBHNC" or "BLHNC" (5-D caches only).
 
     Returns:
@@ -49,8 +50,8 @@ def pack_kv_pages(kv_cache, key, value, slot_mapping, k_scale, v_scale, *, layer
 
     Raises:
       ValueError / TypeError at trace time for wrong ranks, shapes, dtypes, a missing or
-      superfluous ``layer``, or an unknown ``layout``; the message names the argument, the
-      expected and the actual value.
+      superfluous ``layer``, a static ``layer`` outside ``[0, L)``, or an unknown ``layout``;
+      the message names the argument, the expected and the actual value.
     """
     kv_cache, key, value, slot_mapping = map(jnp.asarray, (kv_cache, key, value, slot_mapping))
     layer_op, code, _, _, num_slots, _, head_dim = _checks.cache_geometry(kv_cache, layer, layout)
@@ -77,7 +78,8 @@ def unpack_kv_pages(kv_cache, page_ids, k_scale, v_scale, *, layer=None, layout=
       kv_cache: as in :func:`pack_kv_pages`.
       page_ids: ``int32[n]`` page indices; ids outside ``[0, P)`` give zeros.
       k_scale, v_scale: fp32 global scales g.
-      layer: int32 scalar, required iff the cache is 5-D (outside ``[0, L)``: zeros).
+      layer: int32 scalar, required iff the cache is 5-D (outside ``[0, L)``: zeros for a
+        jax.Array, ValueError for a static int).
       layout: "LBHNC" or "BLHNC".
 
     Returns:

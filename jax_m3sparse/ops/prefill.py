@@ -41,7 +41,8 @@ def sparse_prefill(q, kv_cache, topk_indices, block_table, query_req_id, query_a
       query_req_id, query_abs_pos: ``int32[T]``.
       k_scale, v_scale: fp32 scalar global scales (operands, may be traced).
       scale: static softmax scale, default ``D ** -0.5``.
-      layer: int32 scalar, required iff the cache is 5-D.
+      layer: int32 scalar, required iff the cache is 5-D; outside ``[0, L)`` as
+        :func:`sparse_decode` (a jax.Array: zeros; a static int: ValueError).
       layout: "LBHNC" or "BLHNC".
 
     Returns:
