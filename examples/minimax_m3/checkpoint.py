@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import re
 
@@ -48,7 +49,9 @@ from safetensors import safe_open
 from .config import MOE, SPARSE, ModelConfig, quantization_config
 from .parallel import is_shape
 
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 16 << 20      # rows read per safe_open
+PIECE_BYTES = 64 << 20      # per-layer slice placed per device transfer (> glibc's 32 MiB
+                            # mmap threshold, so a freed piece returns to the OS)
 _SKIP = re.compile(r"(^|\.)mtp\.|^(model\.)?(vision_tower|multi_modal_projector|patch_merge_mlp)\.")
 _FP8_BLOCK = 128
 
@@ -84,18 +87,30 @@ class CheckpointFiles:
     def names(self) -> set[str]:
         return set(self.file)
 
-    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        """``tensor[index]`` (one slice per axis) in the stored dtype, in row chunks."""
-        shape = self.shape[name]
-        index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
-        out_shape = tuple(s.stop - s.start for s in index)
-        row_bytes = max(int(np.prod(out_shape[1:], dtype=np.int64)), 1) * self._itemsize(name)
+    def read_into(self, name: str, index: tuple[slice, ...], out: np.ndarray) -> None:
+        """``out[...] = tensor[index]`` (one slice per axis), cast to ``out``'s dtype, in row
+        chunks of at most CHUNK_BYTES; FP8 weights times their ``weight_scale_inv`` blocks."""
+        index = tuple(slice(*s.indices(n)) for s, n in zip(index, self.shape[name]))
+        row_bytes = max(int(np.prod(out.shape[1:], dtype=np.int64)), 1) * self._itemsize(name)
         step = max(1, CHUNK_BYTES // row_bytes)
-        parts = []
-        for r0 in range(index[0].start, index[0].stop, step):
+        first = index[0].start
+        for r0 in range(first, index[0].stop, step):
             rows = (slice(r0, min(r0 + step, index[0].stop)), *index[1:])
-            parts.append(self._read_chunk(name, rows))
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+            chunk = self._read_chunk(name, rows)
+            if self.dtype[name] == "F8_E4M3":
+                chunk = self._dequantize(name, rows, chunk)
+            out[r0 - first:rows[0].stop - first] = chunk
+
+    def _dequantize(self, name, index, values):
+        """FP8 ``values`` (``tensor[index]``) times their 128 × 128 blocks' scales (fp32)."""
+        r, c = index[-2], index[-1]
+        b = _FP8_BLOCK
+        blocks = tuple(slice(s.start // b, -(-s.stop // b)) for s in (r, c))
+        with safe_open(self.file[name + "_scale_inv"], framework="numpy") as f:
+            scale = f.get_slice(name + "_scale_inv")[(*index[:-2], *blocks)].astype(np.float32)
+        scale = np.repeat(np.repeat(scale, b, axis=-2), b, axis=-1)
+        r0, c0 = blocks[0].start * b, blocks[1].start * b
+        return values.astype(np.float32) * scale[..., r.start - r0:r.stop - r0, c.start - c0:c.stop - c0]
 
     def _itemsize(self, name):
         return {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1}.get(self.dtype[name], 4)
@@ -204,49 +219,40 @@ def _sources(cfg: ModelConfig, layout: str) -> dict:
     return top, segments
 
 
-def _read(files: CheckpointFiles, src: Source, index: tuple[slice, ...], shape) -> np.ndarray:
-    """Our-layout slice ``index`` of the parameter that ``src`` describes (stored dtype; FP8
-    blocks dequantized to float32)."""
-    get = functools.partial(_read_dequantized, files)
+def _read(files: CheckpointFiles, src: Source, index: tuple[slice, ...], shape,
+          dtype) -> np.ndarray:
+    """Our-layout slice ``index`` of the parameter that ``src`` describes, as ``dtype``: each
+    stored piece is read straight into its place in one output array."""
     idx = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
+    out = np.empty(tuple(s.stop - s.start for s in idx), dtype)
+    put = files.read_into
     if src.kind == "plain":
-        return get(src.names[0], idx)
-    if src.kind in ("gate_up", "gate_up_pair"):           # ours [2, I, H]
+        put(src.names[0], idx, out)
+    elif src.kind in ("gate_up", "gate_up_pair"):         # ours [2, I, H]
         g, i, h = idx
-        inter = shape[1]
-        if src.kind == "gate_up":
-            rows = lambda k: slice(k * inter + i.start, k * inter + i.stop)
-            return np.stack([get(src.names[0], (rows(k), h)) for k in range(*g.indices(2))])
-        return np.stack([get(src.names[k], (i, h)) for k in range(*g.indices(2))])
-    if src.kind == "experts_gate_up":                     # ours [E, 2, I, H], stored [E, 2I, H]
+        for n, k in enumerate(range(g.start, g.stop)):
+            if src.kind == "gate_up":                     # stored [2I, H]: gate rows first
+                put(src.names[0], (slice(k * shape[1] + i.start, k * shape[1] + i.stop), h), out[n])
+            else:                                         # stored gate_proj, up_proj
+                put(src.names[k], (i, h), out[n])
+    elif src.kind == "experts_gate_up":                   # ours [E, 2, I, H], stored [E, 2I, H]
         e, g, i, h = idx
-        inter = shape[2]
-        return np.stack([get(src.names[0], (e, slice(k * inter + i.start, k * inter + i.stop), h))
-                         for k in range(*g.indices(2))], axis=1)
-    if src.kind == "experts_gate_up_split":               # per expert w1 (gate), w3 (up)
+        for n, k in enumerate(range(g.start, g.stop)):
+            rows = slice(k * shape[2] + i.start, k * shape[2] + i.stop)
+            for m, j in enumerate(range(e.start, e.stop)):
+                put(src.names[0], (slice(j, j + 1), rows, h), out[m:m + 1, n])
+    elif src.kind == "experts_gate_up_split":             # per expert w1 (gate), w3 (up)
         e, g, i, h = idx
-        return np.stack([np.stack([get(src.names[2 * j + k], (i, h)) for k in range(*g.indices(2))])
-                         for j in range(*e.indices(shape[0]))])
-    if src.kind == "experts_down_split":                  # ours [E, H, I]; per expert w2
+        for m, j in enumerate(range(e.start, e.stop)):
+            for n, k in enumerate(range(g.start, g.stop)):
+                put(src.names[2 * j + k], (i, h), out[m, n])
+    elif src.kind == "experts_down_split":                # ours [E, H, I]; per expert w2
         e, h, i = idx
-        return np.stack([get(src.names[j], (h, i)) for j in range(*e.indices(shape[0]))])
-    raise AssertionError(src.kind)
-
-
-def _read_dequantized(files: CheckpointFiles, name: str, index) -> np.ndarray:
-    """``files.read``, with a ``float8_e4m3fn`` weight times its 128 × 128 ``weight_scale_inv``
-    blocks (in float32)."""
-    a = files.read(name, index)
-    if files.dtype[name] != "F8_E4M3":
-        return a
-    r, c = index[-2], index[-1]
-    b = _FP8_BLOCK
-    blocks = tuple(slice(s.start // b, -(-s.stop // b)) for s in (r, c))
-    scale = files.read(name + "_scale_inv", (*index[:-2], *blocks)).astype(np.float32)
-    scale = np.repeat(np.repeat(scale, b, axis=-2), b, axis=-1)
-    scale = scale[..., r.start - blocks[0].start * b:r.stop - blocks[0].start * b,
-                  c.start - blocks[1].start * b:c.stop - blocks[1].start * b]
-    return a.astype(np.float32) * scale
+        for m, j in enumerate(range(e.start, e.stop)):
+            put(src.names[j], (h, i), out[m])
+    else:
+        raise AssertionError(src.kind)
+    return out
 
 
 # ----------------------------------------------------------------------------- checks
@@ -284,11 +290,22 @@ def _out_dtype(files, src: Source, dtype):
     return jnp.dtype({"F32": jnp.float32, "F16": jnp.float16}.get(stored, jnp.bfloat16))
 
 
-def _place(files, src, shape, sharding, dtype):
-    """One array made from its devices' slices (each read on its own)."""
-    def slice_of(index):
-        return _read(files, src, index, shape).astype(dtype)
-    return jax.make_array_from_callback(tuple(shape), sharding, slice_of)
+def _place(files, src, shape, sharding, dtype, axis=0, start=0, size=None):
+    """One array of the parameter's rows ``[start, start + size)`` along ``axis`` (all of it
+    by default), made from its devices' slices, each read, moved to its device and released
+    before the next (``make_array_from_callback`` would read every local slice first)."""
+    size = shape[axis] if size is None else size
+    piece = (*shape[:axis], size, *shape[axis + 1:])
+    shards = []
+    for device, index in sharding.addressable_devices_indices_map(piece).items():
+        index = list(index)
+        lo, hi, _ = index[axis].indices(size)
+        index[axis] = slice(start + lo, start + hi)
+        host = _read(files, src, tuple(index), shape, dtype)
+        shards.append(jax.device_put(host, device, may_alias=True))
+        shards[-1].block_until_ready()
+        del host
+    return jax.make_array_from_single_device_arrays(piece, sharding, shards)
 
 
 @functools.lru_cache(maxsize=None)
@@ -298,9 +315,39 @@ def _zeros(shape, dtype, sharding):
 
 @functools.lru_cache(maxsize=None)
 def _setter(sharding):
-    """buffer.at[i].set(x), in place (the buffer is donated)."""
-    return jax.jit(lambda buf, x, i: jax.lax.dynamic_update_index_in_dim(buf, x, i, 0),
+    """``jax.lax.dynamic_update_slice``, in place (the buffer is donated)."""
+    return jax.jit(lambda buf, x, starts: jax.lax.dynamic_update_slice(buf, x, starts),
                    donate_argnums=0, out_shardings=sharding)
+
+
+def _fill(files, srcs, shape, sharding, dtype, tick):
+    """A parameter of ``shape`` (leading layer axis when ``len(srcs) > 1`` or stacked) built in
+    its device buffer from pieces of at most PIECE_BYTES per layer, cut along the layer slice's
+    largest unsharded axis: each piece lands in its own devices' shards, so the host and the
+    devices hold at most one piece beside the buffer, whatever the tensor's size."""
+    stacked = srcs is not None and isinstance(srcs, list)
+    layer_shape = shape[1:] if stacked else shape
+    spec = tuple(sharding.spec)[1:] if stacked else tuple(sharding.spec)
+    spec = (*spec, *(None,) * (len(layer_shape) - len(spec)))
+    layer_sharding = NamedSharding(sharding.mesh, P(*spec))
+    free = [d for d in range(len(layer_shape)) if spec[d] is None] or [0]
+    axis = max(free, key=lambda d: layer_shape[d])
+    unit = jnp.dtype(dtype).itemsize * math.prod(layer_shape) // max(layer_shape[axis], 1)
+    step = max(1, PIECE_BYTES // max(unit, 1))
+    buf = _zeros(tuple(shape), dtype, sharding)()
+    for i, src in enumerate(srcs if stacked else [srcs]):
+        for start in range(0, layer_shape[axis], step):
+            size = min(step, layer_shape[axis] - start)
+            piece = _place(files, src, layer_shape, layer_sharding, dtype, axis, start, size)
+            starts = [0] * len(layer_shape)
+            starts[axis] = start
+            if stacked:
+                piece, starts = piece[None], [i, *starts]
+            buf = _setter(sharding)(buf, piece, tuple(np.int32(s) for s in starts))
+            buf.block_until_ready()           # one piece in flight at a time
+            del piece
+        tick(1)
+    return buf
 
 
 def load_params(path: str, cfg: ModelConfig, shardings, dtype=None, progress=None) -> dict:
@@ -328,22 +375,15 @@ def load_params(path: str, cfg: ModelConfig, shardings, dtype=None, progress=Non
     _check(files, top, segments, fp8)
     shapes = param_shapes(cfg)
     tick = progress or (lambda n: None)
-    out = {}
-    for key, src in top.items():
-        out[key] = _place(files, src, shapes[key], shardings[key], _out_dtype(files, src, dtype))
-        tick(1)
-    out["segments"] = []
-    for seg_src, seg_shapes, seg_shard in zip(segments, shapes["segments"], shardings["segments"]):
-        def stacked(shape, sharding, *srcs):
-            dt = _out_dtype(files, srcs[0], dtype)
-            layer_sharding = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
-            buf = _zeros(shape, dt, sharding)()
-            for i, src in enumerate(srcs):
-                buf = _setter(sharding)(buf, _place(files, src, shape[1:], layer_sharding, dt), i)
-                tick(1)
-            return buf
-        out["segments"].append(jax.tree_util.tree_map(
-            stacked, seg_shapes, seg_shard, *seg_src, is_leaf=is_shape))
+    out = {key: _fill(files, src, shapes[key], shardings[key], _out_dtype(files, src, dtype), tick)
+           for key, src in top.items()}
+    out["segments"] = [
+        jax.tree_util.tree_map(
+            lambda shape, sharding, *srcs: _fill(files, list(srcs), shape, sharding,
+                                                 _out_dtype(files, srcs[0], dtype), tick),
+            seg_shapes, seg_shard, *seg_src, is_leaf=is_shape)
+        for seg_src, seg_shapes, seg_shard in zip(segments, shapes["segments"],
+                                                  shardings["segments"])]
     return out
 
 
