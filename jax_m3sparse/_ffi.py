@@ -2,8 +2,9 @@
 
 Each backend module exposes ``registrations() -> {target_name: capsule}``:
 ``_m3sparse_cpu`` (always built), ``_m3sparse_rocm`` (``M3SPARSE_ENABLE_ROCM=ON``),
-``_m3sparse_cuda`` (``M3SPARSE_ENABLE_CUDA=ON``). A module that is absent leaves its
-platform on the pure-JAX reference lowering (see ``_primitives.py``).
+``_m3sparse_cuda`` (``M3SPARSE_ENABLE_CUDA=ON``). An absent CPU module leaves cpu on the
+pure-JAX reference lowering (see ``_primitives.py``); an absent cuda / rocm module leaves
+their FFI lowering in place, with stand-in handlers that fail a run naming the module.
 
 A module that should be there and is not is said once, loudly: a :class:`NativeModuleWarning`
 naming the platform, the import error and the fix (the CPU module always; the CUDA/ROCm modules
@@ -49,12 +50,29 @@ def _load(platform: str) -> set[str]:
     except ImportError as e:
         _import_errors[platform] = f"{type(e).__name__}: {e}"
         _report_missing(platform, e)
+        _register_stand_ins(platform)
         return set()
     names = set()
     for name, capsule in module.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform=xla_platform)
         names.add(name)
     return names
+
+
+def _register_stand_ins(platform: str) -> None:
+    """The cuda and rocm lowerings emit our custom calls without a local module (a build box
+    exports for GPUs it lacks): register, for each of that platform's targets, the CPU
+    module's stand-in handler, which fails a run with a message naming the missing module
+    (ffi/bindings/missing_module.cc), instead of XLA's "no handler registered"."""
+    if platform == "cpu":
+        return
+    try:
+        cpu = importlib.import_module(_MODULES["cpu"][0])
+    except ImportError:  # no CPU module either: said already; XLA's own error it is
+        return
+    for op in OPS:
+        jax.ffi.register_ffi_target(target_name(op, platform), cpu.missing_module_handler(platform),
+                                    platform=_MODULES[platform][1])
 
 
 def _expected(platform: str, error: ImportError) -> bool:
@@ -74,10 +92,13 @@ def _report_missing(platform: str, error: ImportError) -> None:
         return
     module_name = _MODULES[platform][0]
     here = os.path.dirname(os.path.abspath(__file__))
+    consequence = (f"every jax_m3sparse op on {platform} now runs the pure-JAX reference "
+                   "(correct but much slower)") if platform == "cpu" else (
+        f"programs lowered for {platform} still call its kernels (so they can be exported), and "
+        f"running one here fails naming this module (jax_m3sparse.reference has pure-JAX ops)")
     message = (
         f"jax_m3sparse: the native {platform} module {module_name} did not load "
-        f"({type(error).__name__}: {error}); every jax_m3sparse op on {platform} now runs the "
-        f"pure-JAX reference (correct but much slower). The package was imported from {here}. "
+        f"({type(error).__name__}: {error}); {consequence}. The package was imported from {here}. "
         "Fix: build it (`pip install --no-build-isolation -e .` in the source tree, or install "
         "the wheel); if that directory is a source checkout without the built module, it is "
         "shadowing the installed package: run from another directory. "
@@ -90,9 +111,10 @@ def _report_missing(platform: str, error: ImportError) -> None:
 def native_platforms() -> tuple[str, ...]:
     """The platforms ("cpu", "rocm", "cuda") whose compiled jax_m3sparse module is loaded.
 
-    On a platform not listed, every op lowers to the pure-JAX reference (``cpu``/``cuda``),
-    or (``rocm``) to the FFI call that needs the module where the program runs. Why a module
-    did not load: the :class:`NativeModuleWarning` given at import.
+    On a platform not listed, every op lowers to the pure-JAX reference (``cpu``), or
+    (``cuda``, ``rocm``) to the FFI call, which needs the module where the program runs (a
+    run without it fails naming the module). Why a module did not load: the
+    :class:`NativeModuleWarning` given at import.
     """
     return tuple(p for p in _MODULES if registered_targets(p))
 

@@ -4,10 +4,11 @@
 
 * an abstract-eval rule (shapes and dtypes only; ``jax.eval_shape`` runs no handler),
 * a lowering per platform to ``custom_call @m3sparse_<op>_<platform>`` with the operands and
-  attributes of ``docs/ffi_targets.md`` — for ``cpu``/``cuda`` when the compiled module is
-  present, for ``rocm`` always (gfx950 code is exported from machines without a GPU),
+  attributes of ``docs/ffi_targets.md`` — for ``cpu`` when the compiled module is present, for
+  ``cuda`` and ``rocm`` always (GPU code is exported from machines without a GPU; a run
+  without the module fails naming it), with ``unsupported_reason(platform=...)`` applied,
 * a fallback lowering to the pure-JAX reference (``mlir.lower_fun``) for every other platform
-  and for ``cpu``/``cuda`` when their module is not built,
+  and for ``cpu`` when its module is not built,
 * a batching rule: ``vmap`` over any operands runs the primitive once per batch element
   (``lax.map``), which is exact for every op, including the in-place cache update,
 * a JVP rule that raises "inference-only" (SPEC §7): JAX's own error would not say why; it runs
@@ -32,8 +33,10 @@ from jax.interpreters import ad, batching, mlir
 from jax_m3sparse import _ffi, _partitioning
 from jax_m3sparse._partitioning import HeadAxes
 
-# Platforms whose lowering is the FFI custom call even without a local module.
-_ALWAYS_NATIVE = ("rocm",)
+# Platforms whose lowering is the FFI custom call even without a local module: GPU programs
+# are exported from build boxes without the GPU (and its module); a run without the module
+# fails naming it (_ffi.py's stand-ins). cpu without its module lowers to the reference.
+_ALWAYS_NATIVE = ("rocm", "cuda")
 
 
 def define_primitive(op: str, *, abstract_eval: Callable, reference: Callable,
@@ -65,7 +68,8 @@ def define_primitive(op: str, *, abstract_eval: Callable, reference: Callable,
     reference_rule = mlir.lower_fun(reference, multiple_results=multiple_results)
     mlir.register_lowering(prim, reference_rule)
     for platform in native_platforms:
-        if platform in _ALWAYS_NATIVE or _ffi.has_native(op, platform):
+        native = _ffi.has_native(op, platform)  # loads the module (or its stand-ins) first
+        if native or platform in _ALWAYS_NATIVE:
             target = _ffi.target_name(op, platform)
             mlir.register_lowering(
                 prim, _ffi_rule(target, attributes, operand_output_aliases,

@@ -238,6 +238,64 @@ def test_lowering_for_other_platforms_checks_geometry(rng):
         jax.jit(fn).trace(*args).lower(lowering_platforms=("rocm",))
 
 
+def _serving_step(q, cache, key, value, slots, topk, table, query_lens, ctx):
+    """pack then a mixed batch: every op there is (positions through the metadata)."""
+    cache = m3.pack_kv_pages(cache, key, value, slots, 0.75, 0.85)
+    meta = m3.build_attention_metadata(query_lens, ctx, table, num_decode_requests=1,
+                                       num_tokens=q.shape[0])
+    return cache, m3.sparse_attention(q, cache, topk, meta, 0.75, 0.85)
+
+
+@pytest.mark.skipif("cuda" in m3.native_platforms(), reason="tests exporting without the module")
+def test_export_for_cuda_without_the_module(rng):
+    """Issue 21: like rocm, the cuda lowering emits our custom calls on a machine without the
+    CUDA module (the usual build box), applying unsupported_reason(platform="cuda"); the export
+    serializes (flatbuffers is a core dependency); a run without the module fails naming it
+    (test_cuda_run_without_the_module_names_it, where a GPU is)."""
+    p = decode_problem(rng, 1, 16, [300, 200], 1, dtype=jnp.bfloat16)
+    T = p.q.shape[0]
+    kv = jnp.zeros((T, 1, 128), jnp.bfloat16)
+    args = (p.q, p.cache, kv, kv, jnp.full((T,), -1, jnp.int32), p.topk, p.block_table,
+            np.array([1, 1], np.int32), np.array([299, 199], np.int32))
+    exp = jax.export.export(jax.jit(_serving_step), platforms=["cuda", "cpu"],
+                            disabled_checks=m3.export_disabled_checks())(*args)
+    text = exp.mlir_module()
+    for op in ("pack_kv_pages", "query_token_positions", "sparse_decode", "sparse_prefill"):
+        assert f"@m3sparse_{op}_cuda" in text, op
+    again = jax.export.deserialize(exp.serialize())
+    assert again.platforms == ("cuda", "cpu")
+    # The cpu half of the same module runs here and equals the direct call.
+    for got, want in zip(again.call(*args), _serving_step(*args)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+    def export(*a):
+        return jax.export.export(jax.jit(_serving_step), platforms=["cuda"],
+                                 disabled_checks=m3.export_disabled_checks())(*a)
+    with pytest.raises(ValueError, match=r"cuda \(sm_90\) kernels take q in bfloat16 or float16, got float32"):
+        export(p.q.astype(np.float32), *args[1:])
+    wide = np.concatenate([p.topk] * 5, axis=-1)[..., :65]
+    with pytest.raises(ValueError, match=r"cuda \(sm_90\) kernels cannot serve this geometry: "
+                                         r"topk_blocks must be between 1 and 64 \(got 65\)"):
+        export(*args[:5], wide, *args[6:])
+
+
+def _has_cuda_device():
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.skipif("cuda" in m3.native_platforms() or not _has_cuda_device(),
+                    reason="needs a CUDA GPU and no CUDA module")
+def test_cuda_run_without_the_module_names_it(rng):
+    p = decode_problem(rng, 1, 16, [300], 1, dtype=jnp.bfloat16)
+    gpu = jax.devices("cuda")[0]
+    args = [jax.device_put(x, gpu) for x in (p.q, p.cache, p.topk, p.block_table, p.seq_lens)]
+    with pytest.raises(Exception, match=r"module jax_m3sparse\._m3sparse_cuda is not loaded"):
+        jax.block_until_ready(jax.jit(lambda *a: m3.sparse_decode(*a, 0.75, 0.85))(*args))
+
+
 def test_trace_time_errors(rng):
     p = decode_problem(rng, 2, 4, [300], 1)
     q, c, t, b, s = p.q, p.cache, p.topk, p.block_table, p.seq_lens

@@ -20,3 +20,13 @@ def test_cpu_lowering_is_the_custom_call():
         .lower(cache, k).as_text()
     assert "custom_call @m3sparse_pack_kv_pages_cpu" in text
     assert "output_operand_aliases" in text
+
+
+def test_export_needs_only_the_core_dependencies():
+    """Issue 21: Exported.serialize() imports flatbuffers; README's first install command
+    installs the core dependencies only, so flatbuffers must be one of them."""
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    core = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M).group(1)
+    assert re.search(r'"flatbuffers[<>=!~ ]', core), core

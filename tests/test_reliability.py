@@ -255,6 +255,23 @@ def test_missing_native_module_warns_and_can_be_an_error():
     assert "ImportError: jax_m3sparse: the native cpu module" in res.stderr
 
 
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_stand_in_for_a_missing_gpu_module_names_it(platform):
+    """Issue 21: the cuda/rocm lowerings emit our custom calls without a local module; their
+    targets then get the CPU module's stand-in, which fails a call naming the module and the
+    build flag (run here on the CPU under a test name, with any operands and attributes)."""
+    from jax_m3sparse import _m3sparse_cpu
+    name = f"m3sparse_test_stand_in_{platform}"
+    jax.ffi.register_ffi_target(name, _m3sparse_cpu.missing_module_handler(platform), platform="cpu")
+    call = jax.ffi.ffi_call(name, (jax.ShapeDtypeStruct((2,), jnp.float32),) * 2)
+    with pytest.raises(Exception, match=rf"module jax_m3sparse\._m3sparse_{platform} is not "
+                                        rf"loaded.*M3SPARSE_ENABLE_{platform.upper()}=ON"):
+        jax.block_until_ready(call(jnp.ones(3), jnp.zeros((), jnp.int32), scale=np.float32(1),
+                                   layout=np.int64(0)))
+    with pytest.raises(ValueError, match="no stand-in for platform 'cpu'"):
+        _m3sparse_cpu.missing_module_handler("cpu")
+
+
 def test_native_module_is_loaded_here():
     from jax_m3sparse.bench.__main__ import timed_path
     assert "cpu" in m3.native_platforms()

@@ -15,6 +15,8 @@ XLA_FFI_Error* m3sparse_pack_kv_pages_cpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_query_token_positions_cpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_sparse_decode_cpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_sparse_prefill_cpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* m3sparse_missing_cuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* m3sparse_missing_rocm(XLA_FFI_CallFrame*);
 }
 
 namespace m3sparse {
@@ -37,6 +39,13 @@ NB_MODULE(_m3sparse_cpu, m) {
     d["m3sparse_sparse_decode_cpu"] = capsule(m3sparse_sparse_decode_cpu);
     d["m3sparse_sparse_prefill_cpu"] = capsule(m3sparse_sparse_prefill_cpu);
     return d;
+  });
+  // The stand-in handler for the targets of a GPU module ("cuda", "rocm") that did not load
+  // (missing_module.cc): it fails every call, naming the module.
+  m.def("missing_module_handler", [](const std::string& platform) {
+    if (platform == "cuda") return capsule(m3sparse_missing_cuda);
+    if (platform == "rocm") return capsule(m3sparse_missing_rocm);
+    throw nb::value_error(("no stand-in for platform '" + platform + "'").c_str());
   });
   // The attention paths (ffi/cpu/isa.h): those this machine supports, narrowest first,
   // and the one a call takes now (M3SPARSE_CPU_ISA caps it; ValueError if that names no path,
