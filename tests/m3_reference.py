@@ -45,7 +45,7 @@ generation_config.json; one ``model.safetensors`` or ``model-0000k-of-0000n.safe
     model.layers.1.self_attn.indexer.{q,k}_norm.weight [64]
     model.layers.1.mlp.gate.weight                    [4, 128]
     model.layers.1.mlp.gate.e_score_correction_bias   [4]         (a persistent buffer)
-    model.layers.1.mlp.experts.gate_up_proj           [4, 128, 64+64 -> 128]  = [E, 2I, H], no ".weight"
+    model.layers.1.mlp.experts.gate_up_proj           [4, 128, 128] = [E, 2I, H] (gate rows [:I], up [I:]), no ".weight"
     model.layers.1.mlp.experts.down_proj              [4, 128, 64]  = [E, H, I]
     model.layers.1.mlp.shared_experts.gate_up_proj.weight [128, 128]  ([2*shared_I, H])
     model.layers.1.mlp.shared_experts.down_proj.weight    [128, 64]
@@ -84,7 +84,9 @@ the correction bias, vision and mtp tensors stay fp32.  In the transformers layo
 supported) the 3-D experts ``experts.gate_up_proj [E, 2I, H]`` get ``experts.gate_up_proj_scale_inv``
 ``[E, ceil(2I/128), ceil(H/128)]`` (transformers' finegrained-FP8 naming) -- note the fused gate/up
 is blocked as one [2I, H] matrix there, while upstream blocks w1 and w3 separately, so the
-two layouts' dequantized values differ (each is its own reference).
+two layouts' dequantized values differ (each is its own reference).  transformers 5.24 loads the
+upstream FP8 directory on CPU (it dequantizes) to exactly the returned model's logits, but NOT the
+transformers-layout FP8 one (it reports the 3-D ``*_scale_inv`` as unexpected and uses raw FP8).
 
 hidden_states (``reference_outputs``): ``[L+1, S, H]``; index 0 is the embedding output
 (input of layer 0), index i (1 <= i < L) the residual stream after layer i-1, and index L
