@@ -1,0 +1,167 @@
+"""The M3 example against transformers' MiniMax M3 (``transformers.models.minimax_m3_vl``).
+
+Tiny random M3 models are built with transformers (fp32, eager attention), saved as checkpoint
+directories the way they are published (tests/m3_reference.py: transformers' names and the
+upstream names, sharded and not, tied and untied, FP8 blocks), and loaded by the example's
+loader as they are. The example's reference stream, in float32 with its own index keys and
+selections (``reference_selection="own"``), is an independent JAX twin of transformers' model;
+it must give transformers' per-layer hidden states, logits, block selections and greedy tokens.
+The served NVFP4 stream's agreement is printed (it is what the main job's summary reports).
+
+Near-ties: with random weights two logits (or two blocks' scores) can be closer than fp32
+reassociation error. The fixtures' weights are scaled so that greedy tokens are decisive (the
+smallest top-1 / top-2 gap is printed per case); selections and argmax are compared as
+fractions (≥ 99 %) and generation token for token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+
+import m3_reference as ref  # noqa: E402
+from minimax_m3 import model, parallel  # noqa: E402
+from minimax_m3.checkpoint import load_params  # noqa: E402
+from minimax_m3.config import from_hf_config  # noqa: E402
+from minimax_m3.engine import Engine, EngineConfig, cosine  # noqa: E402
+
+PROMPT_LEN, NEW_TOKENS = 400, 16
+
+# (case id, config overrides, save_checkpoint options)
+CASES = [
+    ("transformers-gqa4", dict(), dict(layout="transformers")),
+    ("transformers-sharded-tied-gqa8",
+     dict(num_attention_heads=8, num_key_value_heads=1, index_n_heads=1, tie_word_embeddings=True),
+     dict(layout="transformers", max_shard_size="300KB", tied=True)),
+    ("upstream-sharded-gqa4", dict(), dict(layout="upstream", max_shard_size="300KB")),
+]
+
+
+def _cos_rows(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.sum(a * b, -1) / np.maximum(np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1),
+                                          1e-30)
+
+
+def _load(path, **overrides):
+    cfg = from_hf_config(str(path), reference_dtype="float32", reference_selection="own",
+                         **overrides)
+    mesh = parallel.make_mesh(1)
+    return cfg, load_params(str(path), cfg, parallel.param_shardings(model.param_shapes(cfg),
+                                                                     cfg, mesh))
+
+
+def _prefill(cfg, params, tokens):
+    """The whole prompt in one step (one request, no decode rows), collecting every layer."""
+    S, N = len(tokens), cfg.block_size
+    M = -(-S // N)
+    caches = model.allocate_caches(cfg, M, compare=True)
+    batch = dict(tokens=np.asarray(tokens, np.int32), slot_mapping=np.arange(S, dtype=np.int32),
+                 query_lens=np.array([S], np.int32), context_lens=np.array([0], np.int32),
+                 block_table=np.arange(M, dtype=np.int32)[None])
+    _, out = model.forward_step(params, caches, batch, cfg=cfg, num_decode_requests=0,
+                                decode_query_len=1, compare=True, collect=True)
+    return jax.device_get(out)
+
+
+def _generate(cfg, params, tokens, follow):
+    e = Engine(params, cfg, EngineConfig(num_pages=8, max_running=1, chunk_size=512,
+                                         max_seq_len=1024, compare=True, follow=follow))
+    e.add_request(0, list(tokens), NEW_TOKENS)
+    (r,) = e.run()
+    return r.generated
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
+def case(request, tmp_path_factory):
+    name, overrides, save = request.param
+    tcfg = ref.tiny_text_config(**overrides)
+    hf = ref.build_model(tcfg, seed=0)
+    path = tmp_path_factory.mktemp(name)
+    ref.save_checkpoint(hf, str(path), **save)
+    tokens = ref.prompt_ids(PROMPT_LEN, tcfg.vocab_size, seed=1)
+    want = ref.reference_outputs(hf, tokens, max_new_tokens=NEW_TOKENS)
+    cfg, params = _load(path)
+    return dict(name=name, cfg=cfg, params=params, tokens=tokens, want=want,
+                got=_prefill(cfg, params, tokens))
+
+
+def test_config_read_as_transformers_does(case):
+    cfg, want_cfg = case["cfg"], ref.tiny_text_config(**CASES[[c[0] for c in CASES].index(
+        case["name"])][1])
+    assert cfg.layer_types == tuple(want_cfg.layer_types)
+    assert cfg.mlp_layer_types == tuple(want_cfg.mlp_layer_types)
+    assert cfg.sparse_layers and len(set(cfg.layer_types)) == 2 and len(set(cfg.mlp_layer_types)) == 2
+    assert cfg.tie_word_embeddings == ("tied" in case["name"])
+    assert ("lm_head" in case["params"]) != cfg.tie_word_embeddings
+
+
+def test_hidden_states_match_per_layer(case):
+    got, want = case["got"]["ref_hidden"], case["want"]["hidden_states"]
+    L = case["cfg"].num_layers
+    # transformers: [0] the embeddings, [i] after layer i (i < L), [L] after the final norm.
+    for i in range(L):
+        cos = _cos_rows(got[i], want[i])
+        assert cos.min() >= 0.9999, (case["name"], i, cos.min(), int(cos.argmin()))
+    normed = np.asarray(model.gemma_rms_norm(got[L], case["params"]["norm"], case["cfg"].rms_norm_eps))
+    assert _cos_rows(normed, want[L]).min() >= 0.9999
+
+
+def test_logits_and_selections_match(case):
+    got, want = case["got"], case["want"]
+    agree = np.mean(np.argmax(got["ref_logits"], -1) == np.argmax(want["logits"], -1))
+    assert agree >= 0.99, agree
+    assert _cos_rows(got["ref_logits"], want["logits"]).min() >= 0.9999
+    sparse = case["cfg"].sparse_layers
+    same = []
+    for k, layer in enumerate(sparse):
+        ours = np.sort(got["ref_topk"][k], -1)                       # [Hkv, T, K]
+        theirs = want["selections"][layer]                           # [Hidx, S, K']
+        theirs = np.sort(np.pad(theirs, ((0, 0), (0, 0), (0, ours.shape[-1] - theirs.shape[-1])),
+                                constant_values=-1), -1)
+        same.append(np.all(ours == theirs, -1).mean())
+    served = [np.all(np.sort(got["topk"][k], -1) == np.sort(got["ref_topk"][k], -1), -1).mean()
+              for k in range(len(sparse))]
+    print(f"{case['name']}: selections equal to transformers' {np.round(same, 4)}; served "
+          f"(bf16 index keys, NVFP4 stream) equal to the reference {np.round(served, 4)}; "
+          f"served argmax agreement "
+          f"{np.mean(np.argmax(got['logits'], -1) == np.argmax(want['logits'], -1)):.3f}; "
+          f"min top-1/top-2 logit gap {min(np.min(v) for v in case['want']['top2_gap'].values()):.3g}")
+    assert min(same) >= 0.99, same
+
+
+def test_greedy_generation_matches(case):
+    generated = _generate(case["cfg"], case["params"], case["tokens"], follow="reference")
+    assert generated == [int(t) for t in case["want"]["generated"]], (generated,
+                                                                       case["want"]["generated"])
+
+
+def test_fp8_checkpoint_loads_to_its_dequantized_twin(tmp_path):
+    """Block-scaled FP8 (float8_e4m3fn + weight_scale_inv per 128 × 128) loads to the logits
+    of the same checkpoint written in the dequantized fp32 values."""
+    tcfg = ref.tiny_text_config()
+    hf = ref.build_model(tcfg, seed=2)
+    ref.save_checkpoint(hf, str(tmp_path / "fp8"), layout="upstream", fp8=True)
+    ref.dequantized_twin(str(tmp_path / "fp8"), str(tmp_path / "twin"))
+    tokens = ref.prompt_ids(200, tcfg.vocab_size, seed=3)
+    cfg, p8 = _load(tmp_path / "fp8", )
+    cfg32 = dataclasses.replace(cfg)
+    p8 = load_params(str(tmp_path / "fp8"), cfg, parallel.param_shardings(
+        model.param_shapes(cfg), cfg, parallel.make_mesh(1)), dtype="float32")
+    _, p32 = _load(tmp_path / "twin")
+    a, b = _prefill(cfg, p8, tokens), _prefill(cfg32, p32, tokens)
+    np.testing.assert_allclose(a["ref_logits"], b["ref_logits"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(a["greedy"], b["greedy"])
+    bf16 = load_params(str(tmp_path / "fp8"), cfg, parallel.param_shardings(
+        model.param_shapes(cfg), cfg, parallel.make_mesh(1)))
+    assert bf16["segments"][0]["self_attn"]["q_proj"].dtype == "bfloat16"   # FP8 -> bf16 default
+    assert cosine(_prefill(cfg, bf16, tokens)["ref_logits"], b["ref_logits"]) >= 0.999
