@@ -252,7 +252,8 @@ def test_export_for_cuda_without_the_module(rng):
     CUDA module (the usual build box), applying unsupported_reason(platform="cuda"); the export
     serializes (flatbuffers is a core dependency); a run without the module fails naming it
     (test_cuda_run_without_the_module_names_it, where a GPU is)."""
-    p = decode_problem(rng, 1, 16, [300, 200], 1, dtype=jnp.bfloat16)
+    with jax.default_device(jax.devices("cpu")[0]):  # built by the CPU ops, also beside a GPU
+        p = decode_problem(rng, 1, 16, [300, 200], 1, dtype=jnp.bfloat16)
     T = p.q.shape[0]
     kv = jnp.zeros((T, 1, 128), jnp.bfloat16)
     args = (p.q, p.cache, kv, kv, jnp.full((T,), -1, jnp.int32), p.topk, p.block_table,
@@ -264,8 +265,10 @@ def test_export_for_cuda_without_the_module(rng):
         assert f"@m3sparse_{op}_cuda" in text, op
     again = jax.export.deserialize(exp.serialize())
     assert again.platforms == ("cuda", "cpu")
-    # The cpu half of the same module runs here and equals the direct call.
-    for got, want in zip(again.call(*args), _serving_step(*args)):
+    # The cpu half of the same module runs on the CPU and equals the direct call.
+    cpu = jax.devices("cpu")[0]
+    on_cpu = [jax.device_put(x, cpu) for x in args]
+    for got, want in zip(again.call(*on_cpu), jax.jit(_serving_step)(*on_cpu)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
     def export(*a):
@@ -289,7 +292,8 @@ def _has_cuda_device():
 @pytest.mark.skipif("cuda" in m3.native_platforms() or not _has_cuda_device(),
                     reason="needs a CUDA GPU and no CUDA module")
 def test_cuda_run_without_the_module_names_it(rng):
-    p = decode_problem(rng, 1, 16, [300], 1, dtype=jnp.bfloat16)
+    with jax.default_device(jax.devices("cpu")[0]):
+        p = decode_problem(rng, 1, 16, [300], 1, dtype=jnp.bfloat16)
     gpu = jax.devices("cuda")[0]
     args = [jax.device_put(x, gpu) for x in (p.q, p.cache, p.topk, p.block_table, p.seq_lens)]
     with pytest.raises(Exception, match=r"module jax_m3sparse\._m3sparse_cuda is not loaded"):
