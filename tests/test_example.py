@@ -149,7 +149,7 @@ def test_checkpoint_bf16_and_errors(params, tmp_path):
     assert "unexpected extra.weight" in msg and "mtp" not in msg
 
 
-def _select_bruteforce(iq, kc, table, req, pos, K, N):
+def _select_bruteforce(iq, kc, table, req, pos, K, N, local_blocks=1):
     Hkv, T = iq.shape[1], iq.shape[0]
     out = np.full((Hkv, T, K), -1, np.int32)
     for t in range(T):
@@ -161,8 +161,9 @@ def _select_bruteforce(iq, kc, table, req, pos, K, N):
             for b in range(local):
                 keys = kc[table[req[t], b]].astype(np.float32)          # [N, Di]
                 scores.append((keys @ iq[t, g].astype(np.float32)).max())
-            order = sorted(range(local), key=lambda b: (-scores[b], b))
-            ids = [local, *order][:K]
+            near = [b for b in range(local, local - local_blocks, -1) if b >= 0]
+            order = sorted((b for b in range(local) if b not in near), key=lambda b: (-scores[b], b))
+            ids = [*near, *order][:K]
             out[g, t, :len(ids)] = ids
     return out
 
@@ -185,6 +186,33 @@ def test_select_blocks_bruteforce():
                                                            topk_blocks=K))[:, 0], got[:, 0])
     assert jax.jit(select_blocks, static_argnames="topk_blocks")(
         jnp.asarray(iq), kc, table, req, pos, topk_blocks=K).shape == (Hkv, len(req), K)
+    # index_local_blocks = 2 (transformers' +inf boost of the local blocks): same sets.
+    got2 = np.sort(np.asarray(select_blocks(iq, kc, table, req, pos, topk_blocks=K,
+                                            local_blocks=2)), -1)
+    np.testing.assert_array_equal(got2, np.sort(_select_bruteforce(iq, kc, table, req, pos, K, N,
+                                                                   local_blocks=2), -1))
+    assert not np.array_equal(got2, np.sort(got, -1))
+    with pytest.raises(ValueError, match="local_blocks"):
+        select_blocks(iq, kc, table, req, pos, topk_blocks=K, local_blocks=0)
+
+
+def test_hf_config_fields_and_errors():
+    """from_hf_config: the VL wrapper's text_config, legacy keys, and the rotated width."""
+    base = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                head_dim=128, vocab_size=256, index_n_heads=1,
+                rope_parameters=dict(rope_type="default", rope_theta=5e6, partial_rotary_factor=0.5))
+    legacy = dict(base, sparse_attention_config=dict(sparse_attention_freq=[0, 1], sparse_topk_blocks=4,
+                                                     sparse_local_block=2), moe_layer_freq=[1, 0])
+    cfg = from_hf_config(dict(text_config=legacy, tie_word_embeddings=True))
+    assert cfg.layer_types == (FULL, SPARSE) and cfg.mlp_layer_types == (MOE, DENSE_MLP)
+    assert (cfg.index_topk_blocks, cfg.index_local_blocks, cfg.rotary_dim) == (4, 2, 64)
+    assert cfg.tie_word_embeddings
+    with pytest.raises(ValueError, match="rotary_dim 32 disagrees"):
+        from_hf_config(dict(base, rotary_dim=32))
+    with pytest.raises(ValueError, match="index_n_heads"):
+        from_hf_config(dict(base, index_n_heads=2, layer_types=[FULL, SPARSE]))
+    with pytest.raises(ValueError, match="rope_type"):
+        from_hf_config(dict(base, rope_parameters=dict(rope_type="yarn", rope_theta=1.0)))
 
 
 def test_propose_drafts():
