@@ -23,6 +23,7 @@ from minimax_m3.config import DENSE_MLP, FULL, MOE, SPARSE, ModelConfig, from_hf
 from minimax_m3.engine import Engine, EngineConfig, cosine, propose_drafts  # noqa: E402
 from minimax_m3.model import init_params, param_shapes  # noqa: E402
 
+import jax_m3sparse as m3  # noqa: E402
 from jax_m3sparse.select import select_blocks  # noqa: E402
 
 CFG = ModelConfig(hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -51,8 +52,7 @@ def params():
     return init_params(CFG, seed=0)
 
 
-@pytest.fixture(scope="module")
-def batched(params):
+def _run_batched(params):
     """The batched run, stepped by hand to check page ownership after every step."""
     engine = Engine(params, CFG, ECFG)
     for rid, p in enumerate(_prompts()):
@@ -67,7 +67,23 @@ def batched(params):
     return engine, steps
 
 
-def test_batched_matches_unbatched(params, batched):
+@pytest.fixture(scope="module")
+def batched(params):
+    return _run_batched(params)
+
+
+CPU_PATHS, DEFAULT_PATH = (m3.cpu_attention_paths() if jax.default_backend() == "cpu"
+                           else (["native"], "native"))
+
+
+@pytest.mark.parametrize("path", CPU_PATHS)
+def test_batched_matches_unbatched(params, batched, path, monkeypatch):
+    """A request's tokens and logits do not depend on its batch, on every CPU attention path
+    the machine has (M3SPARSE_CPU_ISA is read per call: nothing recompiles). The third request
+    waits for pages the first two free, so it gets them in another order than alone."""
+    if path != DEFAULT_PATH:
+        monkeypatch.setenv("M3SPARSE_CPU_ISA", path)
+        batched = _run_batched(params)
     engine, _ = batched
     for r in engine.finished:
         alone = Engine(params, CFG, ECFG)
