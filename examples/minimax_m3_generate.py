@@ -1,7 +1,7 @@
 """Serve real text through MiniMax M3 on jax_m3sparse's NVFP4 sparse path.
 
     python examples/minimax_m3_generate.py                      # a small random M3, CPU, ~30 s
-    python examples/minimax_m3_generate.py --checkpoint DIR --tp 8 --max-new-tokens 64
+    python examples/minimax_m3_generate.py --checkpoint DIR --tp 8 --no-compare
     python examples/minimax_m3_generate.py --config DIR/config.json --dry-run --tp 8 \
         --context-len 131072 --batch 8 --device-memory-gb 192
 
@@ -43,29 +43,40 @@ def parse_args(argv=None):
     model = p.add_argument_group("model")
     model.add_argument("--checkpoint", metavar="DIR",
                        help="an M3 checkpoint directory (else random weights of the flags below)")
-    model.add_argument("--dtype", default=None, help="cast weights to this (default: the "
-                       "checkpoint's; FP8 checkpoints dequantize to bfloat16)")
+    model.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                       help="cast weights to this (unset: the checkpoint's dtype; FP8 "
+                            "checkpoints dequantize to bfloat16)")
     d = ModelConfig()
     model.add_argument("--hidden", type=int, default=d.hidden_size, help="random model: width")
     model.add_argument("--layers", type=int, default=d.num_hidden_layers,
                        help="random model: layers (the first a full-attention dense-MLP layer, "
                             "the rest sparse attention with MoE)")
-    model.add_argument("--heads", type=int, default=d.num_attention_heads, help="query heads Hq")
-    model.add_argument("--kv-heads", type=int, default=d.num_key_value_heads, help="KV heads Hkv")
-    model.add_argument("--experts", type=int, default=d.num_local_experts, help="routed experts")
-    model.add_argument("--experts-per-tok", type=int, default=d.num_experts_per_tok)
+    model.add_argument("--heads", type=int, default=d.num_attention_heads,
+                       help="random model: query heads Hq")
+    model.add_argument("--kv-heads", type=int, default=d.num_key_value_heads,
+                       help="random model: KV heads Hkv (= index heads)")
+    model.add_argument("--experts", type=int, default=d.num_local_experts,
+                       help="random model: routed experts")
+    model.add_argument("--experts-per-tok", type=int, default=d.num_experts_per_tok,
+                       help="random model: experts each token is routed to")
     model.add_argument("--intermediate", type=int, default=d.intermediate_size,
-                       help="per-expert (and shared-expert) width; the dense MLP is 4x (as in M3)")
+                       help="random model: per-expert (and shared-expert) width; the dense MLP "
+                            "is 4x (as in M3)")
     model.add_argument("--seed", type=int, default=0, help="random-weight seed")
     model.add_argument("--reference-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                        help="the reference stream's caches")
     plan = p.add_argument_group("dry run (no weights)")
-    plan.add_argument("--config", metavar="PATH", help="a config.json (or its directory)")
+    plan.add_argument("--config", metavar="PATH", help="a config.json (or its directory): the "
+                      "model's shapes (with random weights unless --dry-run)")
     plan.add_argument("--dry-run", action="store_true",
                       help="build the model abstractly and print per-device bytes; no run")
-    plan.add_argument("--context-len", type=int, default=131072)
+    plan.add_argument("--context-len", type=int, default=131072, help="tokens per request")
     plan.add_argument("--batch", type=int, default=8, help="requests of --context-len")
-    plan.add_argument("--device-memory-gb", type=float, default=None)
+    plan.add_argument("--device-memory-gb", type=float, default=None,
+                      help="say whether the plan fits a device of this size, with "
+                           "--reserve-gb left for activations")
+    plan.add_argument("--reserve-gb", type=float, default=8.0,
+                      help="per-device memory the plan keeps free for activations and workspace")
     eng = p.add_argument_group("engine")
     e = EngineConfig()
     eng.add_argument("--chunk-size", type=int, default=e.chunk_size, help="prefill tokens per step")
@@ -112,23 +123,22 @@ def main(argv=None):
     if args.dry_run:
         from minimax_m3 import plan  # noqa: PLC0415
         p = plan.plan(cfg, tp=args.tp, context_len=args.context_len, batch=args.batch,
-                      device_memory_gb=args.device_memory_gb)
+                      device_memory_gb=args.device_memory_gb, reserve_gb=args.reserve_gb)
         print(plan.format_plan(p))
         return p
     return serve(args, cfg)
 
 
 def load_model(args, cfg, mesh):
-    """(params, tokenizer): the checkpoint's, placed on ``mesh``, or random weights."""
+    """The checkpoint's params placed on ``mesh``, or random weights."""
     from tqdm import tqdm  # noqa: PLC0415
     from minimax_m3 import checkpoint, model, parallel  # noqa: PLC0415
     shardings = parallel.param_shardings(model.param_shapes(cfg), cfg, mesh)
     if not args.checkpoint:
-        return model.init_params(cfg, args.seed, shardings), text.ByteTokenizer()
+        return model.init_params(cfg, args.seed, shardings)
     with tqdm(total=checkpoint.count_tensors(cfg), unit="tensor", desc="loading") as bar:
-        params = checkpoint.load_params(args.checkpoint, cfg, shardings, dtype=args.dtype,
-                                        progress=bar.update)
-    return params, text.tokenizer_for(args.checkpoint)
+        return checkpoint.load_params(args.checkpoint, cfg, shardings, dtype=args.dtype,
+                                      progress=bar.update)
 
 
 def serve(args, cfg):
@@ -141,10 +151,13 @@ def serve(args, cfg):
 
     cfg = dataclasses.replace(cfg, kv_replicas=kv_head_replicas(cfg.num_key_value_heads, args.tp))
     mesh = parallel.make_mesh(args.tp)
-    params, tokenizer = load_model(args, cfg, mesh)
+    # Prompts before weights: a bad prompt file or tokenizer fails before a long load.
+    tokenizer = text.tokenizer_for(args.checkpoint)
     prompts = text.load_prompts(args.prompt_file, args.max_prompt_tokens, tokenizer)
-    if max(max(t) for _, t in prompts) >= cfg.vocab_size:
-        raise ValueError(f"a prompt token is >= vocab_size {cfg.vocab_size}")
+    if (top := max(max(t) for _, t in prompts)) >= cfg.vocab_size:
+        raise ValueError(f"prompt token id {top} >= the model's vocab_size {cfg.vocab_size} "
+                         f"(tokenizer: {tokenizer.name})")
+    params = load_model(args, cfg, mesh)
     need = sorted(-(-(len(t) + args.max_new_tokens + args.spec_tokens) // cfg.block_size)
                   for _, t in prompts)
     ecfg = EngineConfig(num_pages=args.num_pages or sum(need[-args.max_running:]),

@@ -70,3 +70,22 @@ def test_tp8_splits_every_expert():
                                         hlo)]
     assert any(op == "all-reduce" for op, _ in moved)
     assert all(n <= 130 * 128 for _, n in moved), moved     # at most one [T, H] activation
+
+
+@needs8
+def test_checkpoint_loads_sharded_over_8_devices(tmp_path):
+    """load_params reads each device's slice straight into its shard (both namings share the
+    slicing code): the TP-8 arrays hold the checkpoint's values, each device 1/8 of every expert."""
+    from minimax_m3.checkpoint import load_params, save_checkpoint
+    args = minimax_m3_generate.parse_args(TINY + HEADS)
+    cfg = dataclasses.replace(minimax_m3_generate.model_config(args), kv_replicas=2)
+    host = model.init_params(cfg, 5)
+    save_checkpoint(str(tmp_path), host, cfg, max_shard_bytes=1 << 20)
+    mesh = parallel.make_mesh(8)
+    loaded = load_params(str(tmp_path), cfg, parallel.param_shardings(model.param_shapes(cfg), cfg, mesh))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(host), jax.tree_util.tree_leaves(loaded)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+    gu = loaded["segments"][1]["mlp"]["experts"]["gate_up_proj"]
+    assert {s.data.shape for s in gu.addressable_shards} == {(2, 4, 2, 8, 128)}
+    q = loaded["segments"][0]["self_attn"]["q_proj"]
+    assert {s.data.shape for s in q.addressable_shards} == {(1, 64 * 128 // 8, 128)}

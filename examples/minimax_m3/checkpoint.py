@@ -21,8 +21,8 @@ block, to bf16 (or the ``dtype`` asked for): real M3 in bf16 fits TP 8 on 192 GB
 (``plan.py``), and XLA has no block-scaled FP8 matmul on every backend we serve.
 
 Lazy: every parameter is built with ``jax.make_array_from_callback`` for its
-``NamedSharding``, so each device reads only its slice; stacked layer weights are filled one
-layer at a time into a buffer allocated on the devices. Reads go through safetensors'
+``NamedSharding`` on its devices and filled there from pieces of at most ``PIECE_BYTES`` (cut
+along an unsharded axis), so each device reads only its slice. Reads go through safetensors'
 ``safe_open`` in row chunks of at most ``CHUNK_BYTES``, a file opened per chunk, so the
 memory-mapped pages a read touches are released before the next: host memory above the loaded
 weights stays within one layer-slice of one parameter plus a chunk. Tensors keep the
@@ -279,7 +279,9 @@ def _check(files: CheckpointFiles, top, segments, fp8: bool) -> None:
                    and not n.endswith("lm_head.weight"))        # a tied model may carry one
     problems += [f"unexpected {n}" for n in extra]
     if problems:
-        raise ValueError(f"checkpoint {files.path} does not fit the config: " + "; ".join(problems))
+        shown = problems[:40] + ([f"... and {len(problems) - 40} more"] if len(problems) > 40 else [])
+        raise ValueError(f"checkpoint {files.path} does not fit its config.json "
+                         f"({len(problems)} problems):\n  " + "\n  ".join(shown))
 
 
 # ----------------------------------------------------------------------------- placing

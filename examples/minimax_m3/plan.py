@@ -29,9 +29,11 @@ def _per_device(shape, spec, tp: int) -> int:
 
 
 def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
-         device_memory_gb: float | None = None) -> dict:
+         device_memory_gb: float | None = None, reserve_gb: float = 8.0) -> dict:
     """Per-device bytes of weights and caches of ``cfg`` at tensor parallel ``tp`` for
-    ``batch`` requests of ``context_len`` tokens, and whether the step traces.
+    ``batch`` requests of ``context_len`` tokens (the served stream alone: ``--no-compare``),
+    whether the step traces, and whether it fits ``device_memory_gb`` with ``reserve_gb`` left
+    for activations.
 
     Raises:
       ValueError when ``tp`` does not divide the model's sizes.
@@ -58,7 +60,8 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
                cache_kv_heads=cfg.cache_kv_heads, step_logits=traced)
     if device_memory_gb:
         out["device_memory_bytes"] = int(device_memory_gb * 1e9)
-        out["fits"] = out["total_bytes_per_device"] <= out["device_memory_bytes"]
+        out["reserve_bytes"] = int(reserve_gb * 1e9)
+        out["fits"] = out["total_bytes_per_device"] + out["reserve_bytes"] <= out["device_memory_bytes"]
     return out
 
 
@@ -80,7 +83,7 @@ def _trace(cfg, shapes, weight_dtype, pages) -> tuple[int, ...]:
 def format_plan(p: dict) -> str:
     gb = lambda b: f"{b / 1e9:,.1f} GB"
     lines = [
-        f"dry run: {p['parameters'] / 1e9:,.1f} B parameters ({p['weight_dtype']}), tp {p['tp']}, "
+        f"dry run: {p['parameters'] / 1e9:,.3g} B parameters ({p['weight_dtype']}), tp {p['tp']}, "
         f"{p['batch']} requests × {p['context_len']} tokens ({p['pages']} pages of 128); the "
         f"step traces (logits {p['step_logits']})",
         f"  weights per device:        {gb(p['weight_bytes_per_device'])}",
@@ -88,9 +91,10 @@ def format_plan(p: dict) -> str:
         f"({p['cache_kv_heads']} KV heads stored, {p['cache_kv_heads'] // p['tp']} per device)",
         f"  index-key cache per device: {gb(p['index_cache_bytes_per_device'])} (bf16, replicated)",
         f"  total per device:           {gb(p['total_bytes_per_device'])}"
-        + (f" of {gb(p['device_memory_bytes'])}: {'fits' if p['fits'] else 'does NOT fit'}"
-           if "fits" in p else ""),
-        "  (not counted: activations and XLA workspace)"]
+        + (f" of {gb(p['device_memory_bytes'])}: {'fits' if p['fits'] else 'does NOT fit'} "
+           f"with {gb(p['reserve_bytes'])} kept for activations" if "fits" in p else ""),
+        "  (the served stream alone, as with --no-compare; activations and XLA workspace not "
+        "counted; JAX takes 75 % of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says more)"]
     return "\n".join(lines)
 
 
