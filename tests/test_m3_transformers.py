@@ -16,7 +16,6 @@ fractions (≥ 99 %) and generation token for token.
 
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 import sys
 
@@ -156,16 +155,15 @@ def test_fp8_checkpoint_loads_to_its_dequantized_twin(tmp_path):
     hf = ref.build_model(tcfg, seed=2)
     ref.save_checkpoint(hf, str(tmp_path / "fp8"), layout="upstream", fp8=True)
     ref.dequantized_twin(str(tmp_path / "fp8"), str(tmp_path / "twin"))
-    tokens = ref.prompt_ids(200, tcfg.vocab_size, seed=3)
-    cfg, p8 = _load(tmp_path / "fp8", )
-    cfg32 = dataclasses.replace(cfg)
-    p8 = load_params(str(tmp_path / "fp8"), cfg, parallel.param_shardings(
-        model.param_shapes(cfg), cfg, parallel.make_mesh(1)), dtype="float32")
+    tokens = ref.prompt_ids(PROMPT_LEN, tcfg.vocab_size, seed=3)   # the shapes case 1 compiled
+    cfg = from_hf_config(str(tmp_path / "fp8"), reference_dtype="float32",
+                         reference_selection="own")
+    shardings = parallel.param_shardings(model.param_shapes(cfg), cfg, parallel.make_mesh(1))
+    p8 = load_params(str(tmp_path / "fp8"), cfg, shardings, dtype="float32")
     _, p32 = _load(tmp_path / "twin")
-    a, b = _prefill(cfg, p8, tokens), _prefill(cfg32, p32, tokens)
+    a, b = _prefill(cfg, p8, tokens), _prefill(cfg, p32, tokens)
     np.testing.assert_allclose(a["ref_logits"], b["ref_logits"], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(a["greedy"], b["greedy"])
-    bf16 = load_params(str(tmp_path / "fp8"), cfg, parallel.param_shardings(
-        model.param_shapes(cfg), cfg, parallel.make_mesh(1)))
+    bf16 = load_params(str(tmp_path / "fp8"), cfg, shardings)
     assert bf16["segments"][0]["self_attn"]["q_proj"].dtype == "bfloat16"   # FP8 -> bf16 default
     assert cosine(_prefill(cfg, bf16, tokens)["ref_logits"], b["ref_logits"]) >= 0.999
