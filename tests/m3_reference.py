@@ -204,6 +204,11 @@ def build_model(config: MiniMaxM3VLTextConfig, seed: int) -> MiniMaxM3VLForCausa
 # --------------------------------------------------------------------------- names
 
 _DENSE_GU = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate_up_proj\.weight$")
+# Per-layer names that map one to one: transformers' -> upstream (the inverse reads it backwards).
+_ONE_TO_ONE = {"mlp.shared_experts.down_proj.weight": "block_sparse_moe.shared_experts.down_proj.weight",
+               "mlp.gate.weight": "block_sparse_moe.gate.weight",
+               "mlp.gate.e_score_correction_bias": "block_sparse_moe.e_score_correction_bias"}
+_INDEXER = ("self_attn.indexer.", "self_attn.index_")      # prefix, transformers' / upstream
 
 
 def upstream_state_dict(model: MiniMaxM3VLForCausalLM) -> dict[str, torch.Tensor]:
@@ -230,12 +235,8 @@ def upstream_state_dict(model: MiniMaxM3VLForCausalLM) -> dict[str, torch.Tensor
             stem = pre + ("mlp." if rest.startswith("mlp.gate") else "block_sparse_moe.shared_experts.")
             out[stem + "gate_proj.weight"] = v[:half].clone()
             out[stem + "up_proj.weight"] = v[half:].clone()
-        elif rest == "mlp.shared_experts.down_proj.weight":
-            out[pre + "block_sparse_moe.shared_experts.down_proj.weight"] = v
-        elif rest == "mlp.gate.weight":
-            out[pre + "block_sparse_moe.gate.weight"] = v
-        elif rest == "mlp.gate.e_score_correction_bias":
-            out[pre + "block_sparse_moe.e_score_correction_bias"] = v
+        elif rest in _ONE_TO_ONE:
+            out[pre + _ONE_TO_ONE[rest]] = v
         elif rest == "mlp.experts.gate_up_proj":
             for j in range(v.shape[0]):
                 out[pre + f"block_sparse_moe.experts.{j}.w1.weight"] = v[j, :I].clone()
@@ -243,8 +244,8 @@ def upstream_state_dict(model: MiniMaxM3VLForCausalLM) -> dict[str, torch.Tensor
         elif rest == "mlp.experts.down_proj":
             for j in range(v.shape[0]):
                 out[pre + f"block_sparse_moe.experts.{j}.w2.weight"] = v[j].clone()
-        elif rest.startswith("self_attn.indexer."):
-            out[pre + "self_attn.index_" + rest[len("self_attn.indexer."):]] = v
+        elif rest.startswith(_INDEXER[0]):
+            out[pre + _INDEXER[1] + rest[len(_INDEXER[0]):]] = v
         else:
             out[base] = v
     return out
@@ -390,6 +391,7 @@ def _write_config(config, path, fp8):
 
 def _text_from_upstream(up: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     """Inverse of ``upstream_state_dict`` (drops vision / mtp): transformers' text names."""
+    upstream_to_text = {u: t for t, u in _ONE_TO_ONE.items()}
     out, experts = {}, {}
     for k, v in up.items():
         if k.startswith(SKIPPED_PREFIXES):
@@ -412,14 +414,10 @@ def _text_from_upstream(up: dict[str, torch.Tensor], config) -> dict[str, torch.
             out[pre + tgt] = torch.cat([v, up[f"language_model.{pre}{up_k}"]], 0)
         elif rest.endswith("up_proj.weight") and not rest.endswith("gate_up_proj.weight"):
             continue
-        elif rest == "block_sparse_moe.shared_experts.down_proj.weight":
-            out[pre + "mlp.shared_experts.down_proj.weight"] = v
-        elif rest == "block_sparse_moe.gate.weight":
-            out[pre + "mlp.gate.weight"] = v
-        elif rest == "block_sparse_moe.e_score_correction_bias":
-            out[pre + "mlp.gate.e_score_correction_bias"] = v
-        elif rest.startswith("self_attn.index_"):
-            out[pre + "self_attn.indexer." + rest[len("self_attn.index_"):]] = v
+        elif rest in upstream_to_text:
+            out[pre + upstream_to_text[rest]] = v
+        elif rest.startswith(_INDEXER[1]):
+            out[pre + _INDEXER[0] + rest[len(_INDEXER[1]):]] = v
         else:
             out[k] = v
     for pre, d in experts.items():
@@ -596,7 +594,6 @@ def reference_outputs(model: torch.nn.Module, input_ids, max_new_tokens: int = 1
       top-1 minus top-2 logit per position / step.
     """
     lm = model.model.language_model if hasattr(model.model, "language_model") else model.model
-    cfg = lm.config
     ids = torch.as_tensor(np.asarray(input_ids, dtype=np.int64)).reshape(1, -1)
     S = ids.shape[1]
     sel, margin, router, layer_out = {}, {}, {}, {}
