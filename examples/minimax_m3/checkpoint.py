@@ -77,12 +77,15 @@ class CheckpointFiles:
         else:
             files = [path]
         self.file, self.shape, self.dtype = {}, {}, {}
+        self.fp8_offset = {}        # FP8 tensors: byte offset of their data in their file
         for fn in files:
             with safe_open(fn, framework="numpy") as f:
                 for name in f.keys():
                     s = f.get_slice(name)
                     self.file[name], self.shape[name] = fn, tuple(s.get_shape())
                     self.dtype[name] = s.get_dtype()
+            if any(self.dtype[n] == "F8_E4M3" for n in self.file if self.file[n] == fn):
+                self.fp8_offset.update(_fp8_offsets(fn))
 
     def names(self) -> set[str]:
         return set(self.file)
@@ -122,16 +125,22 @@ class CheckpointFiles:
             return f.get_slice(name)[index]
 
     def _read_fp8(self, name, index):
-        """FP8 bytes through a memory map of the tensor's data (header offsets), viewed as
-        ``float8_e4m3fn``."""
-        fn = self.file[name]
-        with open(fn, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            begin, _ = json.loads(f.read(n))[name]["data_offsets"]
-        data = np.memmap(fn, np.uint8, "r", offset=8 + n + begin, shape=self.shape[name])
+        """FP8 bytes through a memory map of the tensor's data, viewed as ``float8_e4m3fn``."""
+        data = np.memmap(self.file[name], np.uint8, "r", offset=self.fp8_offset[name],
+                         shape=self.shape[name])
         out = np.array(data[index]).view(ml_dtypes.float8_e4m3fn)
         del data
         return out
+
+
+def _fp8_offsets(fn: str) -> dict[str, int]:
+    """{FP8 tensor: absolute byte offset of its data} from a safetensors file's header (8-byte
+    length, JSON), read once per file: safetensors' numpy reader has no fp8 dtype."""
+    with open(fn, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {k: 8 + n + v["data_offsets"][0] for k, v in header.items()
+            if k != "__metadata__" and v["dtype"] == "F8_E4M3"}
 
 
 # ----------------------------------------------------------------------------- names
@@ -145,8 +154,10 @@ class Source:
     stored: tuple[tuple[int, ...], ...]
 
 
-def _sources(cfg: ModelConfig, layout: str) -> dict:
-    """{("segment path", ...): [Source per layer]} and top-level {key: Source}."""
+def _sources(cfg: ModelConfig, layout: str) -> tuple[dict, list]:
+    """``(top, segments)``: ``{key: Source}`` for the top-level parameters, and per segment
+    (ModelConfig.segments) a list with one Source pytree per layer, shaped like
+    model.layer_shapes."""
     up = layout == "upstream"
     root = "language_model.model." if up else "model."
     H, D, E = cfg.hidden_size, cfg.head_dim, cfg.num_local_experts
@@ -323,11 +334,12 @@ def _setter(sharding):
 
 
 def _fill(files, srcs, shape, sharding, dtype, tick):
-    """A parameter of ``shape`` (leading layer axis when ``len(srcs) > 1`` or stacked) built in
-    its device buffer from pieces of at most PIECE_BYTES per layer, cut along the layer slice's
-    largest unsharded axis: each piece lands in its own devices' shards, so the host and the
-    devices hold at most one piece beside the buffer, whatever the tensor's size."""
-    stacked = srcs is not None and isinstance(srcs, list)
+    """A parameter of ``shape`` built in its device buffer from pieces of at most PIECE_BYTES,
+    cut along the (layer) slice's largest unsharded axis: each piece lands in its own devices'
+    shards, so the host and the devices hold at most one piece beside the buffer, whatever the
+    tensor's size. ``srcs``: one Source (a top-level parameter) or a list of one per layer
+    (stacked on the leading axis)."""
+    stacked = isinstance(srcs, list)
     layer_shape = shape[1:] if stacked else shape
     spec = tuple(sharding.spec)[1:] if stacked else tuple(sharding.spec)
     spec = (*spec, *(None,) * (len(layer_shape) - len(spec)))

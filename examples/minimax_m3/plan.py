@@ -96,15 +96,3 @@ def format_plan(p: dict) -> str:
         "  (the served stream alone, as with --no-compare; activations and XLA workspace not "
         "counted; JAX takes 75 % of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says more)"]
     return "\n".join(lines)
-
-
-def max_context(cfg, *, tp: int, batch: int, device_memory_gb: float, weight_dtype="bfloat16",
-                reserve_gb: float = 8.0) -> int:
-    """The longest context (tokens, a multiple of 128) that fits next to the weights, leaving
-    ``reserve_gb`` per device for activations."""
-    one = plan(cfg, tp=tp, context_len=128, batch=batch, weight_dtype=weight_dtype)
-    per_page = (one["kv_cache_bytes_per_device"] + one["index_cache_bytes_per_device"]) / batch
-    free = (device_memory_gb - reserve_gb) * 1e9 - one["weight_bytes_per_device"]
-    return int(max(free, 0) // (per_page * batch)) * 128 if per_page else 0
-
-
