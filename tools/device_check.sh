@@ -2,12 +2,12 @@
 # One device call for the CUDA backend (H200, kind nvidia-h200): builds the standalone harness
 # and the Python modules, runs correctness (harness + tests/cuda through the public API), then
 # the timings. Logs go to $OUT (the device tool brings them back) or ./out.
-#   tools/device_check.sh [quick|full|sanitize|profile|final|variants|race|tp|cpu]
+#   tools/device_check.sh [quick|full|sanitize|profile|final|harness|race|tp|cpu]
 #     quick: smaller benchmark set; sanitize: compute-sanitizer memcheck + racecheck on the
 #     harness and memcheck on the public-API GPU tests (no timings); profile: ncu on the harness;
 #     final: the bench.cuda table, sanitizers and the scan gap analysis in one call;
-#     variants: harness only (every launch variant's correctness and timings, ncu of NCU_KERNELS;
-#     SANITIZE=1, PYTEST=1, NCU_PIPES add steps); race: racecheck of harness --short only;
+#     harness: harness only (correctness and timings, ncu of NCU_KERNELS; SANITIZE=1, PYTEST=1,
+#     NCU_PIPES add steps); race: racecheck of the harness tests only;
 #     cpu: the host CPU's attention paths (CPU module only): tests, then bench peak/decode/
 #     prefill on 2 cores (CPU_STEPS picks from "test suite sanitize peak decode prefill"; CORES);
 #     tp: several GPUs (kind nvidia-h200-x2 and up): bench.cuda --tp N and the M3 example at
@@ -199,17 +199,17 @@ if [ "$MODE" = profile ]; then
   exit 0
 fi
 
-if [ "$MODE" = race ]; then  # harness build + racecheck of the --short variants only
+if [ "$MODE" = race ]; then  # harness build + racecheck of the harness tests only
   build_harness -lineinfo || exit 1
   timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 "$B/harness" --no-bench \
-    --short >"$OUT/sanitize_racecheck.log" 2>&1
+    >"$OUT/sanitize_racecheck.log" 2>&1
   echo "rc=$?"; grep -E "RACECHECK SUMMARY|FAIL |failure" "$OUT/sanitize_racecheck.log" | tail -3
   grep -c "^PASS" "$OUT/sanitize_racecheck.log"
   date -u
   exit 0
 fi
 
-if [ "$MODE" = variants ]; then  # harness only: correctness of every variant, then its timings
+if [ "$MODE" = harness ]; then  # harness only: correctness, then the timings
   if [ -n "${PYTEST:-}" ]; then  # also the Python modules, for pytest tests/cuda at the end
     (cmake -S ffi -B "$B/cmake" -G Ninja -DM3SPARSE_ENABLE_CUDA=ON -DM3SPARSE_NATIVE=OFF \
       -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/cmake.log" 2>&1 &&
@@ -219,7 +219,7 @@ if [ "$MODE" = variants ]; then  # harness only: correctness of every variant, t
   fi
   build_harness -lineinfo || exit 1
   date -u
-  echo "=== harness correctness (all variants)"
+  echo "=== harness correctness"
   timeout 150 "$B/harness" --no-bench >"$OUT/harness_tests.log" 2>&1
   echo "rc=$?"; grep -cE "PASS" "$OUT/harness_tests.log"; grep -E "FAIL|failure" "$OUT/harness_tests.log" | tail -12
   date -u
@@ -232,7 +232,7 @@ if [ "$MODE" = variants ]; then  # harness only: correctness of every variant, t
   for st in long_scoreboard short_scoreboard math_pipe_throttle wait mio_throttle lg_throttle barrier not_selected dispatch_stall no_instruction selected; do
     M="$M,smsp__average_warps_issue_stalled_${st}_per_issue_active.ratio"
   done
-  for kn in ${NCU_KERNELS:-PairVariantILi3ELi2E PairVariantILi2ELi3E}; do
+  for kn in ${NCU_KERNELS:-sparse_attention_kernelI13__nv_bfloat16}; do
     [ "$kn" = none ] && continue
     echo "--- ncu $kn"
     timeout 90 ncu --clock-control none --kernel-name-base mangled -k regex:"$kn" \
@@ -246,11 +246,11 @@ if [ "$MODE" = variants ]; then  # harness only: correctness of every variant, t
       --page raw "$B/harness" --profile >"$OUT/ncu_pipes.txt" 2>&1
     grep -E "pipe_.*(pct|sum )|inst_executed_pipe" "$OUT/ncu_pipes.txt" | awk '$NF != "0" {print $1, $NF}' | head -60
   fi
-  if [ -n "${SANITIZE:-}" ]; then  # racecheck + memcheck of the harness tests (--short)
+  if [ -n "${SANITIZE:-}" ]; then  # racecheck + memcheck of the harness tests
     for tool in racecheck memcheck; do
-      echo "=== compute-sanitizer $tool: harness --no-bench --short"
+      echo "=== compute-sanitizer $tool: harness --no-bench"
       timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 "$B/harness" --no-bench \
-        --short >"$OUT/sanitize_$tool.log" 2>&1
+        >"$OUT/sanitize_$tool.log" 2>&1
       echo "rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL |failure" "$OUT/sanitize_$tool.log" | tail -3
       date -u
     done
@@ -279,34 +279,41 @@ CMAKE_PID=$!
 # Standalone harness.
 build_harness || exit 1
 grep -E "registers|spill" "$OUT/ptxas.log" | sort | uniq -c
-# opcode histogram of the 4-CTA bf16 attention kernel (static SASS)
+# opcode histogram of the bf16 attention kernel (static SASS)
 cuobjdump -sass "$B/attention.o" > "$OUT/attention.sass" 2>/dev/null &&
-  awk '/Function : .*nv_bfloat16.*VariantILi4ELi2ELb0ELb1ELb0EEELb0E/{f=1;next} /Function :/{f=0} f' "$OUT/attention.sass" |
-  grep -oE '^ +/\*[0-9a-f]{4}\*/ +[A-Z0-9_.]+' | awk '{print $2}' | sed 's/\..*//' |
-  sort | uniq -c | sort -rn | head -24 | tr '\n' ' '; echo
-awk '/Function : .*pair_kernel.*nv_bfloat16.*PairVariantILi3ELi2E/{f=1;next} /Function :/{f=0} f' "$OUT/attention.sass" |
+  awk '/Function : .*sparse_attention_kernel.*nv_bfloat16/{f=1;next} /Function :/{f=0} f' "$OUT/attention.sass" |
   grep -oE '^ +/\*[0-9a-f]{4}\*/ +[A-Z0-9_.]+' | awk '{print $2}' | sed 's/\..*//' |
   sort | uniq -c | sort -rn | head -24 | tr '\n' ' '; echo
 
 if [ "$MODE" = final ]; then  # one call: correctness, kernel and through-JAX tables, sanitizers
   # BENCH_ARGS=--quick: bench.cuda on decode T in {1, 128} only; SKIP_GAP=1: no scan gap analysis
-  echo "=== harness correctness (every variant)"
+  echo "=== harness correctness (oracle, invariance, pack)"
   timeout 60 "$B/harness" --no-bench >"$OUT/harness_tests.log" 2>&1
   echo "rc=$? PASS $(grep -c '^PASS' "$OUT/harness_tests.log")"
   grep -E "^FAIL|failure" "$OUT/harness_tests.log" | tail -5
-  # kernel-only figures (every variant) and the sanitizers while the Python modules build
+  # kernel-only figures and the sanitizers while the Python modules build
   echo "=== harness --bench-only --quick"
   timeout 100 "$B/harness" --bench-only --quick >"$OUT/harness_bench.log" 2>&1
-  grep -E "TABLE|v[0-9]+ splits auto|prefill" "$OUT/harness_bench.log"
+  grep -E "TABLE" "$OUT/harness_bench.log"
   for tool in racecheck memcheck; do
-    echo "=== compute-sanitizer $tool: harness --no-bench --short"
+    echo "=== compute-sanitizer $tool: harness --no-bench"
     timeout $([ $tool = racecheck ] && echo 200 || echo 120) compute-sanitizer --tool $tool --error-exitcode 9 "$B/harness" --no-bench \
-      --short >"$OUT/sanitize_$tool.log" 2>&1
+      >"$OUT/sanitize_$tool.log" 2>&1
     echo "rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL |failure" "$OUT/sanitize_$tool.log" | tail -3
+  done
+  # what binds: ncu of decode T = 128 and pack T = 65536 (harness --profile shapes)
+  M="smsp__inst_executed.sum,smsp__cycles_active.avg,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__warps_active.avg.per_cycle_active"
+  for kn in sparse_attention_kernelI13__nv_bfloat16 pack_kernel; do
+    echo "--- ncu $kn"
+    timeout 90 ncu --clock-control none --kernel-name-base mangled -k regex:"$kn" \
+      --launch-skip 2 --launch-count 1 --metrics "$M" "$B/harness" --profile >"$OUT/ncu_$kn.txt" 2>&1
+    grep -E "^\s+(smsp|sm__|dram|gpu__)" "$OUT/ncu_$kn.txt" | awk '{print $1, $NF}'
   done
   date -u
   wait $CMAKE_PID; tail -1 "$OUT/cmake.log"
   export PYTHONPATH=$ROOT
+  echo "=== pytest tests/cuda (public API on the GPU, invariance included)"
+  timeout 200 python3 -m pytest -q tests/cuda -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -4
   echo "=== python -m jax_m3sparse.bench.cuda ${BENCH_ARGS:-}"
   M3SPARSE_BENCH_TRACE=1 timeout 150 python3 -m jax_m3sparse.bench.cuda ${BENCH_ARGS:-} 2>&1 |
     tee "$OUT/bench_cuda.log" | grep -v "^  trace"
@@ -316,10 +323,10 @@ if [ "$MODE" = final ]; then  # one call: correctness, kernel and through-JAX ta
     M3SPARSE_BENCH_TRACE=1 timeout 100 python3 -m jax_m3sparse.bench.cuda --gap 2>&1 |
       tee "$OUT/gap.log" | grep -v "^  trace"
   fi
-  echo "=== compute-sanitizer memcheck: pytest tests/cuda/test_gpu.py -k 'small_group or decode_matches'"
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 70 compute-sanitizer --tool memcheck \
+  echo "=== compute-sanitizer memcheck: pytest tests/cuda/test_gpu.py -k 'small_group or decode_matches or invariant'"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 compute-sanitizer --tool memcheck \
     --error-exitcode 9 python3 -m pytest -q -x tests/cuda/test_gpu.py -p no:cacheprovider \
-    -k "small_group or decode_matches" >"$OUT/sanitize_pytest.log" 2>&1
+    -k "small_group or decode_matches or invariant" >"$OUT/sanitize_pytest.log" 2>&1
   echo "rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize_pytest.log" | tail -3
   date -u
   exit 0

@@ -68,7 +68,6 @@ ffi::Error attention_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& kv_ca
   p->num_requests = int32_t(bd[0]);
   p->max_blocks = int32_t(bd[1]);
   p->group = int32_t(Hq / Hkv);
-  p->splits = 0;
   return ffi::Error::Success();
 }
 

@@ -44,8 +44,6 @@ struct AttentionParams {
   int32_t is_prefill;             // 0: positions from seq_lens (SPEC §5.3); 1: §5.4
   float scale;                    // softmax scale
   DType dtype;                    // of q / out
-  int32_t splits;                 // CTAs per (token, KV head); 0 = choose (power of 2, <= 16)
-  int32_t variant;                // launch variant (attention.cu): 0 auto, 1, 2
   int32_t group;                  // G = Hq / Hkv, 1..16 (0 means 16); rows >= G are padding
 };
 
@@ -78,9 +76,6 @@ cudaError_t launch_pack_kv_pages(const PackParams& p, cudaStream_t stream);
 __global__ void quantize_groups_kernel(const float* x, float r, uint8_t* data, uint8_t* scale,
                                        int64_t n, int mode);
 #endif
-
-// The splits the launcher would choose for this many (token, KV head) pairs.
-int choose_splits(int64_t pairs, int topk);
 
 }  // namespace cuda
 }  // namespace m3sparse

@@ -36,7 +36,6 @@ using namespace m3sparse::cuda;
   } while (0)
 
 static int g_failures = 0;
-static int g_variant = 0;
 static void report(bool ok, const char* what) {
   printf("%-6s %s\n", ok ? "PASS" : "FAIL", what);
   if (!ok) ++g_failures;
@@ -261,11 +260,9 @@ static Metrics compare(const HostCase& c, const std::vector<uint16_t>& got,
   return m;
 }
 
-static std::vector<uint16_t> run_case(const HostCase& c, int splits) {
+static std::vector<uint16_t> run_case(const HostCase& c) {
   std::vector<void*> owned;
   AttentionParams p = upload_case(c, owned);
-  p.splits = splits;
-  p.variant = g_variant;
   CK(cudaMemset(p.out, 0xFF, std::max<size_t>(2, c.q.size() * 2)));  // poison
   CK(launch_sparse_attention(p, 0));
   CK(cudaDeviceSynchronize());
@@ -398,24 +395,97 @@ static HostCase make_case(std::mt19937& rng, bool prefill, int Hkv, int R, int d
 }
 
 static void test_attention(std::mt19937& rng, const char* name, bool prefill, int Hkv, int R,
-                           int dql, int K, int layers, int layout, int layer, bool f16,
-                           std::vector<int> splits_list, int G = 16) {
+                           int dql, int K, int layers, int layout, int layer, bool f16, int G = 16) {
   HostCase c = make_case(rng, prefill, Hkv, R, dql, K, layers, layout, layer, f16, G);
   std::vector<char> empty;
   const std::vector<double> ref = oracle(c, &empty);
   long nempty = std::count(empty.begin(), empty.end(), 1);
-  for (int s : splits_list) {
-    const std::vector<uint16_t> got = run_case(c, s);
-    const Metrics m = compare(c, got, ref, empty);
-    const bool ok = m.nan == 0 && m.unwritten == 0 && m.nonzero_empty == 0 && m.relf <= 0.06 &&
-                    m.cosine >= 0.99;
-    char msg[256];
-    snprintf(msg, sizeof msg,
-             "%s v%d splits=%d T=%d Hkv=%d G=%d K=%d: rel-F %.5f cosine %.6f (nan %ld, unwritten %ld, "
-             "nonzero-empty %ld of %ld empty rows)",
-             name, g_variant, s, c.T, Hkv, c.G, K, m.relf, m.cosine, m.nan, m.unwritten, m.nonzero_empty, nempty);
-    report(ok, msg);
+  const std::vector<uint16_t> got = run_case(c);
+  const Metrics m = compare(c, got, ref, empty);
+  const bool ok = m.nan == 0 && m.unwritten == 0 && m.nonzero_empty == 0 && m.relf <= 0.06 &&
+                  m.cosine >= 0.99;
+  char msg[256];
+  snprintf(msg, sizeof msg,
+           "%s T=%d Hkv=%d G=%d K=%d: rel-F %.5f cosine %.6f (nan %ld, unwritten %ld, "
+           "nonzero-empty %ld of %ld empty rows)",
+           name, c.T, Hkv, c.G, K, m.relf, m.cosine, m.nan, m.unwritten, m.nonzero_empty, nempty);
+  report(ok, msg);
+}
+
+// Batch and TP invariance (issue 22): every row's output bits alone (decode: its request's dql
+// rows in a batch of one request; prefill: the token alone) and with the KV heads split as
+// tensor parallelism splits them (a cache of the heads' slots only, their top-k rows and q heads)
+// equal the bits of the whole batch.
+static HostCase head_slice(const HostCase& c, int g0, int hs) {
+  HostCase s = c;
+  s.Hkv = hs;
+  s.geom.num_slots = 2 * hs;
+  s.cache.assign(size_t(s.geom.total_bytes()), 0);
+  const int64_t tb = c.geom.tile_bytes();
+  for (int64_t l = 0; l < c.geom.num_layers; ++l)
+    for (int64_t pg = 0; pg < c.geom.num_pages; ++pg)
+      for (int sl = 0; sl < 2 * hs; ++sl)
+        memcpy(s.cache.data() + s.geom.tile_offset(l, pg, sl),
+               c.cache.data() + c.geom.tile_offset(l, pg, 2 * g0 + sl), size_t(tb));
+  s.topk.assign(c.topk.begin() + size_t(g0) * c.T * c.K,
+                c.topk.begin() + size_t(g0 + hs) * c.T * c.K);
+  const size_t hd = size_t(c.G) * 128;  // one KV head's q elements per token
+  s.q.clear();
+  for (int t = 0; t < c.T; ++t)
+    for (int g = g0; g < g0 + hs; ++g) {
+      const auto src = c.q.begin() + (size_t(t) * c.Hkv + g) * hd;
+      s.q.insert(s.q.end(), src, src + hd);
+    }
+  return s;
+}
+
+static void test_invariance(std::mt19937& rng, const char* name, bool prefill, int Hkv, int R,
+                            int dql, bool f16, int G = 16) {
+  const int K = 16;
+  const HostCase c = make_case(rng, prefill, Hkv, R, dql, K, 1, 0, 0, f16, G);
+  const std::vector<uint16_t> full = run_case(c);
+  const size_t row = size_t(Hkv) * G * 128;  // elements of one token
+  long bad_alone = 0, bad_tp = 0, units = 0;
+  // each decode request (its dql rows) / each prefill token alone
+  const int nunits = prefill ? c.T : c.R;
+  for (int u = 0; u < nunits; ++u) {
+    HostCase s = c;
+    const int t0 = prefill ? u : u * dql, nt = prefill ? 1 : dql;
+    s.T = nt;
+    if (!prefill) {
+      s.R = 1;
+      s.seq_lens = {c.seq_lens[u]};
+      s.block_table.assign(c.block_table.begin() + size_t(u) * c.M,
+                           c.block_table.begin() + size_t(u + 1) * c.M);
+    } else {
+      s.req_id = {c.req_id[u]};
+      s.abs_pos = {c.abs_pos[u]};
+    }
+    s.topk.clear();
+    for (int g = 0; g < Hkv; ++g)
+      s.topk.insert(s.topk.end(), c.topk.begin() + (size_t(g) * c.T + t0) * K,
+                    c.topk.begin() + (size_t(g) * c.T + t0 + nt) * K);
+    s.q.assign(c.q.begin() + t0 * row, c.q.begin() + (t0 + nt) * row);
+    const std::vector<uint16_t> got = run_case(s);
+    bad_alone += !std::equal(got.begin(), got.end(), full.begin() + t0 * row);
+    ++units;
   }
+  // KV heads split as TP 2 (when Hkv is even) and TP Hkv would split them
+  for (int hs : {Hkv / 2, 1}) {
+    if (hs < 1 || Hkv % hs) continue;
+    for (int g0 = 0; g0 < Hkv; g0 += hs) {
+      const std::vector<uint16_t> got = run_case(head_slice(c, g0, hs));
+      const size_t part = size_t(hs) * G * 128;
+      for (int t = 0; t < c.T; ++t)
+        bad_tp += !std::equal(got.begin() + t * part, got.begin() + (t + 1) * part,
+                              full.begin() + t * row + size_t(g0) * G * 128);
+    }
+  }
+  char msg[256];
+  snprintf(msg, sizeof msg,
+           "invariance %s T=%d Hkv=%d G=%d: %ld of %ld units alone differ, %ld head-sliced rows "
+           "differ (bit for bit)", name, c.T, Hkv, G, bad_alone, units, bad_tp);
+  report(bad_alone == 0 && bad_tp == 0, msg);
 }
 
 // ------------------------------------------------------------------ pack exactness
@@ -630,7 +700,7 @@ static double copy_bandwidth() {
   return 2.0 * bytes / (ts[2] * 1e-3) / 1e12;  // TB/s, read + write
 }
 
-// Times `launch` (which enqueues one call for variant v) as a CUDA graph of n calls; median of
+// Times `launch` (which enqueues one call on input set v) as a CUDA graph of n calls; median of
 // `reps` replays, microseconds per call.
 template <typename F>
 static double time_graph(F launch, int nvariants, int n = 20, int reps = 9) {
@@ -730,35 +800,18 @@ static void bench_decode(std::mt19937& rng, const BenchDecode& b, double copy_tb
   p.scale = 1.0f / std::sqrt(128.f);
   p.dtype = DType::kBF16;
   const double bytes = double(T) * Hkv * K * 128 * 72 * 2;
-  const int autos = choose_splits(int64_t(T) * Hkv, K);
-  printf("decode T=%-4d dql=%d Hkv=%d K=%d seq=%lld  bytes %.1f MB  variants %d  auto splits %d\n",
-         T, dql, Hkv, K, (long long)b.seq, bytes / 1e6, nv, autos);
-  double best = 1e30;
-  // auto variant with every split count, then every variant with the automatic split count
-  for (int var : {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11})
-  for (int s : {0, 1, 2, 4, 8, 16}) {
-    if (s > K || (var != 0 && s != 0)) continue;
-    AttentionParams ps = p;
-    ps.splits = s;
-    ps.variant = var;
-    auto launch = [&](int v, cudaStream_t st) {
-      AttentionParams pv = ps;
-      pv.block_table = bt_d + size_t(v) * R * M;
-      CK(launch_sparse_attention(pv, st));
-    };
-    const double us = time_graph(launch, nv);
-    const double tbs = bytes / (us * 1e-6) / 1e12;
-    if (s == 0 && var == 0) best = us;
-    printf("  v%d splits %-4s %9.2f us  %6.3f TB/s  %5.1f%% of copy\n", var,
-           s == 0 ? "auto" : std::to_string(s).c_str(), us, tbs, 100.0 * tbs / copy_tbs);
-  }
-  printf("TABLE decode T=%d dql=%d: %.2f us, %.3f TB/s, %.1f%% of copy (auto: splits %d)\n", T, dql,
-         best, bytes / (best * 1e-6) / 1e12, 100.0 * bytes / (best * 1e-6) / 1e12 / copy_tbs,
-         autos);
+  auto launch = [&](int v, cudaStream_t st) {
+    AttentionParams pv = p;
+    pv.block_table = bt_d + size_t(v) * R * M;
+    CK(launch_sparse_attention(pv, st));
+  };
+  const double us = time_graph(launch, nv);
+  printf("TABLE decode T=%d dql=%d Hkv=%d K=%d seq=%lld: %.2f us, %.3f TB/s, %.1f%% of copy "
+         "(%.1f MB, %d block tables)\n", T, dql, Hkv, K, (long long)b.seq, us,
+         bytes / (us * 1e-6) / 1e12, 100.0 * bytes / (us * 1e-6) / 1e12 / copy_tbs, bytes / 1e6, nv);
   if (check) {
-    // correctness at the benchmark shape: variant 0 against the fp64 oracle (bytes re-derived)
+    // correctness at the benchmark shape against the fp64 oracle (bytes re-derived)
     CK(cudaMemset(out, 0xFF, q.size() * 2));
-    p.splits = 0;
     CK(launch_sparse_attention(p, 0));
     CK(cudaDeviceSynchronize());
     std::vector<uint16_t> got(q.size());
@@ -863,14 +916,10 @@ static void bench_prefill(std::mt19937& rng, int T, int ctx, double copy_tbs) {
   p.is_prefill = 1;
   p.scale = 1.0f / std::sqrt(128.f);
   p.dtype = DType::kBF16;
-  for (int var : {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0}) {
-    p.variant = var;
-    auto launch = [&](int, cudaStream_t st) { CK(launch_sparse_attention(p, st)); };
-    const double us = time_graph(launch, 1, 5, 5);
-    printf("%s prefill T=%d ctx=%d Hkv=%d K=%d (v%d): %.1f us, %.1f effective TFLOP/s (%.3g GFLOP)\n",
-           var == 0 ? "TABLE" : "     ", T, ctx, Hkv, K, var, us, flops / (us * 1e-6) / 1e12,
-           flops / 1e9);
-  }
+  auto launch = [&](int, cudaStream_t st) { CK(launch_sparse_attention(p, st)); };
+  const double us = time_graph(launch, 1, 5, 5);
+  printf("TABLE prefill T=%d ctx=%d Hkv=%d K=%d: %.1f us, %.1f effective TFLOP/s (%.3g GFLOP)\n",
+         T, ctx, Hkv, K, us, flops / (us * 1e-6) / 1e12, flops / 1e9);
   for (void* d : owned) CK(cudaFree(d));
 }
 
@@ -915,16 +964,12 @@ static void bench_pack(std::mt19937& rng, int T, double copy_tbs) {
 }
 
 int main(int argc, char** argv) {
-  bool quick = false, bench = true, tests = true, profile = false, shorter = false;
+  bool quick = false, bench = true, tests = true, profile = false;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--quick")) quick = true;
     if (!strcmp(argv[i], "--no-bench")) bench = false;
     if (!strcmp(argv[i], "--bench-only")) tests = false;
     if (!strcmp(argv[i], "--profile")) profile = true, tests = false, quick = true;
-    // --short: variants 7, 9, 11 only (the pair kernel and the lean 4-CTA kernels, bf16 and
-    // fp8-conversion: the paths the automatic choice takes besides variants 1, 3), for
-    // the slow compute-sanitizer tools
-    if (!strcmp(argv[i], "--short")) shorter = true;
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -936,26 +981,23 @@ int main(int argc, char** argv) {
   test_dequant<__nv_bfloat16>("bf16", true);
   test_dequant<__half>("f16", false);
 
-  const std::vector<int> all_splits = {0, 1, 2, 4, 8, 16};
-  const std::vector<int> variants =
-      shorter ? std::vector<int>{7, 9, 11} : std::vector<int>{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
-  for (int variant : variants) {
-  g_variant = variant;
-  test_attention(rng, "decode bf16 dql=1", false, 2, 6, 1, 16, 1, 0, 0, false, all_splits);
-  test_attention(rng, "decode bf16 dql=2", false, 2, 5, 2, 16, 1, 0, 0, false, {0, 1, 4});
-  test_attention(rng, "decode f16 dql=1", false, 1, 4, 1, 16, 1, 0, 0, true, {0, 1, 16});
-  test_attention(rng, "decode bf16 K=5", false, 2, 4, 1, 5, 1, 0, 0, false, {0, 1, 4});
-  test_attention(rng, "decode bf16 BLHNC layer 1", false, 1, 4, 1, 16, 3, 1, 1, false, {0, 2});
-  test_attention(rng, "decode bf16 LBHNC layer 2", false, 1, 4, 1, 16, 3, 0, 2, false, {0, 2});
-  test_attention(rng, "decode bf16 layer out of range", false, 1, 3, 1, 16, 2, 0, 5, false, {0, 2});
-  test_attention(rng, "prefill bf16", true, 2, 4, 1, 16, 1, 0, 0, false, {0, 1, 2});
-  test_attention(rng, "prefill f16 BLHNC layer 1", true, 1, 4, 1, 16, 2, 1, 1, true, {0, 1});
-  test_attention(rng, "decode bf16 G=8", false, 3, 5, 1, 16, 1, 0, 0, false, {0, 1, 2, 16}, 8);
-  test_attention(rng, "decode f16 G=4 dql=2", false, 2, 4, 2, 16, 2, 0, 1, true, {0, 4}, 4);
-  test_attention(rng, "decode bf16 G=1", false, 2, 4, 1, 7, 1, 0, 0, false, {0, 8}, 1);
-  test_attention(rng, "prefill bf16 G=8", true, 2, 4, 1, 16, 1, 0, 0, false, {0, 2}, 8);
-  }
-  g_variant = 0;
+  test_attention(rng, "decode bf16 dql=1", false, 2, 6, 1, 16, 1, 0, 0, false);
+  test_attention(rng, "decode bf16 dql=2", false, 2, 5, 2, 16, 1, 0, 0, false);
+  test_attention(rng, "decode f16 dql=1", false, 1, 4, 1, 16, 1, 0, 0, true);
+  test_attention(rng, "decode bf16 K=5", false, 2, 4, 1, 5, 1, 0, 0, false);
+  test_attention(rng, "decode bf16 BLHNC layer 1", false, 1, 4, 1, 16, 3, 1, 1, false);
+  test_attention(rng, "decode bf16 LBHNC layer 2", false, 1, 4, 1, 16, 3, 0, 2, false);
+  test_attention(rng, "decode bf16 layer out of range", false, 1, 3, 1, 16, 2, 0, 5, false);
+  test_attention(rng, "prefill bf16", true, 2, 4, 1, 16, 1, 0, 0, false);
+  test_attention(rng, "prefill f16 BLHNC layer 1", true, 1, 4, 1, 16, 2, 1, 1, true);
+  test_attention(rng, "decode bf16 G=8", false, 3, 5, 1, 16, 1, 0, 0, false, 8);
+  test_attention(rng, "decode f16 G=4 dql=2", false, 2, 4, 2, 16, 2, 0, 1, true, 4);
+  test_attention(rng, "decode bf16 G=1", false, 2, 4, 1, 7, 1, 0, 0, false, 1);
+  test_attention(rng, "prefill bf16 G=8", true, 2, 4, 1, 16, 1, 0, 0, false, 8);
+  test_invariance(rng, "decode bf16 dql=1", false, 4, 12, 1, false);
+  test_invariance(rng, "decode f16 dql=2", false, 4, 6, 2, true);
+  test_invariance(rng, "decode bf16 G=8", false, 2, 5, 1, false, 8);
+  test_invariance(rng, "prefill bf16", true, 4, 3, 1, false);
   test_pack_division(rng);
   test_pack(rng, DType::kBF16, 1, 0, 0, "bf16 4-D");
   test_pack(rng, DType::kF16, 1, 0, 0, "f16 4-D");
@@ -975,7 +1017,7 @@ int main(int argc, char** argv) {
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
     const int64_t seq = 32768;
-    if (profile) {  // one shape for ncu: decode T=128 (auto splits), prefill 2048
+    if (profile) {  // the shapes for ncu: decode T=128, pack 65536
       bench_decode(rng, BenchDecode{128, 1, 4, 16, seq}, copy, false);
       bench_pack(rng, 65536, copy);
       return 0;

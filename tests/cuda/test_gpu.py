@@ -228,3 +228,71 @@ def test_decode_small_group_in_scan_over_layers(rng, G):
         assert np.isfinite(outs[layer]).all()
         assert (outs[layer][np.abs(ref).sum(-1) == 0] == 0).all()
         assert cos >= GPU_COS and relf <= GPU_RELF, (layer, cos, relf)
+
+
+def _bits(x):
+    return np.asarray(x).view(np.uint16)
+
+
+@pytest.mark.parametrize("dql", [1, 2])
+def test_decode_batch_and_tp_invariant(rng, dql):
+    """Issue 22: a request's rows are bit-identical alone, in the batch, and with the KV heads
+    split as tensor parallelism splits them (the op on head-sliced operands on one GPU: TP 2 and
+    4 over 4 KV heads, and TP 8's G = 8 halves of one replicated KV head)."""
+    Hkv, K, G = 4, 16, 16
+    seq_lens = np.array([1500, 0, 640, 2049, 77, 3000, 900, 4100])
+    cache, bt, M, P = _setup(rng, Hkv, seq_lens, K)
+    req, pos = oracle.decode_rows(seq_lens, dql)
+    T = len(req)
+    topk = _topk(rng, Hkv, T, K, (pos + 1 + 127) // 128, M)
+    q = np.asarray(jnp.asarray(rng.standard_normal((T, Hkv * G, 128)), jnp.bfloat16))
+    fn = jax.jit(lambda *a: m3.sparse_decode(*a, decode_query_len=dql))
+
+    def run(q, cache, topk, bt, sl):
+        return _bits(fn(_gpu(q), _gpu(cache), _gpu(topk), _gpu(bt), _gpu(sl.astype(np.int32)),
+                        _gpu(np.float32(0.8)), _gpu(np.float32(1.3))))
+
+    full = run(q, cache, topk, bt, seq_lens)
+    assert (full != 0).any()
+    for r in range(len(seq_lens)):  # each request alone
+        rows = slice(r * dql, (r + 1) * dql)
+        np.testing.assert_array_equal(
+            run(q[rows], cache, topk[:, rows], bt[r:r + 1], seq_lens[r:r + 1]), full[rows])
+    for tp in (2, 4):  # KV heads split over tp devices
+        hs = Hkv // tp
+        for d in range(tp):
+            h = slice(d * hs * G, (d + 1) * hs * G)
+            part = run(q[:, h], cache[:, 2 * d * hs:2 * (d + 1) * hs], topk[d * hs:(d + 1) * hs],
+                       bt, seq_lens)
+            np.testing.assert_array_equal(part, full[:, h])
+    for g in range(Hkv):  # TP 8: each KV head replicated on 2 devices, 8 query heads each
+        for half in range(2):
+            h = slice(g * G + 8 * half, g * G + 8 * half + 8)
+            part = run(q[:, h], cache[:, 2 * g:2 * g + 2], topk[g:g + 1], bt, seq_lens)
+            np.testing.assert_array_equal(part, full[:, h])
+
+
+def test_prefill_batch_invariant(rng):
+    """Issue 22: a prefill token's output bits do not depend on the other tokens of the call."""
+    Hkv, K = 2, 16
+    seq_lens = np.array([700, 300, 1900])
+    cache, bt, M, P = _setup(rng, Hkv, seq_lens, K)
+    chunk = np.array([20, 0, 30])
+    ctx = seq_lens - chunk
+    cu = np.concatenate([[0], np.cumsum(chunk)]).astype(np.int32)
+    T = int(cu[-1]) + 3
+    req, pos = oracle.positions(cu, ctx, T)
+    topk = _topk(rng, Hkv, T, K, np.where(req >= 0, (pos + 1 + 127) // 128, 2), M)
+    q = np.asarray(jnp.asarray(rng.standard_normal((T, 16 * Hkv, 128)), jnp.bfloat16))
+    fn = jax.jit(lambda *a: m3.sparse_prefill(*a))
+
+    def run(q, topk, rid, apos):
+        return _bits(fn(_gpu(q), _gpu(cache), _gpu(topk), _gpu(bt),
+                        _gpu(rid.astype(np.int32)), _gpu(apos.astype(np.int32)),
+                        _gpu(np.float32(1.0)), _gpu(np.float32(0.5))))
+
+    full = run(q, topk, req, pos)
+    assert (full != 0).any()
+    for t in range(T):
+        np.testing.assert_array_equal(run(q[t:t + 1], topk[:, t:t + 1], req[t:t + 1],
+                                          pos[t:t + 1]), full[t:t + 1])
