@@ -1,4 +1,4 @@
-"""Sparse NVFP4 prefill attention for gfx950 (SPEC §5.2, §5.4, §5.5), fp16 MFMA compute.
+"""Sparse NVFP4 prefill attention for gfx950 (SPEC §5.2, §5.4, §5.5), fp16 MFMA compute, union tiles.
 
 Compiled variants: `sparse_prefill_bf16`, `sparse_prefill_f16`, `sparse_prefill_f32` (the q / out dtype; the products are
 computed in fp16 either way, SPEC §5.5), and the same for G = 8 (M3 at TP8) as `sparse_prefill_g8_<dtype>`.
@@ -16,16 +16,17 @@ Launcher arguments, in order:
     num_tokens T, num_kv_heads Hkv, num_requests R, max_blocks M, num_pages P, num_layers L (int32),
     page_stride, layer_stride (int64 bytes), scale (float32), stream.
 
-Everything after the metadata is the decode kernel's body (attention_core.attend; thread/tile
-mapping, masking and the LSE merge are described in sparse_decode.py), with fp16 products:
-* one workgroup of 4 waves per (token, KV head), grid = (T, Hkv);
-* per token (SPEC §5.4): r = query_req_id[t] (a padding token, r < 0 or r >= R, attends nothing and
-  writes exact zeros), pos = query_abs_pos[t], vis = pos + 1; slot validity as SPEC §5.2;
-* NVFP4 -> fp16: v_cvt_scalef32_pk_f16_fp4 with a unit scale (exact e2m1 in fp16), then one exact
-  v_pk_mul_f16 by the E4M3 block scale (converted exactly to fp16); e2m1·e4m3 in [2^-10, 2688]
-  with at most 6 significant bits is exact in fp16 (SPEC §2.1);
-* QK and PV with v_mfma_f32_16x16x32_f16, fp32 accumulation, base-2 online softmax with v_exp_f32,
-  k_scale folded into the logit scale, v_scale applied in the epilogue.
+One workgroup of 8 waves per (tile of 16 consecutive tokens, KV head), grid = (ceil(T / 16), Hkv):
+the tokens of a tile share every block any of them selected, loaded and dequantized once
+(union_tile.py has the algorithm, the mapping and the masking). Per token (SPEC §5.4):
+r = query_req_id[t] (a padding token, r < 0 or r >= R, attends nothing and writes exact zeros),
+pos = query_abs_pos[t], vis = pos + 1; slot validity as SPEC §5.2. A tile may hold tokens of
+several requests: the union is over (request, block) pairs.
+NVFP4 -> fp16: v_cvt_scalef32_pk_f16_fp4 with a unit scale (exact e2m1 in fp16), then one exact
+v_pk_mul_f16 by the E4M3 block scale (converted exactly to fp16); e2m1·e4m3 in [2^-10, 2688]
+with at most 6 significant bits is exact in fp16 (SPEC §2.1). QK and PV with
+v_mfma_f32_16x16x32_f16, fp32 accumulation, base-2 online softmax with v_exp_f32, k_scale folded
+into the logit scale, v_scale applied in the epilogue.
 """
 
 import functools
@@ -33,8 +34,9 @@ import functools
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 
-from attention_core import COMPUTE_DTYPES, IO_DTYPES, THREADS, Operands, attend, shared_storage
+from attention_core import COMPUTE_DTYPES, IO_DTYPES, Operands
 from common import GROUP_HEADS
+from union_tile import LDS_BYTES, THREADS, TILE_ROWS, attend_union
 
 COMPUTE = "f16"             # SPEC §5.5: the gfx950 prefill computes the products in fp16
 
@@ -44,7 +46,10 @@ def compile_sparse_prefill(dtype: str = "f16", group: int = GROUP_HEADS):
     """Launcher for q/out dtype `dtype` ("bf16", "f16" or "f32") and G = `group` (16 or 8); products in fp16."""
     io = IO_DTYPES[dtype]
     compute = COMPUTE_DTYPES[COMPUTE]
-    SharedStorage = shared_storage()
+
+    @fx.struct
+    class SharedStorage:
+        buf: fx.Array[fx.Int32, LDS_BYTES // 4, 16]
 
     @flyc.kernel(known_block_size=(THREADS, 1, 1))
     def sparse_prefill_kernel(
@@ -55,21 +60,21 @@ def compile_sparse_prefill(dtype: str = "f16", group: int = GROUP_HEADS):
         num_pages: fx.Int32, num_layers: fx.Int32, page_stride: fx.Int64, layer_stride: fx.Int64,
         scale: fx.Float32,
     ):
-        token = fx.Int32(fx.block_idx.x)
+        tile = fx.Int32(fx.block_idx.x)
         kv_head = fx.Int32(fx.block_idx.y)
         lds = fx.SharedAllocator().allocate(SharedStorage).peek()
         lds_base = fx.recast_iter(fx.Uint8, lds.buf.ptr)
 
-        # SPEC §5.4: request and absolute position from the §4 metadata; r < 0 is padding.
-        req_raw = fx.Int32(query_req_id[token])
-        row_ok = (req_raw >= 0) & (req_raw < num_requests)
-        req = row_ok.select(req_raw, 0)
-        vis = fx.Int32(query_abs_pos[token]) + 1
+        def row_of(token):
+            # SPEC §5.4: request and absolute position from the §4 metadata; r < 0 is padding.
+            req_raw = fx.Int32(query_req_id[token])
+            row_ok = (req_raw >= 0) & (req_raw < num_requests)
+            return row_ok.select(req_raw, 0), fx.Int32(query_abs_pos[token]) + 1, row_ok
 
         ops = Operands(q, kv_cache, topk_indices, block_table, k_scale, v_scale, layer, out,
                        num_tokens, num_kv_heads, num_requests, max_blocks, num_pages, num_layers,
                        page_stride, layer_stride, scale)
-        attend(ops, compute, io, token, kv_head, req, vis, row_ok, lds_base, group=group)
+        attend_union(ops, compute, io, tile, kv_head, row_of, lds_base, group=group)
 
     @flyc.jit
     def launch(
@@ -85,7 +90,8 @@ def compile_sparse_prefill(dtype: str = "f16", group: int = GROUP_HEADS):
             q, kv_cache, topk_indices, block_table, query_req_id, query_abs_pos, k_scale, v_scale, layer,
             out, num_tokens, num_kv_heads, num_requests, max_blocks, num_pages, num_layers, page_stride,
             layer_stride, scale,
-        ).launch(grid=(num_tokens, num_kv_heads, 1), block=(THREADS, 1, 1), stream=stream)
+        ).launch(grid=((num_tokens + TILE_ROWS - 1) // TILE_ROWS, num_kv_heads, 1), block=(THREADS, 1, 1),
+                 stream=stream)
 
     return launch
 

@@ -220,6 +220,7 @@ def launch(kernel: GpuKernel, grid, block, args) -> None:
 
 D, N, TOKEN_BYTES = 128, 128, 72          # head_dim, block_size, bytes per token and head slot
 SPLIT_BELOW_PAIRS, SPLITS, PARTIAL_BYTES = 256, 4, 16 * 128 * 4 + 16 * 8
+UNION_TILE_ROWS, UNION_THREADS = 16, 512    # union_tile.py's TILE_ROWS and THREADS
 
 
 def io_name(dtype) -> str:
@@ -333,7 +334,8 @@ class Handlers:
             return out
         g = "" if group == 16 else f"g{group}_"
         (kern,) = self._kernels(f"sparse_prefill_{g}{io_name(q.dtype)}")
-        launch(kern, (q.shape[0], geo.hkv, 1), (256, 1, 1),
+        # union tiles (ffi/flydsl/union_tile.py): one workgroup of 512 threads per 16 tokens and KV head
+        launch(kern, (-(-q.shape[0] // UNION_TILE_ROWS), geo.hkv, 1), (UNION_THREADS, 1, 1),
                [q, cache, topk.astype(np.int32), block_table.astype(np.int32), query_req_id.astype(np.int32),
                 query_abs_pos.astype(np.int32), scalar(k_scale, np.float32), scalar(v_scale, np.float32),
                 scalar(layer, np.int32), out] + sizes + [f32(scale)])

@@ -1,0 +1,411 @@
+"""Union-tile sparse attention for gfx950: 16 consecutive query tokens share each selected block
+(SPEC §5.2, §5.5; serves sparse_prefill and sparse_decode with decode_query_len > 1).
+
+Why: neighbouring tokens of a request select mostly the same blocks. The per-token kernel
+(attention_core.attend) reads a token's 16 blocks for that token alone, so a prefill chunk reads
+K/V about 16 × (tokens per block selected by neighbours) times over. Here one workgroup takes a
+*tile* of 16 consecutive rows t0 .. t0+15 (t0 = 16 · blockIdx.x) and one KV head, forms the
+sorted union of the rows' selected blocks, and loads and dequantizes each union block once.
+
+Workgroup: 8 waves (512 threads); wave w owns rows t0 + 2w and t0 + 2w + 1 (their Q in
+registers, their online-softmax state: m, l and O^T accumulators, as attention_core.attend's
+mapping with one token's 16 heads on the MFMA's 16 columns; G = 8 repeats heads 0..7 in lanes
+8..15 and stores only lanes < G).
+
+1. Union (threads 0..255, one per (row τ, slot k)): the slot's key is req·M + b when the slot is
+   valid (SPEC §5.2: 0 <= b < M, 128·b < vis, layer in range, 0 <= block_table[req, b] < P), else
+   a sentinel. A thread whose key has no equal at a lower index is the key's first occurrence;
+   its rank among the first occurrences (the number of smaller distinct keys) is the key's place
+   in the sorted union. Keys of one request sort by block id, so every row meets its own blocks
+   in increasing block order whatever the other rows of its tile selected: a row's result does
+   not depend on its tile-mates (batch invariance). The union holds at most 16 · 16 entries, all of
+   which fit in LDS, so no tile ever falls back. Per entry the union keeps b and the largest
+   block-local limit any selecting row has (keys at or past it are attended by no row).
+2. Per union entry: all 512 threads load the page's K and V tiles once (K: thread t reads token
+   t/4's 16 data bytes and 2 scale bytes; V: 4 tokens × one data dword and its scale byte) and
+   write them dequantized to LDS, K as rows [key][d] and V transposed as Vt[d][key]. V words of
+   keys at or past the entry's limit are zeroed as raw NVFP4 words (garbage never reaches PV).
+3. Each wave finds how often each of its rows selected the entry (a ballot of the rows' slot keys
+   against the entry's key: a duplicate id counts once per occurrence, SPEC §5.1, applied as a
+   weight on P and l). A wave whose rows did not select the entry skips it (no MFMA). Otherwise
+   S^T = K·Q^T for both rows from the same LDS operands (select-masked to -inf past the row's own
+   causal limit, or wholly when the row did not select the entry), the online softmax update, and
+   O^T += V^T·P^T with V^T operands masked per row by a select of raw bits (keys past the row's
+   limit may hold another row's data; 0·NaN must not reach the row, SPEC §5.2).
+4. Each wave writes its two rows (exact zeros where nothing was attended).
+
+Products in the caller's compute dtype (bf16 for decode, fp16 for prefill, SPEC §5.5); NVFP4 ->
+compute exactly as attention_core (unit-scale conversion, exact E4M3 multiply).
+
+LDS: K 128 × 272 B + Vt 128 × 272 B + the union's tables 7 KiB + Q 64 KiB = 139 KiB (one workgroup
+per CU: 2 waves per SIMD, which is what 256 VGPRs allow anyway).
+"""
+
+from __future__ import annotations
+
+import flydsl.expr as fx
+from flydsl._mlir.dialects import arith as _arith
+from flydsl.compiler.ast_rewriter import InsertEmptyYieldForSCFFor, ReplaceIfWithDispatch
+from flydsl.expr import gpu, range_constexpr
+from flydsl.expr.typing import T
+
+from attention_core import (
+    D_TILES, KEY_TILES, PV_STEPS, lds_load, lds_store, load_vec8, mfma, scale_pair, dequant,
+)
+from common import (
+    BLOCK_SIZE, D_PER_QUAD, DATA_BYTES, GROUP_HEADS, HEAD_DIM, LOG2E, NEG_INF, SCALE_BYTES, SCALE_PLANE,
+    TILE_BYTES, TOPK, WAVE, buffer_rsrc, exp2_fast, lane_ids, load_dwords, load_u16, store_dwords, uniform,
+)
+
+TILE_ROWS = 16                          # consecutive query rows per workgroup
+NUM_WAVES = 8
+THREADS = NUM_WAVES * WAVE              # 512
+ROWS_PER_WAVE = TILE_ROWS // NUM_WAVES  # 2
+CANDIDATES = TILE_ROWS * TOPK           # 256 (row, slot) pairs
+SENTINEL = 0x7FFFFFFF                   # key of an invalid slot: sorts after every valid key
+ROW_BYTES = 128 * 2 + 16                # 128 16-bit values + 16 bytes of padding (bank spread)
+K_OFF = 0                               # K[key][d]
+VT_OFF = BLOCK_SIZE * ROW_BYTES         # Vt[d][key]
+CAND_OFF = VT_OFF + HEAD_DIM * ROW_BYTES    # int32 [256]: each (row, slot)'s key
+CAND_VIS_OFF = CAND_OFF + 4 * CANDIDATES    # int32 [256]: the row's vis
+FIRST_OFF = CAND_VIS_OFF + 4 * CANDIDATES   # int32 [256]: key if first occurrence, else sentinel
+UNION_KEY_OFF = FIRST_OFF + 4 * CANDIDATES  # int32 [≤256]: the sorted union's keys
+UNION_B_OFF = UNION_KEY_OFF + 4 * CANDIDATES    # ... their block ids
+UNION_LIM_OFF = UNION_B_OFF + 4 * CANDIDATES    # ... the largest block-local limit of a selecting row
+COUNT_OFF = UNION_LIM_OFF + 4 * CANDIDATES      # int32: the union's size
+Q_OFF = COUNT_OFF + 16                  # per wave, its rows' Q as each lane's MFMA B operands
+Q_WAVE_BYTES = ROWS_PER_WAVE * 4 * WAVE * 16
+LDS_BYTES = Q_OFF + NUM_WAVES * Q_WAVE_BYTES
+PARTS = 4                               # online-softmax updates per block (32 keys each: few live scores)
+
+
+def dyn_for(start, stop, state: dict, body):
+    """scf.for over i in [start, stop) (Int32) carrying the pytree dict `state`; body(i, state) -> state."""
+    names = tuple(state)
+
+    def fn(iv, _names, *vals):
+        return body(fx.Int32(iv), dict(zip(names, vals)))
+
+    out = InsertEmptyYieldForSCFFor.scf_for_dispatch(
+        fx.Int32(start), fx.Int32(stop), fx.Int32(1), fn,
+        result_names=names, result_values=tuple(state[n] for n in names))
+    return dict(zip(names, out if len(names) > 1 else (out,)))
+
+
+def dyn_if(cond, state: dict, then):
+    """scf.if: state = then(state) where cond (a wave-uniform i1) holds, else unchanged."""
+    names = tuple(state)
+
+    def fn(_names, *vals):
+        return then(dict(zip(names, vals)))
+
+    out = ReplaceIfWithDispatch.scf_if_dispatch(
+        cond, fn, None, result_names=names, result_values=tuple(state[n] for n in names))
+    return dict(zip(names, out if len(names) > 1 else (out,)))
+
+
+def when(cond, action):
+    """scf.if without results: action() runs where cond holds."""
+    ReplaceIfWithDispatch.scf_if_dispatch(cond, lambda *_: action(), None)
+
+
+def lds_i32(lds_base, byte_off, n=1):
+    v = lds_load(lds_base, byte_off, fx.Int32, n, 4 * n if n > 1 else 4)
+    return fx.Int32(v[0]) if n == 1 else v
+
+
+def put_i32(lds_base, byte_off, value):
+    lds_store(lds_base, byte_off, fx.Vector.from_elements([fx.Int32(value)], dtype=fx.Int32), fx.Int32, 4)
+
+
+def build_union(ops, lds_base, tid, key, vis, b):
+    """Step 1 (see the module docstring): sorted, de-duplicated union of the tile's keys in LDS.
+    `key`, `vis`, `b`: thread tid's candidate (threads >= 256 hold the sentinel). Returns the size."""
+    is_cand = tid < CANDIDATES
+    when(is_cand, lambda: (put_i32(lds_base, CAND_OFF + 4 * tid, key), put_i32(lds_base, CAND_VIS_OFF + 4 * tid, vis)))
+    gpu.barrier()
+
+    def scan_equal(j, st):
+        keys = lds_i32(lds_base, CAND_OFF + 16 * j, 4)
+        viss = lds_i32(lds_base, CAND_VIS_OFF + 16 * j, 4)
+        dup, vmax = st["dup"], st["vmax"]
+        for i in range_constexpr(4):
+            eq = fx.Int32(keys[i]) == key
+            dup = dup | (eq & ((4 * j + i) < tid)).select(fx.Int32(1), fx.Int32(0))
+            vmax = (eq & (fx.Int32(viss[i]) > vmax)).select(fx.Int32(viss[i]), vmax)
+        return {"dup": dup, "vmax": vmax}
+
+    st = dyn_for(0, CANDIDATES // 4, {"dup": fx.Int32(0), "vmax": fx.Int32(0)}, scan_equal)
+    first = (key != SENTINEL) & (st["dup"] == 0)
+    when(is_cand, lambda: put_i32(lds_base, FIRST_OFF + 4 * tid, first.select(key, fx.Int32(SENTINEL))))
+    gpu.barrier()
+
+    def count_smaller(j, st):
+        keys = lds_i32(lds_base, FIRST_OFF + 16 * j, 4)
+        rank = st["rank"]
+        for i in range_constexpr(4):
+            rank = rank + (fx.Int32(keys[i]) < key).select(fx.Int32(1), fx.Int32(0))
+        return {"rank": rank}
+
+    rank = dyn_for(0, CANDIDATES // 4, {"rank": fx.Int32(0)}, count_smaller)["rank"]
+    limit = st["vmax"] - b * BLOCK_SIZE
+    limit = (limit > BLOCK_SIZE).select(fx.Int32(BLOCK_SIZE), limit)
+
+    def write_entry():
+        put_i32(lds_base, UNION_KEY_OFF + 4 * rank, key)
+        put_i32(lds_base, UNION_B_OFF + 4 * rank, b)
+        put_i32(lds_base, UNION_LIM_OFF + 4 * rank, limit)
+
+    when(is_cand & first, write_entry)
+    # the first thread past the candidates holds the sentinel: its rank is the union's size
+    when(tid == CANDIDATES, lambda: put_i32(lds_base, COUNT_OFF, rank))
+    gpu.barrier()
+    return uniform(lds_i32(lds_base, COUNT_OFF))
+
+
+def stage_k(compute, lds_base, k_rsrc, tid):
+    """K tile -> LDS K[key][d] (compute dtype): thread t takes token t/4, d = 32·(t%4) .. +31."""
+    key, qd = tid // 4, tid % 4
+    data = load_dwords(k_rsrc, key * DATA_BYTES + 16 * qd, 4)
+    sc = scale_pair(compute, load_u16(k_rsrc, SCALE_PLANE + key * SCALE_BYTES + 2 * qd))
+    base = K_OFF + key * ROW_BYTES + qd * 64
+    for c in range_constexpr(4):
+        lds_store(lds_base, base + 16 * c, dequant(compute, data[c], sc[c // 2]), compute, 16)
+
+
+def stage_v(compute, lds_base, v_rsrc, tid, limit):
+    """V tile -> LDS Vt[d][key]: thread t takes tokens 4·(t/16) .. +3, d = 8·(t%16) .. +7. Tokens at or
+    past `limit` are zeroed as raw words (data and scale) before dequantization (SPEC §5.2)."""
+    kg, dg = tid // 16, tid % 16
+    data_base = kg * (4 * DATA_BYTES) + 4 * dg
+    scale_base = kg * (4 * SCALE_BYTES) + dg // 2
+    vals = []
+    for u in range_constexpr(4):
+        attended = (4 * kg) < (limit - u)              # token 4·kg + u below the limit
+        word = attended.select(load_dwords(v_rsrc, data_base + u * DATA_BYTES, 1), fx.Int32(0))
+        # the scale plane's constant offset goes in soffset (past the 12-bit immediate field)
+        sbyte = fx.rocdl.raw_ptr_buffer_load(T.i8, v_rsrc, fx.Int32(scale_base).ir_value(),
+                                             fx.Int32(SCALE_PLANE + u * SCALE_BYTES).ir_value(), 0)
+        sword = attended.select(fx.Int32(_arith.extui(T.i32, sbyte)), fx.Int32(0))
+        vals.append(dequant(compute, word, scale_pair(compute, sword)[0]))
+    base = VT_OFF + dg * (8 * ROW_BYTES) + kg * 8
+    for e in range_constexpr(8):
+        col = fx.Vector.from_elements([vals[u][e] for u in range_constexpr(4)], dtype=compute)
+        lds_store(lds_base, base + e * ROW_BYTES, col, compute, 8)
+
+
+def key_masks(limit, s, quad):
+    """Raw-bit masks of the lane's 8 PV keys of step s (two dwords of 2 keys at 32·s + 4·quad and two
+    at 32·s + 16 + 4·quad): all ones where the key is below `limit`, else zero."""
+    masks = []
+    for half in range_constexpr(2):
+        for pair in range_constexpr(2):
+            first = 32 * s + 16 * half + 2 * pair          # the lane's keys: 4·quad + first (+1)
+            lo = ((4 * quad) < (limit - first)).select(fx.Int32(0xFFFF), fx.Int32(0))
+            hi = ((4 * quad) < (limit - (first + 1))).select(fx.Int32(-65536), fx.Int32(0))
+            masks.append(lo | hi)
+    return masks
+
+
+def attend_union(ops, compute, io, tile, kv_head, row_of, lds_base, group=GROUP_HEADS):
+    """Attention of rows 16·tile .. +15 (KV head kv_head) over the union of their selections.
+
+    row_of(token) -> (req, vis, row_ok): the row's request, vis = pos + 1, and whether it attends
+    at all (SPEC §5.3 / §5.4); called with an in-range token. Rows past num_tokens store nothing.
+    """
+    tid = fx.Int32(fx.thread_idx.x)
+    wave = uniform(tid // WAVE)
+    lane, lane16, quad = lane_ids(tid)
+    num_heads = ops.num_kv_heads * group
+    t0 = tile * TILE_ROWS
+
+    layer = fx.Int32(ops.layer.load())
+    layer_ok = (layer >= 0) & (layer < ops.num_layers)                 # SPEC §3.3, §7
+    layer_base = fx.Int64(layer_ok.select(layer, 0)) * ops.layer_stride
+    qk_scale = ops.scale * fx.Float32(ops.k_scale.load()) * LOG2E     # k_scale folded (SPEC §5.5)
+    v_scale = fx.Float32(ops.v_scale.load())
+    table_rsrc = buffer_rsrc(ops.block_table, fx.Int64(ops.num_requests) * fx.Int64(ops.max_blocks) * 4)
+    topk_rsrc = buffer_rsrc(ops.topk_indices, fx.Int64(ops.num_kv_heads) * fx.Int64(ops.num_tokens) * (TOPK * 4))
+
+    # ---- 1. the candidate of thread tid: row t0 + tid/16, slot tid%16 (SPEC §5.2) ----------------
+    token = t0 + (tid // TOPK) % TILE_ROWS
+    in_range = (tid < CANDIDATES) & (token < ops.num_tokens)
+    req, vis, row_ok = row_of(in_range.select(token, 0))
+    b = load_dwords(topk_rsrc, ((kv_head * ops.num_tokens + in_range.select(token, 0)) * TOPK + tid % TOPK) * 4, 1)
+    b_ok = in_range & row_ok & layer_ok & (b >= 0) & (b < ops.max_blocks) & (b * BLOCK_SIZE < vis)
+    page = load_dwords(table_rsrc, b_ok.select(req * ops.max_blocks + b, 0) * 4, 1)
+    valid = b_ok & (page >= 0) & (page < ops.num_pages)
+    key = valid.select(req * ops.max_blocks + b, fx.Int32(SENTINEL))
+    union_size = build_union(ops, lds_base, tid, key, vis, b)
+
+    # ---- this wave's two rows: Q, the slot keys (lane l < 32: row l/16, slot l%16), vis -----------
+    io_bytes = io.width // 8
+    q_rsrc = buffer_rsrc(ops.q, fx.Int64(ops.num_tokens) * fx.Int64(num_heads) * (HEAD_DIM * io_bytes))
+    rows = [t0 + ROWS_PER_WAVE * wave + r for r in range(ROWS_PER_WAVE)]
+    # Q of the wave's rows goes to LDS, each lane's B operands where that lane reads them back:
+    # holding them in registers would leave no room for two rows' accumulators (256 VGPRs)
+    q_base = Q_OFF + wave * Q_WAVE_BYTES + lane * 16
+    for r in range_constexpr(ROWS_PER_WAVE):
+        q_row = ((rows[r] * num_heads + kv_head * group + lane16 % group) * HEAD_DIM + quad * D_PER_QUAD) * io_bytes
+        for c in range_constexpr(4):
+            lds_store(lds_base, q_base + (r * 4 + c) * (WAVE * 16), load_vec8(q_rsrc, q_row + 8 * io_bytes * c, io, compute),
+                      compute, 16)
+    q_ops = q_base
+    slot_key = lds_i32(lds_base, CAND_OFF + 4 * ((ROWS_PER_WAVE * wave) * TOPK + lane % (ROWS_PER_WAVE * TOPK)))
+    slot_key = (lane < ROWS_PER_WAVE * TOPK).select(slot_key, fx.Int32(SENTINEL))
+    row_vis = [uniform(lds_i32(lds_base, CAND_VIS_OFF + 4 * ((ROWS_PER_WAVE * wave + r) * TOPK)))
+               for r in range(ROWS_PER_WAVE)]
+
+    def per_entry(u, st):
+        key_u = uniform(lds_i32(lds_base, UNION_KEY_OFF + 4 * u))
+        b_u = uniform(lds_i32(lds_base, UNION_B_OFF + 4 * u))
+        lim_u = uniform(lds_i32(lds_base, UNION_LIM_OFF + 4 * u))
+        page_u = uniform(load_dwords(table_rsrc, key_u * 4, 1))
+        page_base = layer_base + fx.Int64(page_u) * ops.page_stride     # 64-bit (SPEC §3.3)
+        k_rsrc = buffer_rsrc(ops.kv_cache + (page_base + fx.Int64(kv_head * 2) * TILE_BYTES), fx.Int32(TILE_BYTES))
+        v_rsrc = buffer_rsrc(ops.kv_cache + (page_base + fx.Int64(kv_head * 2 + 1) * TILE_BYTES), fx.Int32(TILE_BYTES))
+        gpu.barrier()                                   # every wave is done with the last entry's tiles
+        stage_k(compute, lds_base, k_rsrc, tid)
+        stage_v(compute, lds_base, v_rsrc, tid, lim_u)
+        gpu.barrier()
+        # how often each row selected this entry (duplicates count per occurrence, SPEC §5.1)
+        votes = fx.Int32(_arith.trunci(T.i32, fx.rocdl.ballot(T.i64, (slot_key == key_u).ir_value())))
+        mult = [fx.Int32(fx.ctpop(fx.Int32(votes >> (TOPK * r)) & 0xFFFF)) for r in range(ROWS_PER_WAVE)]
+        limits = []
+        for r in range_constexpr(ROWS_PER_WAVE):
+            lim = row_vis[r] - b_u * BLOCK_SIZE
+            lim = (lim > BLOCK_SIZE).select(fx.Int32(BLOCK_SIZE), lim)
+            limits.append((mult[r] > 0).select(lim, fx.Int32(0)))
+        selected = mult[0]
+        for r in range(1, ROWS_PER_WAVE):
+            selected = selected + mult[r]
+        return dyn_if(selected > 0, st,
+                      lambda s: update_rows(compute, lds_base, s, q_ops, mult, limits, lim_u, qk_scale, lane16, quad))
+
+    state = {"m": [fx.Float32(NEG_INF)] * ROWS_PER_WAVE, "l": [fx.Float32(0.0)] * ROWS_PER_WAVE,
+             "o": [[fx.Vector.filled(4, 0.0, fx.Float32) for _ in range(D_TILES)] for _ in range(ROWS_PER_WAVE)]}
+    state = dyn_for(0, union_size, state, per_entry)
+
+    # ---- 4. the two rows' outputs: O / l · v_scale, exact zeros where nothing was attended -------
+    out_bytes = fx.Int64(ops.num_tokens) * fx.Int64(num_heads) * (HEAD_DIM * io_bytes)
+    out_rsrc = buffer_rsrc(ops.out, out_bytes)
+    for r in range_constexpr(ROWS_PER_WAVE):
+        l_all = state["l"][r]
+        l_all = l_all + l_all.shuffle_xor(16, WAVE)
+        l_all = l_all + l_all.shuffle_xor(32, WAVE)
+        attended_any = l_all != 0.0
+        inv = attended_any.select(v_scale / l_all, fx.Float32(0.0))
+        off = ((rows[r] * num_heads + kv_head * group + lane16) * HEAD_DIM + 4 * quad) * io_bytes
+        # G = 8: lanes 8..15 repeat heads 0..7 and store nothing (an offset past the buffer)
+        off = (lane16 < group).select(off, fx.Int32(0x7FFFFFF0)) if group < GROUP_HEADS else off
+        for dt in range_constexpr(D_TILES):
+            o = state["o"][r][dt] * fx.Vector.from_elements([inv] * 4, dtype=fx.Float32)
+            o = attended_any.select(o, fx.Vector.filled(4, 0.0, fx.Float32))
+            store_vec4(out_rsrc, off + 16 * dt * io_bytes, o, io)
+
+
+def store_vec4(rsrc, byte_off, vals, io):
+    """Store 4 fp32 results as io (8 bytes, or 16 for f32)."""
+    if io is fx.Float32:
+        store_dwords(rsrc, byte_off, vals.bitcast(fx.Int32))
+    else:
+        store_dwords(rsrc, byte_off, vals.to(io).bitcast(fx.Int32))
+
+
+def update_rows(compute, lds_base, st, q_ops, mult, limits, lim_u, qk_scale, lane16, quad):
+    """Step 3 for the wave's rows on the staged entry, 32 keys at a time (an online-softmax update
+    per quarter block keeps the live scores few: 0 spills): S^T, softmax, O^T += V^T·P^T."""
+    m, l, o = list(st["m"]), list(st["l"]), [list(x) for x in st["o"]]
+    for half in range_constexpr(PARTS):
+        fx.rocdl.sched_barrier(0)       # keep the parts apart: the scheduler would overlap their live ranges
+        m, l, o = update_half(compute, lds_base, half, m, l, o, q_ops, mult, limits, lim_u, qk_scale, lane16, quad)
+    return {"m": m, "l": l, "o": o}
+
+
+def update_half(compute, lds_base, half, m, l, o, q_ops, mult, limits, lim_u, qk_scale, lane16, quad):
+    rows = range_constexpr(ROWS_PER_WAVE)
+    k_base = K_OFF + lane16 * ROW_BYTES + quad * 64         # + constants: ds_read immediate offsets
+    tiles = range_constexpr(KEY_TILES // PARTS * half, KEY_TILES // PARTS * (half + 1))
+    # S^T = K·Q^T over 4 tiles of 16 keys; the K operand read once from LDS serves both rows
+    scores = [{} for _ in rows]
+    m_blk = [fx.Float32(NEG_INF) for _ in rows]
+    for jt in tiles:
+        accs = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in rows]
+        for c in range_constexpr(4):
+            a = lds_load(lds_base, k_base + (16 * jt * ROW_BYTES + 16 * c), compute, 8, 16)
+            for r in rows:
+                b = lds_load(lds_base, q_ops + (r * 4 + c) * (WAVE * 16), compute, 8, 16)
+                accs[r] = mfma(compute, a, b, accs[r])
+        for r in rows:
+            z = []
+            for i in range_constexpr(4):
+                # key 16·jt + 4·quad + i < limit, as a lane value against a wave-uniform bound (no
+                # per-key constants kept live across the loop)
+                attended = (4 * quad) < (limits[r] - (16 * jt + i))
+                zi = attended.select(accs[r][i] * qk_scale, fx.Float32(NEG_INF))
+                m_blk[r] = fx.maxnumf(m_blk[r], zi)
+                z.append(zi)
+            scores[r][jt] = z
+    p_ops = []
+    for r in rows:
+        mb = fx.maxnumf(m_blk[r], m_blk[r].shuffle_xor(16, WAVE))
+        mb = fx.maxnumf(mb, mb.shuffle_xor(32, WAVE))
+        m_new = fx.maxnumf(m[r], mb)
+        m_safe = (m_new == NEG_INF).select(fx.Float32(0.0), m_new)        # no -inf - -inf
+        alpha = exp2_fast(m[r] - m_safe)
+        weight = fx.Float32(_arith.sitofp(T.f32, mult[r].ir_value()))
+        l_blk = fx.Float32(0.0)
+        ops_r = {}
+        for s in range_constexpr(PV_STEPS // PARTS * half, PV_STEPS // PARTS * (half + 1)):
+            vals = []
+            for sub in range_constexpr(2):
+                for i in range_constexpr(4):
+                    p = exp2_fast(scores[r][2 * s + sub][i] - m_safe) * weight
+                    l_blk = l_blk + p
+                    vals.append(p)
+            ops_r[s] = fx.Vector.from_elements(vals, dtype=fx.Float32).to(compute)
+        p_ops.append(ops_r)
+        m[r] = m_new
+        l[r] = l[r] * alpha + l_blk
+        alpha4 = fx.Vector.from_elements([alpha] * 4, dtype=fx.Float32)
+        o[r] = [o[r][dt] * alpha4 for dt in range_constexpr(D_TILES)]
+    # O^T += V^T·P^T. Usually every row of the wave attends all the staged keys (limit = lim_u):
+    # one read of each V^T operand serves both rows. Otherwise (the diagonal block, or a row that
+    # did not select the entry) keys past a row's limit may hold another row's data, which must
+    # not reach it even as 0·NaN (SPEC §5.2): each row's operands are masked by a select of raw bits.
+    steps = range_constexpr(PV_STEPS // PARTS * half, PV_STEPS // PARTS * (half + 1))
+    vt_base = VT_OFF + lane16 * ROW_BYTES + quad * 8
+
+    def v_words(s, dt):
+        lo = lds_load(lds_base, vt_base + (16 * dt * ROW_BYTES + 64 * s), fx.Int32, 2, 8)
+        hi = lds_load(lds_base, vt_base + (16 * dt * ROW_BYTES + 64 * s + 32), fx.Int32, 2, 8)
+        return [fx.Int32(lo[0]), fx.Int32(lo[1]), fx.Int32(hi[0]), fx.Int32(hi[1])]
+
+    def shared(st):
+        o = [list(x) for x in st["o"]]
+        for s in steps:
+            for dt in range_constexpr(D_TILES):
+                v_op = fx.Vector.from_elements(v_words(s, dt), dtype=fx.Int32).bitcast(compute)
+                for r in rows:
+                    o[r][dt] = mfma(compute, v_op, p_ops[r][s], o[r][dt])
+        return {"o": o}
+
+    def masked(st):
+        o = [list(x) for x in st["o"]]
+        for r in rows:
+            for s in steps:
+                masks = key_masks(limits[r], s, quad)
+                for dt in range_constexpr(D_TILES):
+                    words = v_words(s, dt)
+                    v_op = fx.Vector.from_elements([words[i] & masks[i] for i in range(4)],
+                                                   dtype=fx.Int32).bitcast(compute)
+                    o[r][dt] = mfma(compute, v_op, p_ops[r][s], o[r][dt])
+        return {"o": o}
+
+    need_mask = limits[0] < lim_u
+    for r in range(1, ROWS_PER_WAVE):
+        need_mask = need_mask | (limits[r] < lim_u)
+    o = ReplaceIfWithDispatch.scf_if_dispatch(need_mask, lambda _n, *v: masked({"o": v[0]}),
+                                              lambda _n, *v: shared({"o": v[0]}),
+                                              result_names=("o",), result_values=(o,))
+    return m, l, o
