@@ -42,12 +42,16 @@ KERNELS = {
     "sparse_decode_split_bf16": ("sparse_decode", "compile_sparse_decode_split", {"dtype": "bf16"}),
     "sparse_decode_split_f16": ("sparse_decode", "compile_sparse_decode_split", {"dtype": "f16"}),
     "sparse_decode_split_f32": ("sparse_decode", "compile_sparse_decode_split", {"dtype": "f32"}),
+    "sparse_decode_union_bf16": ("sparse_decode", "compile_sparse_decode_union", {"dtype": "bf16"}),
+    "sparse_decode_union_f16": ("sparse_decode", "compile_sparse_decode_union", {"dtype": "f16"}),
+    "sparse_decode_union_f32": ("sparse_decode", "compile_sparse_decode_union", {"dtype": "f32"}),
     "sparse_prefill_bf16": ("sparse_prefill", "compile_sparse_prefill", {"dtype": "bf16"}),
     "sparse_prefill_f16": ("sparse_prefill", "compile_sparse_prefill", {"dtype": "f16"}),
     "sparse_prefill_f32": ("sparse_prefill", "compile_sparse_prefill", {"dtype": "f32"}),
     # G = 8 (MiniMax M3 at TP8: 8 query heads per KV head)
     **{f"{op}_g8_{dt}": (mod, f"compile_{mod}{sfx}", {"dtype": dt, "group": 8})
        for op, mod, sfx in (("sparse_decode", "sparse_decode", ""), ("sparse_decode_split", "sparse_decode", "_split"),
+                            ("sparse_decode_union", "sparse_decode", "_union"),
                             ("sparse_prefill", "sparse_prefill", ""))
        for dt in ("bf16", "f16", "f32")},
 }

@@ -81,6 +81,7 @@ from attention_core import (
     finish, lse_combine, owned_bytes, shared_storage, store_vec8,
 )
 from common import GROUP_HEADS, HEAD_DIM, buffer_rsrc, load_dwords, uniform
+import union_tile
 
 COMPUTE = "bf16"            # SPEC §5.5: the gfx950 decode computes the products in bf16
 
@@ -224,6 +225,65 @@ def compile_sparse_decode_split(dtype: str = "bf16", group: int = GROUP_HEADS):
         ).launch(grid=(num_tokens, num_kv_heads, NUM_SPLITS), block=(THREADS, 1, 1), stream=stream)
         sparse_decode_merge_kernel(workspace, v_scale, out, num_tokens, num_kv_heads).launch(
             grid=(num_tokens, num_kv_heads, 1), block=(THREADS, 1, 1), stream=stream)
+
+    return launch
+
+
+# ---- decode_query_len > 1: the rows of a request share their blocks (union tiles) ---------------
+@functools.lru_cache(maxsize=None)
+def compile_sparse_decode_union(dtype: str = "bf16", group: int = GROUP_HEADS):
+    """Launcher of the union-tile decode for decode_query_len > 1 (MTP / speculative rows): one
+    workgroup of 512 threads per 16 consecutive rows and KV head, grid (ceil(T / 16), Hkv); the rows
+    of a tile (a request's draft rows, or several requests' when dql < 16) load each block any of
+    them selected once (union_tile.py). Products in bf16 as the per-token decode (SPEC §5.5); the
+    same arguments as `compile_sparse_decode`. The handler uses it whenever dql > 1."""
+    io = IO_DTYPES[dtype]
+    compute = COMPUTE_DTYPES[COMPUTE]
+
+    @fx.struct
+    class UnionStorage:
+        buf: fx.Array[fx.Int32, union_tile.LDS_BYTES // 4, 16]
+
+    @flyc.kernel(known_block_size=(union_tile.THREADS, 1, 1))
+    def sparse_decode_union_kernel(
+        q: fx.Pointer, kv_cache: fx.Pointer, topk_indices: fx.Pointer, block_table: fx.Pointer,
+        seq_lens: fx.Pointer, k_scale: fx.Pointer, v_scale: fx.Pointer, layer: fx.Pointer,
+        out: fx.Pointer,
+        num_tokens: fx.Int32, num_kv_heads: fx.Int32, num_requests: fx.Int32, max_blocks: fx.Int32,
+        num_pages: fx.Int32, num_layers: fx.Int32, page_stride: fx.Int64, layer_stride: fx.Int64,
+        decode_query_len: fx.Int32, scale: fx.Float32,
+    ):
+        tile = fx.Int32(fx.block_idx.x)
+        kv_head = fx.Int32(fx.block_idx.y)
+        lds = fx.SharedAllocator().allocate(UnionStorage).peek()
+        lds_base = fx.recast_iter(fx.Uint8, lds.buf.ptr)
+
+        def row_of(token):
+            # SPEC §5.3: row t belongs to request t // dql; pos = seq_lens[r] - dql + t % dql.
+            req = token // decode_query_len
+            vis = fx.Int32(seq_lens[req]) - decode_query_len + token % decode_query_len + 1
+            return req, vis, vis > 0                   # a padded request (seq_len 0) attends nothing
+
+        ops = Operands(q, kv_cache, topk_indices, block_table, k_scale, v_scale, layer, out,
+                       num_tokens, num_kv_heads, num_requests, max_blocks, num_pages, num_layers,
+                       page_stride, layer_stride, scale)
+        union_tile.attend_union(ops, compute, io, tile, kv_head, row_of, lds_base, group=group)
+
+    @flyc.jit
+    def launch(
+        q: fx.Pointer, kv_cache: fx.Pointer, topk_indices: fx.Pointer, block_table: fx.Pointer,
+        seq_lens: fx.Pointer, k_scale: fx.Pointer, v_scale: fx.Pointer, layer: fx.Pointer, out: fx.Pointer,
+        num_tokens: fx.Int32, num_kv_heads: fx.Int32, num_requests: fx.Int32, max_blocks: fx.Int32,
+        num_pages: fx.Int32, num_layers: fx.Int32, page_stride: fx.Int64, layer_stride: fx.Int64,
+        decode_query_len: fx.Int32, scale: fx.Float32,
+        stream: fx.Stream = fx.Stream(None),
+    ):
+        sparse_decode_union_kernel(
+            q, kv_cache, topk_indices, block_table, seq_lens, k_scale, v_scale, layer, out,
+            num_tokens, num_kv_heads, num_requests, max_blocks, num_pages, num_layers, page_stride,
+            layer_stride, decode_query_len, scale,
+        ).launch(grid=((num_tokens + union_tile.TILE_ROWS - 1) // union_tile.TILE_ROWS, num_kv_heads, 1),
+                 block=(union_tile.THREADS, 1, 1), stream=stream)
 
     return launch
 

@@ -329,20 +329,22 @@ def update_half(compute, lds_base, half, m, l, o, q_ops, mult, limits, lim_u, qk
     # S^T = K·Q^T over 4 tiles of 16 keys; the K operand read once from LDS serves both rows
     scores = [{} for _ in rows]
     m_blk = [fx.Float32(NEG_INF) for _ in rows]
-    for jt in tiles:
-        accs = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in rows]
-        for c in range_constexpr(4):
+    accs = {(r, jt): fx.Vector.filled(4, 0.0, fx.Float32) for r in rows for jt in tiles}
+    for c in range_constexpr(4):
+        # each Q operand read once per part, each K operand once for both rows
+        b = [lds_load(lds_base, q_ops + (r * 4 + c) * (WAVE * 16), compute, 8, 16) for r in rows]
+        for jt in tiles:
             a = lds_load(lds_base, k_base + (16 * jt * ROW_BYTES + 16 * c), compute, 8, 16)
             for r in rows:
-                b = lds_load(lds_base, q_ops + (r * 4 + c) * (WAVE * 16), compute, 8, 16)
-                accs[r] = mfma(compute, a, b, accs[r])
+                accs[r, jt] = mfma(compute, a, b[r], accs[r, jt])
+    for jt in tiles:
         for r in rows:
             z = []
             for i in range_constexpr(4):
                 # key 16·jt + 4·quad + i < limit, as a lane value against a wave-uniform bound (no
                 # per-key constants kept live across the loop)
                 attended = (4 * quad) < (limits[r] - (16 * jt + i))
-                zi = attended.select(accs[r][i] * qk_scale, fx.Float32(NEG_INF))
+                zi = attended.select(accs[r, jt][i] * qk_scale, fx.Float32(NEG_INF))
                 m_blk[r] = fx.maxnumf(m_blk[r], zi)
                 z.append(zi)
             scores[r][jt] = z

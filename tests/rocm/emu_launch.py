@@ -303,9 +303,19 @@ class Handlers:
         return geo, [i32(q.shape[0]), i32(geo.hkv), i32(requests), i32(max_blocks), i32(geo.num_pages),
                      i32(geo.num_layers), i64(geo.page_stride), i64(geo.layer_stride)]
 
+    @staticmethod
+    def decode_kernel(tokens, hkv, decode_query_len, split=None) -> str:
+        """The handler's choice: "union" for dql > 1, else "split" when T·Hkv < 256, else "plain";
+        split True/False forces the per-token split / one-pass kernel."""
+        if split is not None:
+            return "split" if split else "plain"
+        if decode_query_len > 1:
+            return "union"
+        return "split" if tokens * hkv < SPLIT_BELOW_PAIRS else "plain"
+
     def sparse_decode(self, q, cache, topk, block_table, seq_lens, k_scale, v_scale, layer, scale,
                       decode_query_len, layout=None, split=None, group=16):
-        """split None: the handler's rule (split when T·Hkv < 256); True/False forces a kernel."""
+        """split None: the handler's rule (decode_kernel); True/False forces a per-token kernel."""
         out = np.full(q.shape, np.nan, q.dtype)
         geo, sizes = self._attend_args(q, cache, block_table, layout)
         tokens = q.shape[0]
@@ -315,12 +325,16 @@ class Handlers:
                 scalar(k_scale, np.float32), scalar(v_scale, np.float32), scalar(layer, np.int32), out]
         tail = sizes + [i32(decode_query_len), f32(scale)]
         g = "" if group == 16 else f"g{group}_"
-        if split if split is not None else tokens * geo.hkv < SPLIT_BELOW_PAIRS:
+        kind = self.decode_kernel(tokens, geo.hkv, decode_query_len, split)
+        if kind == "split":
             main, merge = self._kernels(f"sparse_decode_split_{g}{io_name(q.dtype)}")
             # garbage (NaN bytes) in the workspace: the merge must read only what the splits wrote
             ws = np.full(tokens * geo.hkv * SPLITS * PARTIAL_BYTES // 4, np.nan, np.float32)
             launch(main, (tokens, geo.hkv, SPLITS), (256, 1, 1), ptrs + [ws] + tail)
             launch(merge, (tokens, geo.hkv, 1), (256, 1, 1), [ws, ptrs[6], out, i32(tokens), i32(geo.hkv)])
+        elif kind == "union":
+            (kern,) = self._kernels(f"sparse_decode_union_{g}{io_name(q.dtype)}")
+            launch(kern, (-(-tokens // UNION_TILE_ROWS), geo.hkv, 1), (UNION_THREADS, 1, 1), ptrs + tail)
         else:
             (kern,) = self._kernels(f"sparse_decode_{g}{io_name(q.dtype)}")
             launch(kern, (tokens, geo.hkv, 1), (256, 1, 1), ptrs + tail)

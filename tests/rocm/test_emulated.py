@@ -163,21 +163,25 @@ def cpu_decode(p, layer=0, layout=None):
 
 
 # (G, dtype, Hkv, seq_lens, dql, split, layout, layer): each row a few workgroups; together they
-# cover every decode module (plain and split, 3 dtypes, G 16 and 8), Hkv 1 and 2, dql 1/2/4,
+# cover every decode module (plain, split and union, 3 dtypes, G 16 and 8), Hkv 1 and 2, dql 1/2/3/4,
 # seq 1/127/128/129 and a few blocks, padding requests, LBHNC/BLHNC with a layer, a bad layer.
 DECODE_CASES = [
-    (16, jnp.bfloat16, 2, [129, 300], 2, False, None, 0),
+    (16, jnp.bfloat16, 2, [129, 300], 2, None, None, 0),       # dql > 1: the union kernel
     (16, jnp.bfloat16, 1, [1, 127, 128, 129], 1, None, None, 0),
     (16, jnp.float16, 1, [0, 260], 1, False, "LBHNC", 1),
-    (16, jnp.float16, 1, [4, 385], 4, True, "BLHNC", 2),
+    (16, jnp.float16, 1, [4, 385], 4, None, "BLHNC", 2),
+    (16, jnp.float16, 1, [4, 385], 1, True, "BLHNC", 2),
     (16, jnp.float32, 1, [640], 1, False, None, 0),
     (16, jnp.float32, 2, [200], 1, True, "LBHNC", 5),        # layer out of range: zeros
-    (8, jnp.bfloat16, 2, [129, 300], 2, False, "BLHNC", 1),
+    (16, jnp.float32, 1, [0, 131, 700], 3, None, None, 0),   # union: 9 rows, 3 requests, one padded
+    (8, jnp.bfloat16, 2, [129, 300], 2, None, "BLHNC", 1),
     (8, jnp.bfloat16, 1, [1, 128, 257], 1, None, None, 0),
     (8, jnp.float16, 1, [0, 500], 1, False, None, 0),
     (8, jnp.float16, 2, [140], 1, True, None, 0),
+    (8, jnp.float16, 1, [300, 5], 4, None, "LBHNC", 0),
     (8, jnp.float32, 1, [131], 1, False, None, 0),
-    (8, jnp.float32, 1, [77, 1000], 2, True, "LBHNC", 0),
+    (8, jnp.float32, 1, [77, 1000], 2, None, "LBHNC", 0),
+    (8, jnp.float32, 1, [77, 1000], 1, True, "LBHNC", 0),
 ]
 
 
@@ -190,8 +194,9 @@ def test_decode(gpu, rng, G, dtype, hkv, seq_lens, dql, split, layout, layer):
     q = np.asarray(p.q)
     got, sec = timed(gpu.sparse_decode, q, p.cache, p.topk, p.block_table, p.seq_lens, p.k_scale, p.v_scale,
                      layer, SCALE, dql, layout=layout, split=split, group=G)
-    used_split = split if split is not None else q.shape[0] * hkv < emu_launch.SPLIT_BELOW_PAIRS
-    kernel = f"sparse_decode{'_split' if used_split else ''}{'_g8' if G == 8 else ''}_{emu_launch.io_name(q.dtype)}"
+    kind = emu_launch.Handlers.decode_kernel(q.shape[0], hkv, dql, split)
+    infix = {"plain": "", "split": "_split", "union": "_union"}[kind]
+    kernel = f"sparse_decode{infix}{'_g8' if G == 8 else ''}_{emu_launch.io_name(q.dtype)}"
     case = f"Hkv={hkv} seq={seq_lens} dql={dql} {layout or '4-D'}" + (f" layer {layer}" if layout else "")
     check_attention(kernel, case, got, want, sec)
     if layout is not None and layer >= num_layers:

@@ -27,25 +27,34 @@ EXPECTED = {
         "v_exp_f32",                    # fast exp2, no device-library call
         "ds_read_b64",                  # V^T operands from LDS
     ],
-    "sparse_prefill": [
+    "sparse_prefill": [                 # union tiles (union_tile.py)
         "v_mfma_f32_16x16x32_f16",      # QK and PV in fp16 (SPEC §5.5)
         "v_cvt_scalef32_pk_f16_fp4",    # E2M1 -> fp16, unit scale
         "v_cvt_pk_f32_fp8",
         "v_pk_mul_f16",                 # the exact block-scale multiply in fp16
         "buffer_load_dwordx4",
         "v_exp_f32",
-        "ds_read_b64",
+        "ds_read2_b64",                 # V^T operands from LDS (the two halves of a step in one)
+        "ds_read_b128",                 # K and Q operands from LDS
+        "s_barrier",                    # the union and each staged block are shared by 8 waves
+        "s_bcnt1_i32_b32",              # how often a row selected a union entry (ballot + scalar popcount)
     ],
     "query_token_positions": ["buffer_load_dword", "buffer_store_dword"],
 }
 EXPECTED["sparse_decode_split"] = EXPECTED["sparse_decode"]
+EXPECTED["sparse_decode_union"] = [m for m in EXPECTED["sparse_decode"] if m != "ds_read_b64"] + \
+    ["ds_read2_b64", "ds_read_b128", "s_barrier", "s_bcnt1_i32_b32"]
 FORBIDDEN = {
     "sparse_decode": ["v_mfma_f32_16x16x32_f16"],
     "sparse_decode_split": ["v_mfma_f32_16x16x32_f16"],
+    "sparse_decode_union": ["v_mfma_f32_16x16x32_f16"],
     "sparse_prefill": ["v_mfma_f32_16x16x32_bf16"],
 }
 # 4 selected blocks per wave, each 8 QK tiles × 4 MFMAs + 4 PV steps × 8 d-tiles.
 ATTENTION_MFMAS = 4 * (8 * 4 + 4 * 8)
+# Union tiles: per quarter block, QK 2 tiles × 4 MFMAs × 2 rows, and PV 8 d-tiles × 2 rows twice
+# (the shared-operand and the per-row-masked forms).
+UNION_MFMAS = 4 * (2 * 4 * 2 + 2 * 8 * 2)
 
 
 def family(name: str) -> str:
@@ -98,7 +107,9 @@ def test_attention_mfma_counts(exported):
         if fam == "sparse_decode":
             assert exported[name].count("v_mfma_f32_16x16x32_bf16") == ATTENTION_MFMAS, name
         if fam == "sparse_prefill":
-            assert exported[name].count("v_mfma_f32_16x16x32_f16") == ATTENTION_MFMAS, name
+            assert exported[name].count("v_mfma_f32_16x16x32_f16") == UNION_MFMAS, name
+        if fam == "sparse_decode_union":
+            assert exported[name].count("v_mfma_f32_16x16x32_bf16") == UNION_MFMAS, name
         if fam == "sparse_decode_split":   # one slot per wave; the merge kernel has none
             assert exported[name].count("v_mfma_f32_16x16x32_bf16") == ATTENTION_MFMAS // 4, name
 
@@ -142,9 +153,14 @@ def test_resources(exported):
             assert res["wavefront_size"] == 64, where
             waves = elf_tools.waves_per_simd(res["vgpr"], res["agpr"], res["lds_bytes"],
                                              res["max_flat_workgroup_size"])
-            if family(name) in ("sparse_decode", "sparse_decode_split", "sparse_prefill"):
+            if family(name) in ("sparse_decode", "sparse_decode_split"):
                 assert waves >= 2, f"{where}: {res} allows {waves} waves/SIMD"
                 assert res["lds_bytes"] <= 80 * 1024, where
+            elif family(name) in ("sparse_prefill", "sparse_decode_union"):
+                # union tiles: one 8-wave workgroup per CU (LDS holds the staged block and the
+                # tile's Q), 2 waves per SIMD, as its 256-VGPR budget allows
+                assert waves >= 2, f"{where}: {res} allows {waves} waves/SIMD"
+                assert res["lds_bytes"] <= elf_tools.GFX950_LDS_PER_CU, where
             else:
                 assert waves >= 4, where
 
