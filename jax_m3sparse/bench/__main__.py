@@ -1,9 +1,10 @@
-"""``python -m jax_m3sparse.bench {peak,pack,decode,prefill,gfx950-static,all} [--platform P] [--quick]``
+"""``python -m jax_m3sparse.bench {peak,pack,decode,prefill,gfx950-static,gfx950-traffic,all} [--platform P] [--quick]``
 
 Prints tables (speed is measured here, never in tests). ``peak`` measures the machine's
 ceilings (multiply-add loops per instruction set on the CPU, copy and read bandwidth); ``all``
 prints them first. ``--platform`` picks the JAX backend
-(cpu, cuda, rocm); ``gfx950-static`` needs no device (FlyDSL's AOT export, see BUILD.md).
+(cpu, cuda, rocm); ``gfx950-static`` needs no device (FlyDSL's AOT export, see BUILD.md);
+``gfx950-traffic`` counts the gfx950 kernels' memory traffic on the ISA emulator (a repository checkout).
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ import sys
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m jax_m3sparse.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["peak", "pack", "decode", "prefill", "gfx950-static", "all"])
+    parser.add_argument("what", choices=["peak", "pack", "decode", "prefill", "gfx950-static", "gfx950-traffic", "all"])
     parser.add_argument("--platform", default=None, help="JAX platform (default: JAX's default)")
     parser.add_argument("--quick", action="store_true", help="smallest shapes only (a smoke run)")
     args, rest = parser.parse_known_args(argv)
     if args.what == "gfx950-static":
         from jax_m3sparse.bench import gfx950_static  # noqa: PLC0415 (needs flydsl)
         return gfx950_static.main(rest)
+    if args.what == "gfx950-traffic":
+        from jax_m3sparse.bench import gfx950_traffic  # noqa: PLC0415 (needs flydsl and the emulator)
+        return gfx950_traffic.main(rest + (["--quick"] if args.quick else []))
     print(timed_path(args.platform), flush=True)
     if args.platform == "cuda":
         # CUDA: per-call device time amortized over many calls in one jit (bench/cuda.py);

@@ -12,7 +12,8 @@ wave's request); a second instruction reading the same bytes counts them again.
   descriptor). Bytes are attributed to a named region (the KV cache, q, out, ...) by address.
 * GLOBAL (global_load/store_*): per active lane, saddr + 32-bit voffset or a 64-bit vaddr, + offset.
 * SMEM (s_load_*): bytes only (kernel arguments and scalar metadata), not attributed.
-* DS: LDS bytes read and written by active lanes (ds_swizzle / ds_bpermute move no memory).
+* DS: LDS bytes read and written by active lanes, an address read by several lanes once
+  (ds_swizzle / ds_bpermute move no memory).
 * V_MFMA_*: instructions issued, and their FLOPs (2·M·N·K).
 
 Use `with counting({"kv_cache": array, ...}) as c: launch(...)`; then c.read / c.written map a
@@ -134,13 +135,20 @@ def _counter_for(inst, raw: int, emu):
         return smem, False
     if kind == "DS" and size and not re.search(r"SWIZZLE|PERMUTE|GWS|BARRIER|APPEND|CONSUME", op):
         store = "WRITE" in op or "STORE" in op
-        reads = "READ" in op or "LOAD" in op
+        addr = _field(raw, cls.addr)
+        off0, off1 = _field(raw, cls.offset0), _field(raw, cls.offset1)
+        if "2" in re.sub(r"B\d+|X\d+|U\d+|I\d+", "", op):       # read2 / write2: two addresses
+            unit = size * (64 if "ST64" in op else 1)
+            offsets = [off0 * unit, off1 * unit]
+        else:
+            offsets = [(off1 << 8) | off0]
 
         def ds(sgpr, vgpr, t):
-            n = int(_lanes(sgpr).sum()) * size
+            base = vgpr[addr * WAVE:(addr + 1) * WAVE][_lanes(sgpr)].astype(np.int64)
+            n = sum(np.unique(base + o).size for o in offsets) * size     # a broadcast counts once
             if store:
                 t.lds_written += n
-            if reads:
+            else:
                 t.lds_read += n
         return ds, True
     return None, False

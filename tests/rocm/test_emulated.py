@@ -238,3 +238,53 @@ def test_prefill(gpu, rng, G, dtype, hkv, q_lens, kv_lens, pad, layout, layer):
     kernel = f"sparse_prefill{'_g8' if G == 8 else ''}_{emu_launch.io_name(q.dtype)}"
     check_attention(kernel, f"Hkv={hkv} q={q_lens} kv={kv_lens} pad={pad} {layout or '4-D'}", got, want, sec)
     assert (np.asarray(got)[-pad:] == 0).all(), "padding rows are exact zeros"
+
+
+# ---- union tiles: what they read, and a row's bits whatever its tile-mates ----------------------
+def test_union_prefill_reads_each_tile_union_once(gpu, rng):
+    """Counted on the emulator (emu_traffic): the union-tile prefill reads K/V bytes equal to the sum
+    over 16-token tiles of each tile's distinct valid (request, block) pairs, 18432 bytes each, and
+    issues 128 MFMAs per (wave, union entry) its two rows selected; the per-token kernel on the same
+    rows reads each token's valid slots (a 10x larger sum here). Two requests share tile 1."""
+    import emu_traffic
+    p = prefill_problem(rng, 1, 16, (24, 9), (3000, 2100), pad=3, dtype=jnp.float16, extra_pages=1)
+    Hkv, T, _ = p.topk.shape
+    M, P = p.block_table.shape[1], p.cache.shape[0]
+    # neighbours select alike: a request's tokens share 13 of 16 blocks with the one before
+    for t in range(1, T):
+        if p.req[t] == p.req[t - 1] >= 0 and p.pos[t] // 128 == p.pos[t - 1] // 128:
+            p.topk[:, t, :13] = p.topk[:, t - 1, :13]
+    valid = lambda g, t: [(p.req[t], int(b)) for b in p.topk[g, t] if p.req[t] >= 0 and 0 <= b < M
+                          and 128 * b <= p.pos[t] and 0 <= p.block_table[p.req[t], b] < P]
+    union = sum(len(set().union(*[valid(0, t) for t in range(t0, min(T, t0 + 16))])) for t0 in range(0, T, 16))
+    per_token = sum(len(valid(0, t)) for t in range(T))
+    pairs = sum(len(set(valid(0, t)) | set(valid(0, t + 1) if t + 1 < T else [])) for t in range(0, T, 2))
+    q = np.asarray(p.q)
+    with emu_traffic.counting({"kv_cache": p.cache, "q": q}) as c:
+        gpu.sparse_prefill(q, p.cache, p.topk, p.block_table, p.req, p.pos, p.k_scale, p.v_scale, 0, SCALE)
+    assert c.read["kv_cache"] == union * 18432
+    assert c.mfma == 128 * pairs
+    assert c.read["q"] == q.nbytes
+    assert union < per_token / 3
+    RESULTS.append(("sparse_prefill_f16", f"traffic T={T}", f"K/V {union} blocks (per-token {per_token})", 0.0))
+
+
+def test_union_row_bits_do_not_depend_on_tile_mates(gpu, rng):
+    """A token computed alone (T = 1) and inside a 16-token tile whose other rows select other
+    blocks, in both the prefill and the dql > 1 decode kernel: the same bits."""
+    p = prefill_problem(rng, 1, 16, (12, 7), (900, 1300), pad=1, dtype=jnp.bfloat16, extra_pages=1)
+    q = np.asarray(p.q)
+    full = gpu.sparse_prefill(q, p.cache, p.topk, p.block_table, p.req, p.pos, p.k_scale, p.v_scale, 0, SCALE)
+    for t in (0, 5, 13, 18):
+        one = gpu.sparse_prefill(q[t:t + 1], p.cache, np.ascontiguousarray(p.topk[:, t:t + 1]), p.block_table,
+                                 p.req[t:t + 1], p.pos[t:t + 1], p.k_scale, p.v_scale, 0, SCALE)
+        assert np.array_equal(one.view(np.uint16), full[t:t + 1].view(np.uint16)), f"prefill token {t}"
+    d = decode_problem(rng, 1, 8, [300, 77, 1000, 5], 4, dtype=jnp.bfloat16, extra_pages=1)
+    dq = np.asarray(d.q)
+    full = gpu.sparse_decode(dq, d.cache, d.topk, d.block_table, d.seq_lens, d.k_scale, d.v_scale, 0, SCALE, 4,
+                             group=8)
+    for r in (0, 2):
+        rows = slice(4 * r, 4 * r + 4)
+        one = gpu.sparse_decode(dq[rows], d.cache, np.ascontiguousarray(d.topk[:, rows]), d.block_table[r:r + 1],
+                                d.seq_lens[r:r + 1], d.k_scale, d.v_scale, 0, SCALE, 4, group=8)
+        assert np.array_equal(one.view(np.uint16), full[rows].view(np.uint16)), f"decode request {r}"
