@@ -76,7 +76,7 @@ COUNT_OFF = UNION_LIM_OFF + 4 * CANDIDATES      # int32: the union's size
 Q_OFF = COUNT_OFF + 16                  # per wave, its rows' Q as each lane's MFMA B operands
 Q_WAVE_BYTES = ROWS_PER_WAVE * 4 * WAVE * 16
 LDS_BYTES = Q_OFF + NUM_WAVES * Q_WAVE_BYTES
-PARTS = 4                               # online-softmax updates per block (32 keys each: few live scores)
+PARTS = 2                               # online-softmax updates per block (64 keys each: few live scores)
 
 
 def dyn_for(start, stop, state: dict, body):
@@ -313,8 +313,9 @@ def store_vec4(rsrc, byte_off, vals, io):
 
 
 def update_rows(compute, lds_base, st, q_ops, mult, limits, lim_u, qk_scale, lane16, quad):
-    """Step 3 for the wave's rows on the staged entry, 32 keys at a time (an online-softmax update
-    per quarter block keeps the live scores few: 0 spills): S^T, softmax, O^T += V^T·P^T."""
+    """Step 3 for the wave's rows on the staged entry, 64 keys at a time (an online-softmax update
+    per half block keeps the live scores few: 0 spills; a whole block spills): S^T, softmax,
+    O^T += V^T·P^T."""
     m, l, o = list(st["m"]), list(st["l"]), [list(x) for x in st["o"]]
     for half in range_constexpr(PARTS):
         fx.rocdl.sched_barrier(0)       # keep the parts apart: the scheduler would overlap their live ranges
@@ -326,7 +327,7 @@ def update_half(compute, lds_base, half, m, l, o, q_ops, mult, limits, lim_u, qk
     rows = range_constexpr(ROWS_PER_WAVE)
     k_base = K_OFF + lane16 * ROW_BYTES + quad * 64         # + constants: ds_read immediate offsets
     tiles = range_constexpr(KEY_TILES // PARTS * half, KEY_TILES // PARTS * (half + 1))
-    # S^T = K·Q^T over 4 tiles of 16 keys; the K operand read once from LDS serves both rows
+    # S^T = K·Q^T over this part's tiles of 16 keys; each K operand read once from LDS serves both rows
     scores = [{} for _ in rows]
     m_blk = [fx.Float32(NEG_INF) for _ in rows]
     accs = {(r, jt): fx.Vector.filled(4, 0.0, fx.Float32) for r in rows for jt in tiles}

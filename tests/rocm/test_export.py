@@ -52,9 +52,9 @@ FORBIDDEN = {
 }
 # 4 selected blocks per wave, each 8 QK tiles × 4 MFMAs + 4 PV steps × 8 d-tiles.
 ATTENTION_MFMAS = 4 * (8 * 4 + 4 * 8)
-# Union tiles: per quarter block, QK 2 tiles × 4 MFMAs × 2 rows, and PV 8 d-tiles × 2 rows twice
-# (the shared-operand and the per-row-masked forms).
-UNION_MFMAS = 4 * (2 * 4 * 2 + 2 * 8 * 2)
+# Union tiles: per half block, QK 4 tiles × 4 MFMAs × 2 rows, and 2 PV steps × 8 d-tiles × 2 rows
+# twice (the shared-operand and the per-row-masked forms).
+UNION_MFMAS = 2 * (4 * 4 * 2 + 2 * 2 * 8 * 2)
 
 
 def family(name: str) -> str:
