@@ -135,8 +135,9 @@ def print_roofline(g: int = G) -> None:
         t_flop = flops / DENSE_FLOPS_16BIT * 1e6
         print(f"{what:<34} {nbytes:>12,d} {flops / 1e9:>9.2f} {t_mem:>9.2f} {t_flop:>9.2f} {max(t_mem, t_flop):>9.2f}")
     redundant = PREFILL_TOKENS * HKV * TOPK * N * TOKEN_BYTES * 2
-    print(f"(prefill bytes = the context's distinct K/V; the current kernel reads each token's selection "
-          f"separately, {redundant:,d} B through L2/HBM = {redundant / HBM_BYTES_PER_S * 1e6:.0f} us at HBM rate)")
+    print(f"(prefill bytes = the context's distinct K/V; a per-token kernel reads each token's selection "
+          f"separately, {redundant:,d} B = {redundant / HBM_BYTES_PER_S * 1e6:.0f} us at HBM rate; the union-tile "
+          "prefill reads each 16-token tile's union once: `python -m jax_m3sparse.bench gfx950-traffic`)")
 
 
 def main(argv=None) -> int:
