@@ -300,6 +300,7 @@ if [ "$MODE" = final ]; then  # one call: correctness, kernel and through-JAX ta
     timeout $([ $tool = racecheck ] && echo 200 || echo 120) compute-sanitizer --tool $tool --error-exitcode 9 "$B/harness" --no-bench \
       >"$OUT/sanitize_$tool.log" 2>&1
     echo "rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL |failure" "$OUT/sanitize_$tool.log" | tail -3
+    grep -m 4 -A 6 -E "^========= (Error|Warning)" "$OUT/sanitize_$tool.log"  # the first hazards
   done
   # what binds: ncu of decode T = 128 and pack T = 65536 (harness --profile shapes)
   M="smsp__inst_executed.sum,smsp__cycles_active.avg,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__warps_active.avg.per_cycle_active"
@@ -323,10 +324,10 @@ if [ "$MODE" = final ]; then  # one call: correctness, kernel and through-JAX ta
     M3SPARSE_BENCH_TRACE=1 timeout 100 python3 -m jax_m3sparse.bench.cuda --gap 2>&1 |
       tee "$OUT/gap.log" | grep -v "^  trace"
   fi
-  echo "=== compute-sanitizer memcheck: pytest tests/cuda/test_gpu.py -k 'small_group or decode_matches or invariant'"
+  echo "=== compute-sanitizer memcheck: pytest tests/cuda/test_gpu.py -k 'small_group or decode_matches or invariant or large_batch'"
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 compute-sanitizer --tool memcheck \
     --error-exitcode 9 python3 -m pytest -q -x tests/cuda/test_gpu.py -p no:cacheprovider \
-    -k "small_group or decode_matches or invariant" >"$OUT/sanitize_pytest.log" 2>&1
+    -k "small_group or decode_matches or invariant or large_batch" >"$OUT/sanitize_pytest.log" 2>&1
   echo "rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize_pytest.log" | tail -3
   date -u
   exit 0

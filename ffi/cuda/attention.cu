@@ -1,32 +1,48 @@
 // Sparse NVFP4 attention for sm_90: sparse_decode (SPEC §5.3) and sparse_prefill (§5.4).
 //
-// One CTA (4 warps) per (token, KV head), whatever the batch: the launch has no other shape, so a
-// row's arithmetic (block order, reduction tree, kernel) never depends on T, Hkv or the other
-// rows (batch- and TP-invariant, bit for bit; tests/cuda). The G <= 16 query heads of a KV head
-// are the rows of every m16n8k16 mma (rows G..15 are zero padding), so each dequantized K/V
-// element serves all G heads.
+// A row (token, KV head) is computed by one fixed reduction tree whatever the launch shape, so its
+// bits never depend on T, Hkv or the other rows (batch- and TP-invariant; tests/cuda). The G <= 16
+// query heads of a KV head are the rows of every m16n8k16 mma (rows G..15 are zero padding), so
+// each dequantized K/V element serves all G heads.
 //   1. Threads 0..K-1 check their top-k slot (SPEC §5.2: 0 <= b < max_blocks, 128·b < vis,
 //      0 <= block_table[r, b] < P, layer in [0, L)) before anything is loaded, and the valid
 //      slots are compacted in shared memory (warp ballots), kept in top-k order.
 //      Meanwhile warp 3 loads Q.
-//   2. The K tile and the V tile of a (page, head) are adjacent in the cache (slots 2h, 2h+1):
-//      18432 contiguous bytes, streamed with 16-byte cp.async into a 2-stage ring (4 CTAs per SM).
-//   3. Warp w owns keys [32w, 32w+32) of every block: it dequantizes K into mma B fragments
-//      (device_utils.cuh: exact), computes S = Q·Kᵀ (fp32), masks keys >= vis with a select,
-//      runs the base-2 online softmax, dequantizes V (block scale selected to 0 for masked keys,
-//      so NaN/garbage never meets the PV product) and accumulates P·V in fp32.
-//      The d order inside a k-step and the key order inside an n-tile are permuted (both sides
-//      agree) so that every lane reads contiguous bytes: 16 B per key for K, 8 B for V.
-//   4. The 4 warps' (m, l, acc) merge in shared memory in a fixed order (warp 0..3); rows with
-//      no attended key write exact zeros. No global workspace: CUDA-graph safe.
-// The softmax is the lean one: the scale is folded into the exp2 and the running max moves only
-// when a row's maximum exceeds it by more than kLazy (see online_softmax_lean).
+//   2. The row's `count` valid entries form 4 rounds of cpr = ceil(count / 4) consecutive entries
+//      (round j: [j·cpr, (j+1)·cpr) ∩ [0, count); a fact of the row alone). A leaf (j, q) is the
+//      online softmax of warp q over keys [32q, 32q+32) of round j's blocks: fresh state, the same
+//      code in every launch shape.
+//   3. The K tile and the V tile of a (page, head) are adjacent in the cache (slots 2h, 2h+1):
+//      18432 contiguous bytes, streamed with 16-byte cp.async into a ring (each warp its own
+//      quarter of every tile pair). Warp q dequantizes K into mma B fragments (device_utils.cuh:
+//      exact), computes S = Q·Kᵀ (fp32), masks keys >= vis with a select, runs the base-2 online
+//      softmax, dequantizes V (block scale selected to 0 for masked keys, so NaN/garbage never
+//      meets the PV product) and accumulates P·V in fp32. The d order inside a k-step and the key
+//      order inside an n-tile are permuted (both sides agree) so every lane reads contiguous bytes.
+//   4. The 16 leaves are folded left to right in the order (0,0), (0,1), ..., (3,3) into one
+//      state R = (m, l, O) by fold_stats / fold_o (explicitly rounded fp32), then
+//      out = O / l · v_scale; rows with no attended key write exact zeros.
+// Two launch shapes compute that same tree (attention_split() picks one from the grid; neither
+// changes a bit):
+//   - one CTA (4 warps, 2-stage ring, 4 CTAs/SM) per row: warp q computes its leaves of rounds
+//     0..3 in turn and folds each into R in shared memory, the warps one after another in the
+//     order above (CTA barriers between the folds);
+//   - a cluster of 4 CTAs per row (small batches): CTA j computes round j's 4 leaves (4-stage
+//     ring: its blocks are all in flight at once) and keeps them in shared memory; after a cluster
+//     barrier every CTA folds a quarter of the elements of all 16 leaves, read through
+//     distributed shared memory, in the same order with the same functions.
+// No global workspace: CUDA-graph safe. The softmax is the lean one: the scale is folded into the
+// exp2 and the running max moves only when a row's maximum exceeds it by more than kLazy.
+#include <cooperative_groups.h>
+
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
 #include "device_utils.cuh"
 #include "m3sparse_cuda.h"
+
+namespace cg = cooperative_groups;
 
 namespace m3sparse {
 namespace cuda {
@@ -38,15 +54,21 @@ constexpr int kTileBytes = kBlockSize * (kHeadDim / 2 + kHeadDim / 16);  // 9216
 constexpr int kScalePlane = kBlockSize * kHeadDim / 2;                     // 8192
 constexpr int kStageBytes = 2 * kTileBytes;                                // K tile, V tile
 constexpr float kLog2e = 1.4426950408889634f;
-// Merge scratch (reuses the stage ring): 4 warp partials + one CTA partial.
-constexpr int kMergeBytes =
-    (kWarps * kGroup * kHeadDim + 2 * kWarps * kGroup + kGroup * kHeadDim + 2 * kGroup) * 4;
-
-// 4 CTAs per SM (16 warps), 2 cp.async stages: the fastest launch shape timed on the H200
-// (BENCHMARKS.md, issues 13 and 22).
+constexpr int kRounds = 4;   // rounds of a row's entries = CTAs of the split launch
+constexpr int kSplit = kRounds;
+// One fp32 state (m, l, O) of 16 rows x 128 d in the mma fragment layout: float4 [jd][lane]
+// (lane (g8, tig) of any warp: acc[jd][0..3]), then m[16], l[16].
+constexpr int kStateFloats = kGroup * kHeadDim + 2 * kGroup;
+constexpr int kStateBytes = kStateFloats * 4;  // 8320
+// one CTA per row: 4 CTAs per SM (16 warps), a 2-stage ring plus R
 constexpr int kMinBlocks = 4;
-constexpr int kStages = 2;
-constexpr int kSmemBytes = kStages * kStageBytes > kMergeBytes ? kStages * kStageBytes : kMergeBytes;
+constexpr int kStagesRow = 2;
+constexpr int kSmemRow = kStagesRow * kStageBytes + kStateBytes;
+// split: a 4-stage ring (a round's 4 blocks in flight at once); each warp's 4 leaves reuse its
+// own ring slice
+constexpr int kStagesSplit = 4;
+constexpr int kSmemSplit = kStagesSplit * kStageBytes;
+static_assert(kStagesSplit * kStageBytes / kWarps >= kStateBytes, "leaf fits a warp's slice");
 
 static_assert(kHeadDim == 128 && kBlockSize == 128 && kGroup == 16, "kernel geometry");
 
@@ -223,84 +245,51 @@ __device__ __forceinline__ void online_softmax_lean(float (&sc)[4][4], float (&a
   }
 }
 
-// Shared-memory merge scratch (reuses the stage ring): 4 partials + one CTA partial.
-struct MergeSmem {
-  float* part;   // [4][16][128]
-  float* pm;     // [4][16]
-  float* pl;     // [4][16]
-  float* cta_o;  // [16][128]
-  float* cta_m;  // [16]
-  float* cta_l;  // [16]
-  __device__ explicit MergeSmem(uint8_t* smem) {
-    part = reinterpret_cast<float*>(smem);
-    pm = part + 4 * kGroup * kHeadDim;
-    pl = pm + 4 * kGroup;
-    cta_o = pl + 4 * kGroup;
-    cta_m = cta_o + kGroup * kHeadDim;
-    cta_l = cta_m + kGroup;
-  }
-  // Partial `slot`'s running max and sum of rows g8 and g8 + 8.
-  __device__ void store_stats(int slot, int g8, float m0, float m1, float l0, float l1) const {
-    pm[slot * kGroup + g8] = m0;
-    pm[slot * kGroup + g8 + 8] = m1;
-    pl[slot * kGroup + g8] = l0;
-    pl[slot * kGroup + g8 + 8] = l1;
-  }
-};
-
 // A row's sum over the 4 lanes of its quad (the lanes that hold its columns).
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Merge of the 4 partial (m, l, O) of a CTA (written to ms.part / pm / pl before the caller's
-// barrier) in the fixed order w = 0..3, and the store. Threads 0..127 own one d each; every
-// thread calls it. Rows with no attended key write exact zeros. vsc: v_scale times the
-// dequantization power of two.
+// One step of the left fold R <- R ⊕ L of two softmax states, with every rounding explicit (no
+// contraction choice left to the compiler), so both launch shapes give the same bits: the row's
+// new max, both factors, the new sum; fold_o for each O element.
+__device__ __forceinline__ void fold_stats(float mR, float lR, float mL, float lL, float& m,
+                                           float& l, float& fR, float& fL) {
+  m = fmaxf(mR, mL);
+  const float mu = m == -INFINITY ? 0.f : m;  // two empty states stay empty (factors 0)
+  fR = fast_exp2(__fsub_rn(mR, mu));
+  fL = fast_exp2(__fsub_rn(mL, mu));
+  l = __fmaf_rn(lL, fL, __fmul_rn(lR, fR));
+}
+__device__ __forceinline__ float fold_o(float oR, float oL, float fR, float fL) {
+  return __fmaf_rn(oL, fL, __fmul_rn(oR, fR));
+}
+
+// Output element k (0..2047) of a state in fragment layout (float4 [jd][lane], element e):
+// its row h and d (kCvt: the V fragments' d permutation).
+template <bool kCvt>
+__device__ __forceinline__ void state_elem(int k, int& h, int& d) {
+  const int jd = k >> 7, lane = (k >> 2) & 31, e = k & 3;
+  h = (lane >> 2) + 8 * (e >> 1);
+  const int dj = kCvt ? 8 * (jd / 8) + cvt_elem(jd % 8) : jd;
+  d = 16 * (2 * (lane & 3) + (e & 1)) + dj;
+}
+
+// out = O / l · vsc (vsc: v_scale times the dequantization power of two); 0 where l == 0.
 template <typename T>
-__device__ __forceinline__ void merge_and_store(const AttentionParams& p, const MergeSmem& ms,
-                                                int64_t t, int g, int G, float vsc) {
-  const int d = threadIdx.x;
-  if (d < kHeadDim) {
-#pragma unroll 4
-    for (int h = 0; h < kGroup; ++h) {
-      float mw = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < 4; ++w) mw = fmaxf(mw, ms.pm[w * kGroup + h]);
-      const float mu = mw == -INFINITY ? 0.f : mw;
-      float L = 0.f, O = 0.f;
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const float f = fast_exp2(ms.pm[w * kGroup + h] - mu);
-        L += ms.pl[w * kGroup + h] * f;
-        O += ms.part[(w * kGroup + h) * kHeadDim + d] * f;
-      }
-      ms.cta_o[h * kHeadDim + d] = O;
-      if (d == 0) {
-        ms.cta_m[h] = mw;
-        ms.cta_l[h] = L;
-      }
-    }
-  }
-  const int Hq = p.num_kv_heads * G;
-  uint16_t* out = static_cast<uint16_t*>(p.out) + ((t * Hq + int64_t(g) * G) * kHeadDim);
-  __syncthreads();
-  if (d < kHeadDim) {
-    for (int h = 0; h < G; ++h) {
-      const float L = ms.cta_l[h];
-      const float o = L == 0.f ? 0.f : ms.cta_o[h * kHeadDim + d] / L * vsc;
-      out[h * kHeadDim + d] = Traits<T>::from_float(o);
-    }
-  }
+__device__ __forceinline__ uint16_t final_value(float O, float L, float vsc) {
+  return Traits<T>::from_float(L == 0.f ? 0.f : __fmul_rn(__fdiv_rn(O, L), vsc));
 }
 
 // T: q/out dtype. kCvt: dequantize through the fp8 conversion (fp16 mma, Q converted to fp16);
-// otherwise through the bit placement of device_utils.cuh (mma in T).
-template <typename T, bool kCvt>
-__global__ void __launch_bounds__(kThreads, kMinBlocks)
+// otherwise through the bit placement of device_utils.cuh (mma in T). kSplitted: the cluster
+// launch (4 CTAs per row, CTA j computes round j); else one CTA per row.
+template <typename T, bool kCvt, bool kSplitted>
+__global__ void __launch_bounds__(kThreads, kSplitted ? 1 : kMinBlocks)
     sparse_attention_kernel(const AttentionParams p) {
   using C = std::conditional_t<kCvt, __half, T>;  // mma / P dtype
+  constexpr int kStages = kSplitted ? kStagesSplit : kStagesRow;
   constexpr float kComp = kCvt ? kCvtComp : Traits<T>::kComp;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int64_t s_off[kMaxTopk];
@@ -315,7 +304,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const int g8 = lane >> 2;   // mma groupID
   const int tig = lane & 3;   // thread in group
 
-  const int64_t pair = int64_t(blockIdx.x);
+  const int rank = kSplitted ? int(blockIdx.x % kSplit) : 0;  // = the cluster rank
+  const int64_t pair = int64_t(blockIdx.x) / (kSplitted ? kSplit : 1);
   const int Hkv = p.num_kv_heads;
   const int64_t t = pair / Hkv;
   const int g = int(pair % Hkv);
@@ -346,8 +336,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     build_q_frags<T, kCvt, 4>(static_cast<const uint16_t*>(p.q) + ((t * Hq + int64_t(g) * G) * kHeadDim),
                               G, lane, 32 * tig, zs < 0.f ? 0x80008000u : 0u, &s_q[0][0]);
 
-  const int count = compact_slots(p, tp, g, bsel, s_off, s_nvalid, s_mask);
-  const int nmine = count;
+  // one CTA per row: R (the fold's state, after the ring) starts empty
+  float* const R = reinterpret_cast<float*>(smem + kStagesRow * kStageBytes);
+  if constexpr (!kSplitted) {
+    for (int i = tid; i < kGroup * kHeadDim; i += kThreads) R[i] = 0.f;
+    if (tid < kGroup) {
+      R[kGroup * kHeadDim + tid] = -INFINITY;
+      R[kGroup * kHeadDim + kGroup + tid] = 0.f;
+    }
+  }
+  const int count = compact_slots(p, tp, g, bsel, s_off, s_nvalid, s_mask);  // (barriers)
+  const int cpr = (count + kRounds - 1) / kRounds;  // entries per round
+  const int jbeg = kSplitted ? rank : 0, jend = kSplitted ? rank + 1 : kRounds;
+  const int e0 = min(count, jbeg * cpr), e1 = min(count, jend * cpr);  // this CTA's entries
 
   float acc[16][4];
 #pragma unroll
@@ -367,11 +368,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const int src_d = kb * 64 + 16 * lane;
   const int src_s = kScalePlane + kb * 8 + 16 * (lane & 15) + (lane >= 16 ? kTileBytes : 0);
   const int dst_s = 16 * lane + (lane >= 16 ? kVs - 256 : kKs);
-  auto issue = [&](int j) {
-    const int e = j;
+  auto issue = [&](int e) {
     if (kb >= s_nvalid[e]) return;  // none of this warp's keys is attended in that block
     const uint8_t* tile = cache + s_off[e];
-    uint8_t* dst = wsmem + (j % kStages) * kWarpStage;
+    uint8_t* dst = wsmem + ((e - e0) % kStages) * kWarpStage;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       cp_async16(dst + 16 * lane + 512 * i, tile + src_d + 512 * i);
@@ -382,18 +382,21 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 
 #pragma unroll
   for (int j = 0; j < kStages - 1; ++j) {
-    if (j < nmine) issue(j);
+    if (e0 + j < e1) issue(e0 + j);
     cp_async_commit();
   }
 
-  for (int j = 0; j < nmine; ++j) {
-    if (j + kStages - 1 < nmine) issue(j + kStages - 1);
+  int e = e0;
+  for (int jr = jbeg; jr < jend; ++jr) {
+  const int ehi = min(count, (jr + 1) * cpr);
+  for (; e < ehi; ++e) {
+    if (e + kStages - 1 < e1) issue(e + kStages - 1);
     cp_async_commit();
     cp_async_wait<kStages - 1>();
     __syncwarp();
 
-    const uint8_t* Ws = wsmem + (j % kStages) * kWarpStage;
-    const int nvalid = s_nvalid[j];
+    const uint8_t* Ws = wsmem + ((e - e0) % kStages) * kWarpStage;
+    const int nvalid = s_nvalid[e];
 
     auto process = [&](auto masked_tag) {
       constexpr bool kMasked = decltype(masked_tag)::value;
@@ -508,47 +511,161 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     else if (kb < nvalid) process(std::true_type{});
     __syncwarp();
   }
-  cp_async_wait<0>();
-  __syncthreads();
-
-  // ---- merge the 4 warps (shared memory, fixed order)
+  // ---- leaf (jr, warp) is complete: fold it (one CTA) or keep it (split)
   l0 = quad_sum(l0);
   l1 = quad_sum(l1);
-  const MergeSmem ms(smem);
+  if constexpr (!kSplitted) {
+    // R <- R ⊕ leaf, warp after warp (CTA barriers between the folds)
+    for (int w = 0; w < kWarps; ++w) {
+    if (warp == w) {
+    float4* Ro = reinterpret_cast<float4*>(R);
+    float* Rm = R + kGroup * kHeadDim;
+    float* Rl = Rm + kGroup;
+    float n0, n1, L0, L1, fR0, fL0, fR1, fL1;
+    fold_stats(Rm[g8], Rl[g8], m0, l0, n0, L0, fR0, fL0);
+    fold_stats(Rm[g8 + 8], Rl[g8 + 8], m1, l1, n1, L1, fR1, fL1);
 #pragma unroll
-  for (int jd = 0; jd < 16; ++jd) {
+    for (int jd = 0; jd < 16; ++jd) {
+      float4 r = Ro[jd * 32 + lane];
+      r.x = fold_o(r.x, acc[jd][0], fR0, fL0);
+      r.y = fold_o(r.y, acc[jd][1], fR0, fL0);
+      r.z = fold_o(r.z, acc[jd][2], fR1, fL1);
+      r.w = fold_o(r.w, acc[jd][3], fR1, fL1);
+      Ro[jd * 32 + lane] = r;
+    }
+    __syncwarp();
+    if (tig == 0) {
+      Rm[g8] = n0;
+      Rm[g8 + 8] = n1;
+      Rl[g8] = L0;
+      Rl[g8 + 8] = L1;
+    }
+    }
+    __syncthreads();
+    }
+  } else {
+    // the leaf into this warp's own ring slice (its copies are complete)
+    cp_async_wait<0>();
+    __syncwarp();
+    float4* Lo = reinterpret_cast<float4*>(wsmem);
+    float* Lm = reinterpret_cast<float*>(wsmem) + kGroup * kHeadDim;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int h = g8 + 8 * (e >> 1);
-      const int dj = kCvt ? 8 * (jd / 8) + cvt_elem(jd % 8) : jd;
-      const int d = 16 * (2 * tig + (e & 1)) + dj;
-      ms.part[(warp * kGroup + h) * kHeadDim + d] = acc[jd][e];
+    for (int jd = 0; jd < 16; ++jd)
+      Lo[jd * 32 + lane] = make_float4(acc[jd][0], acc[jd][1], acc[jd][2], acc[jd][3]);
+    if (tig == 0) {
+      Lm[g8] = m0;
+      Lm[g8 + 8] = m1;
+      Lm[kGroup + g8] = l0;
+      Lm[kGroup + g8 + 8] = l1;
     }
   }
-  if (tig == 0) ms.store_stats(warp, g8, m0, m1, l0, l1);
-  __syncthreads();
-  merge_and_store<T>(p, ms, t, g, G, (*p.v_scale) * kComp);
+#pragma unroll
+  for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  m0 = m1 = -INFINITY;
+  l0 = l1 = 0.f;
+  }  // rounds
+  cp_async_wait<0>();
+
+  const float vsc = (*p.v_scale) * kComp;
+  uint16_t* out = static_cast<uint16_t*>(p.out) + ((t * Hq + int64_t(g) * G) * kHeadDim);
+  if constexpr (!kSplitted) {
+    // R holds all 16 leaves (the last fold ended with a barrier)
+    const float* Rl = R + kGroup * kHeadDim + kGroup;
+    for (int k = tid; k < kGroup * kHeadDim; k += kThreads) {
+      int h, d;
+      state_elem<kCvt>(k, h, d);
+      if (h < G) out[h * kHeadDim + d] = final_value<T>(R[k], Rl[h], vsc);
+    }
+  } else {
+    // ---- the fold of the cluster's 16 leaves: CTA `rank` takes elements [512·rank, +512),
+    // thread tid one float4 of them (rows g8 = lane/4 and g8 + 8 of that fragment lane)
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();
+    const int f4 = rank * (kThreads) + tid;  // float4 index [jd][lane]
+    const int ln = f4 & 31, ra = ln >> 2, rb = ra + 8;
+    float mA = -INFINITY, lA = 0.f, mB = -INFINITY, lB = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int leaf = 0; leaf < kRounds * kWarps; ++leaf) {
+      const int j = leaf / kWarps, q = leaf % kWarps;
+      const float* base = reinterpret_cast<const float*>(
+          cluster.map_shared_rank(smem + q * (kStages * kWarpStage), j));
+      const float4 L = reinterpret_cast<const float4*>(base)[f4];
+      const float* Lm = base + kGroup * kHeadDim;
+      float fRA, fLA, fRB, fLB;
+      fold_stats(mA, lA, Lm[ra], Lm[kGroup + ra], mA, lA, fRA, fLA);
+      fold_stats(mB, lB, Lm[rb], Lm[kGroup + rb], mB, lB, fRB, fLB);
+      o.x = fold_o(o.x, L.x, fRA, fLA);
+      o.y = fold_o(o.y, L.y, fRA, fLA);
+      o.z = fold_o(o.z, L.z, fRB, fLB);
+      o.w = fold_o(o.w, L.w, fRB, fLB);
+    }
+    const float ov[4] = {o.x, o.y, o.z, o.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int h, d;
+      state_elem<kCvt>(4 * f4 + e, h, d);
+      if (h < G) out[h * kHeadDim + d] = final_value<T>(ov[e], e < 2 ? lA : lB, vsc);
+    }
+    cluster.sync();  // no CTA leaves while the others read its leaves
+  }
 }
 
-// Launches the kernel for q's dtype: bf16 q keeps bf16 products through the bit placement (no
-// fp16 range limit on q); f16 q takes the fp8-conversion path with fp16 products. The dynamic
-// shared-memory limit is raised once per device (not stream work; also fine inside graph capture).
-template <typename T>
-cudaError_t launch_typed(const AttentionParams& p, cudaStream_t stream) {
-  constexpr bool kCvt = std::is_same_v<T, __half>;
-  static bool configured[64] = {false};
+struct DeviceInfo {
+  bool configured = false;
+  int num_sms = 0;
+};
+
+// The number of SMs of the current device, and the kernels' shared-memory limits raised once per
+// device (not stream work; also fine inside graph capture).
+template <typename T, bool kCvt>
+cudaError_t configure(int* num_sms) {
+  static DeviceInfo info[64];
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
-  if (dev < 0 || dev >= 64 || !configured[dev]) {
-    err = cudaFuncSetAttribute(sparse_attention_kernel<T, kCvt>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
+  if (!info[dev].configured) {
+    err = cudaFuncSetAttribute(sparse_attention_kernel<T, kCvt, false>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemRow);
+    if (err == cudaSuccess)
+      err = cudaFuncSetAttribute(sparse_attention_kernel<T, kCvt, true>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSplit);
+    if (err == cudaSuccess)
+      err = cudaDeviceGetAttribute(&info[dev].num_sms, cudaDevAttrMultiProcessorCount, dev);
     if (err != cudaSuccess) return err;
-    if (dev >= 0 && dev < 64) configured[dev] = true;
+    info[dev].configured = true;
   }
-  sparse_attention_kernel<T, kCvt>
-      <<<unsigned(p.num_tokens * p.num_kv_heads), kThreads, kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  *num_sms = info[dev].num_sms;
+  return cudaSuccess;
+}
+
+// Launches for q's dtype: bf16 q keeps bf16 products through the bit placement (no fp16 range
+// limit on q); f16 q takes the fp8-conversion path with fp16 products.
+template <typename T>
+cudaError_t launch_typed(const AttentionParams& p, cudaStream_t stream) {
+  constexpr bool kCvt = std::is_same_v<T, __half>;
+  int num_sms = 0;
+  cudaError_t err = configure<T, kCvt>(&num_sms);
+  if (err != cudaSuccess) return err;
+  const int64_t rows = p.num_tokens * p.num_kv_heads;
+  if (attention_split(p, num_sms) == 1) {
+    sparse_attention_kernel<T, kCvt, false><<<unsigned(rows), kThreads, kSmemRow, stream>>>(p);
+    return cudaGetLastError();
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(rows * kSplit), 1, 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = kSmemSplit;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kSplit;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, sparse_attention_kernel<T, kCvt, true>, p);
 }
 
 }  // namespace
@@ -564,10 +681,18 @@ const char* attention_unsupported(int64_t num_heads, int64_t num_kv_heads, int64
               "head_dim == 128, block_size == 128 and 1 <= topk_blocks <= 64";
 }
 
+int attention_split(const AttentionParams& p, int num_sms) {
+  if (p.split == 1 || p.split == kSplit) return p.split;
+  // the cluster launch while its 4 CTAs per row fit at 2 per SM (one wave; H200: T·Hkv <= 66);
+  // at T·Hkv = 128 one CTA per row was faster (29.4 vs 37.9 µs, BENCHMARKS 2026-12-02)
+  return p.num_tokens * p.num_kv_heads * kSplit <= 2 * int64_t(num_sms) ? kSplit : 1;
+}
+
 cudaError_t launch_sparse_attention(const AttentionParams& p, cudaStream_t stream) {
   if (p.num_tokens <= 0 || p.num_kv_heads <= 0) return cudaSuccess;
   if (p.topk < 0 || p.topk > kMaxTopk) return cudaErrorInvalidValue;
-  if (p.num_tokens * p.num_kv_heads > int64_t(0x7FFFFFFF)) return cudaErrorInvalidValue;
+  if (p.num_tokens * p.num_kv_heads > int64_t(0x7FFFFFFF) / kSplit) return cudaErrorInvalidValue;
+  if (p.split != 0 && p.split != 1 && p.split != kSplit) return cudaErrorInvalidValue;
   switch (p.dtype) {
     case DType::kBF16: return launch_typed<__nv_bfloat16>(p, stream);
     case DType::kF16: return launch_typed<__half>(p, stream);

@@ -45,6 +45,8 @@ struct AttentionParams {
   float scale;                    // softmax scale
   DType dtype;                    // of q / out
   int32_t group;                  // G = Hq / Hkv, 1..16 (0 means 16); rows >= G are padding
+  int32_t split;                  // launch shape: 0 chosen from the grid (attention_split), 1 one
+                                  // CTA per row, 4 a cluster of 4 per row (the same bits)
 };
 
 struct PackParams {
@@ -65,6 +67,10 @@ struct PackParams {
 // Mirrors jax_m3sparse.spec.unsupported_reason(..., platform="cuda").
 const char* attention_unsupported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                   int64_t topk_blocks, int64_t block_size);
+
+// The launch shape the attention kernels take for p on a device of num_sms SMs: 1 (one CTA per
+// row) or 4 (a cluster of 4 CTAs per row). Either computes a row's bits the same way.
+int attention_split(const AttentionParams& p, int num_sms);
 
 // Launches (asynchronously on `stream`); returns the launch's error code.
 cudaError_t launch_sparse_attention(const AttentionParams& p, cudaStream_t stream);

@@ -36,6 +36,7 @@ using namespace m3sparse::cuda;
   } while (0)
 
 static int g_failures = 0;
+static int g_num_sms = 132;
 static void report(bool ok, const char* what) {
   printf("%-6s %s\n", ok ? "PASS" : "FAIL", what);
   if (!ok) ++g_failures;
@@ -260,9 +261,11 @@ static Metrics compare(const HostCase& c, const std::vector<uint16_t>& got,
   return m;
 }
 
-static std::vector<uint16_t> run_case(const HostCase& c) {
+// split: the launch shape (0: chosen from the grid, 1: one CTA per row, 4: a cluster per row)
+static std::vector<uint16_t> run_case(const HostCase& c, int split = 0) {
   std::vector<void*> owned;
   AttentionParams p = upload_case(c, owned);
+  p.split = split;
   CK(cudaMemset(p.out, 0xFF, std::max<size_t>(2, c.q.size() * 2)));  // poison
   CK(launch_sparse_attention(p, 0));
   CK(cudaDeviceSynchronize());
@@ -439,36 +442,53 @@ static HostCase head_slice(const HostCase& c, int g0, int hs) {
   return s;
 }
 
+// Units [u0, u0 + n) of a case (decode: requests with their dql rows; prefill: tokens) as a case.
+static HostCase sub_batch(const HostCase& c, int u0, int n) {
+  HostCase s = c;
+  const int dql = c.prefill ? 1 : c.dql, t0 = u0 * dql, nt = n * dql;
+  const size_t row = size_t(c.Hkv) * c.G * 128;
+  s.T = nt;
+  if (!c.prefill) {
+    s.R = n;
+    s.seq_lens.assign(c.seq_lens.begin() + u0, c.seq_lens.begin() + u0 + n);
+    s.block_table.assign(c.block_table.begin() + size_t(u0) * c.M,
+                         c.block_table.begin() + size_t(u0 + n) * c.M);
+  } else {
+    s.req_id.assign(c.req_id.begin() + t0, c.req_id.begin() + t0 + nt);
+    s.abs_pos.assign(c.abs_pos.begin() + t0, c.abs_pos.begin() + t0 + nt);
+  }
+  s.topk.clear();
+  for (int g = 0; g < c.Hkv; ++g)
+    s.topk.insert(s.topk.end(), c.topk.begin() + (size_t(g) * c.T + t0) * c.K,
+                  c.topk.begin() + (size_t(g) * c.T + t0 + nt) * c.K);
+  s.q.assign(c.q.begin() + t0 * row, c.q.begin() + (t0 + nt) * row);
+  return s;
+}
+
+// The reference bits are the whole batch with one CTA per row (the large-T shape); the batch
+// with a cluster per row, every unit alone, the batches of the first 1, 2, 8 units (the launch
+// shape chosen from their grid: the cluster at small T) and the head slices must equal them.
 static void test_invariance(std::mt19937& rng, const char* name, bool prefill, int Hkv, int R,
                             int dql, bool f16, int G = 16) {
   const int K = 16;
   const HostCase c = make_case(rng, prefill, Hkv, R, dql, K, 1, 0, 0, f16, G);
-  const std::vector<uint16_t> full = run_case(c);
+  const std::vector<uint16_t> full = run_case(c, 1);
   const size_t row = size_t(Hkv) * G * 128;  // elements of one token
-  long bad_alone = 0, bad_tp = 0, units = 0;
-  // each decode request (its dql rows) / each prefill token alone
+  long bad_alone = 0, bad_tp = 0, units = 0, bad_shape = 0, bad_prefix = 0, nonzero = 0;
+  for (uint16_t b : full) nonzero += b != 0;
+  bad_shape += run_case(c, 4) != full;
+  bad_shape += run_case(c, 0) != full;
   const int nunits = prefill ? c.T : c.R;
-  for (int u = 0; u < nunits; ++u) {
-    HostCase s = c;
-    const int t0 = prefill ? u : u * dql, nt = prefill ? 1 : dql;
-    s.T = nt;
-    if (!prefill) {
-      s.R = 1;
-      s.seq_lens = {c.seq_lens[u]};
-      s.block_table.assign(c.block_table.begin() + size_t(u) * c.M,
-                           c.block_table.begin() + size_t(u + 1) * c.M);
-    } else {
-      s.req_id = {c.req_id[u]};
-      s.abs_pos = {c.abs_pos[u]};
-    }
-    s.topk.clear();
-    for (int g = 0; g < Hkv; ++g)
-      s.topk.insert(s.topk.end(), c.topk.begin() + (size_t(g) * c.T + t0) * K,
-                    c.topk.begin() + (size_t(g) * c.T + t0 + nt) * K);
-    s.q.assign(c.q.begin() + t0 * row, c.q.begin() + (t0 + nt) * row);
-    const std::vector<uint16_t> got = run_case(s);
-    bad_alone += !std::equal(got.begin(), got.end(), full.begin() + t0 * row);
+  const int udql = prefill ? 1 : dql;
+  for (int u = 0; u < nunits; ++u) {  // each decode request (its dql rows) / prefill token alone
+    const std::vector<uint16_t> got = run_case(sub_batch(c, u, 1));
+    bad_alone += !std::equal(got.begin(), got.end(), full.begin() + size_t(u) * udql * row);
     ++units;
+  }
+  for (int n : {2, 8}) {  // the first n units as a batch
+    if (n > nunits) continue;
+    const std::vector<uint16_t> got = run_case(sub_batch(c, 0, n));
+    bad_prefix += !std::equal(got.begin(), got.end(), full.begin());
   }
   // KV heads split as TP 2 (when Hkv is even) and TP Hkv would split them
   for (int hs : {Hkv / 2, 1}) {
@@ -481,11 +501,19 @@ static void test_invariance(std::mt19937& rng, const char* name, bool prefill, i
                               full.begin() + t * row + size_t(g0) * G * 128);
     }
   }
-  char msg[256];
+  AttentionParams pc = {};
+  pc.num_tokens = c.T;
+  pc.num_kv_heads = Hkv;
+  AttentionParams p1 = pc;
+  p1.num_tokens = udql;
+  char msg[320];
   snprintf(msg, sizeof msg,
-           "invariance %s T=%d Hkv=%d G=%d: %ld of %ld units alone differ, %ld head-sliced rows "
-           "differ (bit for bit)", name, c.T, Hkv, G, bad_alone, units, bad_tp);
-  report(bad_alone == 0 && bad_tp == 0, msg);
+           "invariance %s T=%d Hkv=%d G=%d (auto shape: batch %d, unit alone %d CTAs/row): "
+           "cluster vs one-CTA batch %ld differ, %ld of %ld units alone differ, %ld prefix "
+           "batches differ, %ld head-sliced rows differ (bit for bit; %ld nonzero)",
+           name, c.T, Hkv, G, attention_split(pc, g_num_sms), attention_split(p1, g_num_sms),
+           bad_shape, bad_alone, units, bad_prefix, bad_tp, nonzero);
+  report(bad_shape == 0 && bad_alone == 0 && bad_prefix == 0 && bad_tp == 0 && nonzero > 0, msg);
 }
 
 // ------------------------------------------------------------------ pack exactness
@@ -739,6 +767,7 @@ static double time_graph(F launch, int nvariants, int n = 20, int reps = 9) {
 struct BenchDecode {
   int T, dql, Hkv, K;
   int64_t seq;
+  int split = 0;  // launch shape (0: chosen from the grid; -1: the other one)
 };
 
 // decode over a large hash-filled cache; returns nothing, prints a row per split setting
@@ -799,6 +828,8 @@ static void bench_decode(std::mt19937& rng, const BenchDecode& b, double copy_tb
   p.is_prefill = 0;
   p.scale = 1.0f / std::sqrt(128.f);
   p.dtype = DType::kBF16;
+  p.split = b.split < 0 ? (attention_split(p, g_num_sms) == 1 ? 4 : 1) : b.split;
+  const int shape = attention_split(p, g_num_sms);
   const double bytes = double(T) * Hkv * K * 128 * 72 * 2;
   auto launch = [&](int v, cudaStream_t st) {
     AttentionParams pv = p;
@@ -806,9 +837,10 @@ static void bench_decode(std::mt19937& rng, const BenchDecode& b, double copy_tb
     CK(launch_sparse_attention(pv, st));
   };
   const double us = time_graph(launch, nv);
-  printf("TABLE decode T=%d dql=%d Hkv=%d K=%d seq=%lld: %.2f us, %.3f TB/s, %.1f%% of copy "
-         "(%.1f MB, %d block tables)\n", T, dql, Hkv, K, (long long)b.seq, us,
-         bytes / (us * 1e-6) / 1e12, 100.0 * bytes / (us * 1e-6) / 1e12 / copy_tbs, bytes / 1e6, nv);
+  printf("TABLE decode T=%d dql=%d Hkv=%d K=%d seq=%lld %s%d CTA/row: %.2f us, %.3f TB/s, %.1f%% "
+         "of copy (%.1f MB, %d block tables)\n", T, dql, Hkv, K, (long long)b.seq,
+         b.split ? "forced " : "", shape, us, bytes / (us * 1e-6) / 1e12,
+         100.0 * bytes / (us * 1e-6) / 1e12 / copy_tbs, bytes / 1e6, nv);
   if (check) {
     // correctness at the benchmark shape against the fp64 oracle (bytes re-derived)
     CK(cudaMemset(out, 0xFF, q.size() * 2));
@@ -975,6 +1007,7 @@ int main(int argc, char** argv) {
   CK(cudaGetDeviceProperties(&prop, 0));
   printf("device: %s, %d SMs, %.0f MB L2, cc %d.%d\n", prop.name, prop.multiProcessorCount,
          prop.l2CacheSize / 1e6, prop.major, prop.minor);
+  g_num_sms = prop.multiProcessorCount;
   std::mt19937 rng(1234);
 
   if (tests) {
@@ -998,6 +1031,9 @@ int main(int argc, char** argv) {
   test_invariance(rng, "decode f16 dql=2", false, 4, 6, 2, true);
   test_invariance(rng, "decode bf16 G=8", false, 2, 5, 1, false, 8);
   test_invariance(rng, "prefill bf16", true, 4, 3, 1, false);
+  // a batch large enough for one CTA per row (T·Hkv > SMs) vs its first 1, 2, 8 requests
+  test_invariance(rng, "decode bf16 large batch", false, 4, 40, 1, false);
+  test_invariance(rng, "decode f16 G=8 large batch", false, 2, 70, 1, true, 8);
   test_pack_division(rng);
   test_pack(rng, DType::kBF16, 1, 0, 0, "bf16 4-D");
   test_pack(rng, DType::kF16, 1, 0, 0, "f16 4-D");
@@ -1026,6 +1062,8 @@ int main(int argc, char** argv) {
       if (quick && T == 512) continue;
       bench_decode(rng, BenchDecode{T, 1, 4, 16, seq}, copy, T == 128 || T == 1);
     }
+    for (int T : {1, 8, 32})  // the other launch shape at the same T (the same bits)
+      bench_decode(rng, BenchDecode{T, 1, 4, 16, seq, -1}, copy, false);
     bench_decode(rng, BenchDecode{128, 4, 4, 16, seq}, copy, false);
     bench_prefill(rng, 2048, 8192, copy);
     if (!quick) bench_prefill(rng, 8192, 8192, copy);

@@ -272,6 +272,33 @@ def test_decode_batch_and_tp_invariant(rng, dql):
             np.testing.assert_array_equal(part, full[:, h])
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_decode_small_batches_match_large_batch(rng, dtype):
+    """Issue 22: a batch of T = 128 decode rows over 4 KV heads (512 rows: more than any GPU's
+    SMs, so one CTA per row) and its first 1, 2 and 8 requests alone (the cluster of 4 CTAs per
+    row) give the same bits: the two launch shapes compute one reduction tree."""
+    Hkv, K, G = 4, 16, 16
+    seq_lens = rng.integers(1, 1300, 128)
+    seq_lens[3] = 0
+    cache, bt, M, P = _setup(rng, Hkv, seq_lens, K)
+    req, pos = oracle.decode_rows(seq_lens, 1)
+    T = len(req)
+    topk = _topk(rng, Hkv, T, K, (pos + 1 + 127) // 128, M)
+    q = np.asarray(jnp.asarray(rng.standard_normal((T, Hkv * G, 128)), dtype))
+    fn = jax.jit(lambda *a: m3.sparse_decode(*a, decode_query_len=1))
+    cache_d = _gpu(cache)
+
+    def run(n):
+        return _bits(fn(_gpu(q[:n]), cache_d, _gpu(topk[:, :n]), _gpu(bt[:n]),
+                        _gpu(seq_lens[:n].astype(np.int32)), _gpu(np.float32(0.9)),
+                        _gpu(np.float32(1.1))))
+
+    full = run(T)
+    assert (full != 0).any()
+    for n in (1, 2, 8):
+        np.testing.assert_array_equal(run(n), full[:n])
+
+
 def test_prefill_batch_invariant(rng):
     """Issue 22: a prefill token's output bits do not depend on the other tokens of the call."""
     Hkv, K = 2, 16
