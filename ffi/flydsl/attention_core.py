@@ -1,9 +1,9 @@
-"""The body shared by the gfx950 sparse decode and prefill kernels (SPEC §5.2, §5.5).
+"""The per-token body of the gfx950 sparse decode kernels (SPEC §5.2, §5.5), and the steps the
+union-tile body (union_tile.py: prefill, and decode with decode_query_len > 1) shares with it.
 
-`sparse_decode.py` and `sparse_prefill.py` differ only in how a token finds its request and
-position (SPEC §5.3 vs §5.4) and in the product dtype (bf16 vs fp16 MFMA); they compute
-(req, vis, row_ok) and call `attend()`, which does the rest for one (token, KV head) per
-workgroup of 4 waves. The thread/tile mapping is documented in sparse_decode.py's docstring.
+`sparse_decode.py`'s one-pass and split kernels compute a token's (req, vis, row_ok) (SPEC §5.3)
+and call `attend()`, which does the rest for one (token, KV head) per workgroup of 4 waves. The
+thread/tile mapping is documented in sparse_decode.py's docstring.
 """
 
 from dataclasses import dataclass

@@ -1,7 +1,9 @@
 """Sparse NVFP4 decode attention for gfx950 (SPEC §5.2, §5.3, §5.5), bf16 MFMA compute.
 
 Compiled variants: `sparse_decode_bf16`, `sparse_decode_f16`, `sparse_decode_f32` (the q / out dtype; the products are
-computed in bf16 either way, SPEC §5.5), and the same for G = 8 (M3 at TP8) as `sparse_decode_g8_<dtype>`. Launcher arguments, in order (ffi/rocm/ passes them):
+computed in bf16 either way, SPEC §5.5), and the same for G = 8 (M3 at TP8) as `sparse_decode_g8_<dtype>`; the
+split variant below, and for decode_query_len > 1 the union-tile variant (`sparse_decode_union_*`,
+compile_sparse_decode_union, union_tile.py). Launcher arguments, in order (ffi/rocm/ passes them):
 
     q            bf16|f16|f32 [T, Hq, D]            Hq = Hkv·G, D = 128, G = 16 (or 8: the *_g8_* variants)
     kv_cache     uint8, SPEC §3 (4-D, or 5-D LBHNC / BLHNC; see page_stride / layer_stride)
