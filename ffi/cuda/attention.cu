@@ -188,17 +188,22 @@ __device__ __forceinline__ void build_q_frags(const uint16_t* qbase, int G, int 
 // rarely rescaled and P <= 2^kLazy (out = Σ p·v / Σ p holds for any common reference); each
 // p = exp2(fma(s, zc, -m)) is one FFMA and one MUFU. sc returns P (0 for masked keys).
 constexpr float kLazy = 8.0f;
-template <bool kMasked, int kNj>
+// kNatural: the plain mma column order (column c of n-tile v is key kb+8v+2·tig+(c&1); the
+// union kernel) instead of the permuted one above.
+template <bool kMasked, int kNj, bool kNatural = false>
 __device__ __forceinline__ void online_softmax_lean(float (&sc)[4][4], float (&acc)[kNj][4],
                                                     float& m0, float& m1, float& l0, float& l1,
                                                     float zc, int kb, int nvalid, int tig) {
+  auto key = [&](int v, int e) {
+    return kNatural ? kb + 8 * v + 2 * tig + (e & 1) : kb + 8 * v + 4 * (e & 1) + tig;
+  };
   float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
   for (int v = 0; v < 4; ++v) {
     if constexpr (kMasked) {
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (kb + 8 * v + 4 * (e & 1) + tig >= nvalid) sc[v][e] = -INFINITY;
+        if (key(v, e) >= nvalid) sc[v][e] = -INFINITY;
     }
     mx0 = fmaxf(mx0, fmaxf(sc[v][0], sc[v][1]));
     mx1 = fmaxf(mx1, fmaxf(sc[v][2], sc[v][3]));
@@ -238,7 +243,7 @@ __device__ __forceinline__ void online_softmax_lean(float (&sc)[4][4], float (&a
     if constexpr (kMasked) {  // -inf · 0 would be NaN for zc == 0
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (kb + 8 * v + 4 * (e & 1) + tig >= nvalid) sc[v][e] = 0.f;
+        if (key(v, e) >= nvalid) sc[v][e] = 0.f;
     }
     l0 += sc[v][0] + sc[v][1];
     l1 += sc[v][2] + sc[v][3];
@@ -611,6 +616,268 @@ __global__ void __launch_bounds__(kThreads, kSplitted ? 1 : kMinBlocks)
   }
 }
 
+// ---- decode with decode_query_len > 1: the rows of a request share their blocks (issue 22
+// item 2). One CTA per (group of up to 4 consecutive rows of one request, KV head); warp i owns
+// row i's state (m, l, O).
+//   1. The rows' top-k slots are checked (SPEC §5.2, per row: its own causal limit) before any
+//      load; the distinct valid block ids form the union, ranked in ascending id, with each
+//      row's multiplicity per union entry (a duplicate id counts once per occurrence, §5.1).
+//   2. The union is streamed once: thread k loads key k's 64 + 8 bytes of the K and the V tile
+//      into registers one block ahead, dequantizes them exactly (dequant8) and stores K and V as
+//      16-bit [key][d] tiles (16-byte chunks XOR-swizzled by key & 7) into one of two buffers;
+//      one CTA barrier per block.
+//   3. Warp i, for each union entry its row selected (m times), runs S = Q·Kᵀ (ldmatrix) and the
+//      lean online softmax over 32 keys at a time with its own limit (keys >= its nvalid get -inf,
+//      and their V values are selected to 0 in its operand: another row may attend keys whose
+//      bytes are NaN here), then O += P·V (ldmatrix.trans). A row's keys are thus visited in
+//      ascending block id whatever its tile-mates chose, and its bits depend on its own
+//      selection only (the kernel is chosen by dql, never by the grid).
+//   4. out = O / l · v_scale; a row with no attended key writes zeros.
+constexpr int kMtpRows = kWarps;                       // rows per CTA (one warp each)
+constexpr int kMtpMaxUnion = kMtpRows * kMaxTopk;      // 256
+constexpr int kDqTile = kBlockSize * kHeadDim * 2;     // 32768 bytes: one 16-bit tile
+constexpr int kSmemMtp = 2 * 2 * kDqTile;              // two buffers of (K, V)
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// byte offset of (key, 16-byte chunk c of its 256-byte row) in a swizzled 16-bit tile
+__device__ __forceinline__ uint32_t dq_off(int key, int c) {
+  return uint32_t(key * 256 + ((c ^ (key & 7)) << 4));
+}
+
+struct RawKey {  // one key's bytes of the K and the V tile
+  uint4 kd[4], vd[4];
+  uint2 ks, vs;
+};
+
+__device__ __forceinline__ void load_raw(const uint8_t* tile, int key, RawKey& x) {
+  const uint4* kd = reinterpret_cast<const uint4*>(tile + key * 64);
+  const uint4* vd = reinterpret_cast<const uint4*>(tile + kTileBytes + key * 64);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    x.kd[i] = __ldg(kd + i);
+    x.vd[i] = __ldg(vd + i);
+  }
+  x.ks = __ldg(reinterpret_cast<const uint2*>(tile + kScalePlane + key * 8));
+  x.vs = __ldg(reinterpret_cast<const uint2*>(tile + kTileBytes + kScalePlane + key * 8));
+}
+
+// 64 data bytes + 8 scale bytes of one key -> 128 16-bit values (times 2^-log2(kComp)) in
+// natural d order at row `key` of the swizzled tile.
+template <typename T>
+__device__ __forceinline__ void dequant_key(const uint4 (&d)[4], uint2 sc, const uint16_t* s_mul,
+                                            uint8_t* tile, int key) {
+  const uint32_t sw[2] = {sc.x, sc.y};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {  // d 32j .. 32j + 31: scale bytes 2j, 2j + 1
+    const uint32_t s0 = s_mul[(sw[j >> 1] >> (16 * (j & 1))) & 0xFF];
+    const uint32_t s1 = s_mul[(sw[j >> 1] >> (16 * (j & 1) + 8)) & 0xFF];
+    const uint32_t w[4] = {d[j].x, d[j].y, d[j].z, d[j].w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // d 32j + 8q .. + 7
+      const uint32_t s = q < 2 ? s0 : s1;
+      uint32_t r[4];
+      dequant8<T>(w[q], s | (s << 16), r);  // pairs (e0,e4) (e1,e5) (e2,e6) (e3,e7)
+      const uint4 v = make_uint4(prmt(r[0], r[1], 0x5410), prmt(r[2], r[3], 0x5410),
+                                 prmt(r[0], r[1], 0x7632), prmt(r[2], r[3], 0x7632));
+      *reinterpret_cast<uint4*>(tile + dq_off(key, 4 * j + q)) = v;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) sparse_attention_union_kernel(const AttentionParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ int s_pb[kMtpMaxUnion];        // (row, slot) -> valid block id or -1
+  __shared__ int s_fb[kMtpMaxUnion];        // (row, slot) -> its id where first seen, or -1
+  __shared__ int s_ub[kMtpMaxUnion];        // union entry -> block id (ascending)
+  __shared__ int64_t s_uoff[kMtpMaxUnion];  // union entry -> K tile offset
+  __shared__ uint32_t s_mult[kMtpMaxUnion]; // union entry -> byte i: row i's multiplicity
+  __shared__ uint16_t s_mul[256];
+  __shared__ int s_count;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g8 = lane >> 2, tig = lane & 3;
+  const int Hkv = p.num_kv_heads, K = p.topk, dql = p.decode_query_len;
+  const int G = p.group > 0 ? p.group : kGroup;
+  const int Hq = Hkv * G;
+  const int ngroups = (dql + kMtpRows - 1) / kMtpRows;
+  const int64_t unit = int64_t(blockIdx.x) / Hkv;
+  const int g = int(blockIdx.x % Hkv);
+  const int64_t r = unit / ngroups;
+  const int i0 = int(unit % ngroups) * kMtpRows;
+  const int64_t t0 = r * dql + i0;  // the CTA's first row
+  const int nrows = int(min(int64_t(min(kMtpRows, dql - i0)), p.num_tokens - t0));
+  if (nrows <= 0) return;  // (T not a multiple of dql: the last request's missing rows)
+  const int npairs = nrows * K;
+
+  s_mul[tid] = scale_multiplier<T>(tid);
+  s_mul[tid + 128] = scale_multiplier<T>(tid + 128);
+  for (int x = tid; x < kMtpMaxUnion; x += kThreads) s_mult[x] = 0u;
+  if (tid == 0) s_count = 0;
+  // 1. validity per (row, slot): the row's own limit
+  for (int x = tid; x < npairs; x += kThreads) {
+    const int i = x / K;
+    const TokenPos tp = token_position(p, t0 + i);
+    const int64_t b = p.topk_indices[(int64_t(g) * p.num_tokens + t0 + i) * K + (x % K)];
+    bool ok = tp.vis > 0 && b >= 0 && b < p.max_blocks && b * kBlockSize < tp.vis;
+    if (ok) ok = p.geom.valid_page(p.block_table[tp.r * p.max_blocks + b]);
+    s_pb[x] = ok ? int(b) : -1;
+  }
+  __syncthreads();
+  // the union: s_fb keeps a valid pair's id where it is the id's first occurrence (else -1);
+  // the rank of an id is the number of distinct valid ids below it (ascending order)
+  for (int x = tid; x < npairs; x += kThreads) {
+    const int b = s_pb[x];
+    bool first = b >= 0;
+    for (int y = 0; y < x && first; ++y) first = s_pb[y] != b;
+    s_fb[x] = first ? b : -1;
+  }
+  __syncthreads();
+  for (int x = tid; x < npairs; x += kThreads) {
+    const int b = s_pb[x];
+    if (b < 0) continue;
+    int rank = 0;
+    for (int y = 0; y < npairs; ++y) {
+      const int c = s_fb[y];
+      rank += c >= 0 && c < b;
+    }
+    atomicAdd(&s_mult[rank], 1u << (8 * (x / K)));
+    if (s_fb[x] >= 0) {
+      const TokenPos tp = token_position(p, t0);
+      s_ub[rank] = b;
+      s_uoff[rank] = p.geom.tile_offset(tp.layer, p.block_table[tp.r * p.max_blocks + b], 2 * g);
+      atomicAdd(&s_count, 1);
+    }
+  }
+  __syncthreads();
+  const int U = s_count;
+
+  // this warp's row: Q A-fragments in registers (natural d order), its limit
+  const bool has_row = warp < nrows;
+  const int64_t trow = t0 + (has_row ? warp : 0);
+  const int64_t vis = token_position(p, trow).vis;
+  const float zs = p.scale * (*p.k_scale) * Traits<T>::kComp * kLog2e;
+  const float zc = fabsf(zs);
+  const uint32_t flip = zs < 0.f ? 0x80008000u : 0u;
+  uint32_t qa[8][4];
+  {
+    const uint16_t* qb = static_cast<const uint16_t*>(p.q) + (trow * Hq + int64_t(g) * G) * kHeadDim;
+#pragma unroll
+    for (int s = 0; s < 8; ++s)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int h = g8 + 8 * (j & 1), d = 16 * s + 8 * (j >> 1) + 2 * tig;
+        qa[s][j] = h < G ? (*reinterpret_cast<const uint32_t*>(qb + h * kHeadDim + d)) ^ flip : 0u;
+      }
+  }
+  float acc[16][4];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+  // 2. the union, one block ahead in registers, two 16-bit buffers
+  const uint8_t* cache = p.kv_cache;
+  const uint32_t sbase = uint32_t(__cvta_generic_to_shared(smem));
+  RawKey raw;
+  if (U > 0) {
+    load_raw(cache + s_uoff[0], tid, raw);
+    dequant_key<T>(raw.kd, raw.ks, s_mul, smem, tid);
+    dequant_key<T>(raw.vd, raw.vs, s_mul, smem + kDqTile, tid);
+  }
+  if (U > 1) load_raw(cache + s_uoff[1], tid, raw);
+  __syncthreads();
+  for (int u = 0; u < U; ++u) {
+    const uint32_t kt = sbase + (u & 1) * (2 * kDqTile), vt = kt + kDqTile;
+    const int mult = has_row ? int((s_mult[u] >> (8 * warp)) & 0xFF) : 0;
+    const int64_t rest = vis - int64_t(s_ub[u]) * kBlockSize;
+    const int nvalid = int(rest < kBlockSize ? rest : kBlockSize);
+    for (int rep = 0; rep < mult; ++rep) {
+      for (int kb = 0; kb < nvalid; kb += 32) {
+        // S over keys kb .. kb + 31: n-tile v, k-steps s and s + 1 per ldmatrix
+        float sc[4][4];
+#pragma unroll
+        for (int v = 0; v < 4; ++v) sc[v][0] = sc[v][1] = sc[v][2] = sc[v][3] = 0.f;
+#pragma unroll
+        for (int s = 0; s < 8; s += 2) {  // 4 independent mma chains per k-step pair
+          uint32_t b[4][4];
+#pragma unroll
+          for (int v = 0; v < 4; ++v)
+            ldsm_x4(b[v], kt + dq_off(kb + 8 * v + (lane & 7), 2 * s + (lane >> 3)));
+#pragma unroll
+          for (int v = 0; v < 4; ++v) Traits<T>::mma(sc[v], qa[s], b[v][0], b[v][1]);
+#pragma unroll
+          for (int v = 0; v < 4; ++v) Traits<T>::mma(sc[v], qa[s + 1], b[v][2], b[v][3]);
+        }
+        const bool masked = kb + 32 > nvalid;
+        if (masked) online_softmax_lean<true, 16, true>(sc, acc, m0, m1, l0, l1, zc, kb, nvalid, tig);
+        else online_softmax_lean<false, 16, true>(sc, acc, m0, m1, l0, l1, zc, kb, nvalid, tig);
+        // O += P·V: k-step i = keys kb + 16i .. + 15
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          uint32_t pa[4];
+          pa[0] = Traits<T>::pack2(sc[2 * i][0], sc[2 * i][1]);
+          pa[1] = Traits<T>::pack2(sc[2 * i][2], sc[2 * i][3]);
+          pa[2] = Traits<T>::pack2(sc[2 * i + 1][0], sc[2 * i + 1][1]);
+          pa[3] = Traits<T>::pack2(sc[2 * i + 1][2], sc[2 * i + 1][3]);
+          const int key = kb + 16 * i + (lane & 7) + 8 * ((lane >> 3) & 1);
+          // this lane's keys in b0 / b1: kb + 16i + 2·tig (+1), and + 8
+          const int ka = kb + 16 * i + 2 * tig;
+          const uint32_t mk0 = (ka < nvalid ? 0xFFFFu : 0u) | (ka + 1 < nvalid ? 0xFFFF0000u : 0u);
+          const uint32_t mk1 =
+              (ka + 8 < nvalid ? 0xFFFFu : 0u) | (ka + 9 < nvalid ? 0xFFFF0000u : 0u);
+#pragma unroll
+          for (int n = 0; n < 16; n += 2) {
+            uint32_t b[4];
+            ldsm_x4_t(b, vt + dq_off(key, n + (lane >> 4)));
+            if (masked) {  // select: a NaN value past this row's limit never meets its P = 0
+              b[0] &= mk0;
+              b[1] &= mk1;
+              b[2] &= mk0;
+              b[3] &= mk1;
+            }
+            Traits<T>::mma(acc[n], pa, b[0], b[1]);
+            Traits<T>::mma(acc[n + 1], pa, b[2], b[3]);
+          }
+        }
+      }
+    }
+    // the next block into the other buffer (its last readers passed the previous barrier)
+    if (u + 1 < U) {
+      uint8_t* nb = smem + ((u + 1) & 1) * (2 * kDqTile);
+      dequant_key<T>(raw.kd, raw.ks, s_mul, nb, tid);
+      dequant_key<T>(raw.vd, raw.vs, s_mul, nb + kDqTile, tid);
+    }
+    if (u + 2 < U) load_raw(cache + s_uoff[u + 2], tid, raw);
+    __syncthreads();
+  }
+
+  // 4. out = O / l · vsc
+  if (!has_row) return;
+  l0 = quad_sum(l0);
+  l1 = quad_sum(l1);
+  const float vsc = (*p.v_scale) * Traits<T>::kComp;
+  uint16_t* out = static_cast<uint16_t*>(p.out) + (trow * Hq + int64_t(g) * G) * kHeadDim;
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    const int d = 8 * n + 2 * tig;
+    if (g8 < G)
+      *reinterpret_cast<uint32_t*>(out + g8 * kHeadDim + d) =
+          uint32_t(final_value<T>(acc[n][0], l0, vsc)) |
+          (uint32_t(final_value<T>(acc[n][1], l0, vsc)) << 16);
+    if (g8 + 8 < G)
+      *reinterpret_cast<uint32_t*>(out + (g8 + 8) * kHeadDim + d) =
+          uint32_t(final_value<T>(acc[n][2], l1, vsc)) |
+          (uint32_t(final_value<T>(acc[n][3], l1, vsc)) << 16);
+  }
+}
+
 struct DeviceInfo {
   bool configured = false;
   int num_sms = 0;
@@ -631,6 +898,9 @@ cudaError_t configure(int* num_sms) {
     if (err == cudaSuccess)
       err = cudaFuncSetAttribute(sparse_attention_kernel<T, kCvt, true>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSplit);
+    if (err == cudaSuccess)  // the union kernel (dql > 1): one form per q dtype
+      err = cudaFuncSetAttribute(sparse_attention_union_kernel<T>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemMtp);
     if (err == cudaSuccess)
       err = cudaDeviceGetAttribute(&info[dev].num_sms, cudaDevAttrMultiProcessorCount, dev);
     if (err != cudaSuccess) return err;
@@ -649,6 +919,13 @@ cudaError_t launch_typed(const AttentionParams& p, cudaStream_t stream) {
   cudaError_t err = configure<T, kCvt>(&num_sms);
   if (err != cudaSuccess) return err;
   const int64_t rows = p.num_tokens * p.num_kv_heads;
+  if (decode_uses_union(p)) {  // chosen by dql alone (a property of the call)
+    const int dql = p.decode_query_len;
+    const int64_t units = (p.num_tokens + dql - 1) / dql * ((dql + kMtpRows - 1) / kMtpRows);
+    sparse_attention_union_kernel<T>
+        <<<unsigned(units * p.num_kv_heads), kThreads, kSmemMtp, stream>>>(p);
+    return cudaGetLastError();
+  }
   if (attention_split(p, num_sms) == 1) {
     sparse_attention_kernel<T, kCvt, false><<<unsigned(rows), kThreads, kSmemRow, stream>>>(p);
     return cudaGetLastError();
@@ -686,6 +963,10 @@ int attention_split(const AttentionParams& p, int num_sms) {
   // the cluster launch while its 4 CTAs per row fit at 2 per SM (one wave; H200: T·Hkv <= 66);
   // at T·Hkv = 128 one CTA per row was faster (29.4 vs 37.9 µs, BENCHMARKS 2026-12-02)
   return p.num_tokens * p.num_kv_heads * kSplit <= 2 * int64_t(num_sms) ? kSplit : 1;
+}
+
+bool decode_uses_union(const AttentionParams& p) {
+  return !p.is_prefill && p.decode_query_len > 1 && p.split != 1 && p.split != kSplit;
 }
 
 cudaError_t launch_sparse_attention(const AttentionParams& p, cudaStream_t stream) {

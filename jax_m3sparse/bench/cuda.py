@@ -108,9 +108,11 @@ def _random_cache(shape, device, seed):
 
 
 def decode_inputs(device, rng, T, dql, Hkv, G, seq=32768, min_pages=8192, layer_bytes=3 << 30,
-                  steps=None):
+                  steps=None, shared=None):
     """(steps, [q, cache, topks, bts, seq_lens] on ``device``) for :func:`decode_model`: each
-    step its own block table, top-k and q; the cache holds random NVFP4 pages."""
+    step its own block table, top-k and q; the cache holds random NVFP4 pages. ``shared`` (dql >
+    1): every row of a request selects the same ``shared`` blocks and K - shared of its own
+    (else each row draws its own K)."""
     R = T // dql
     blocks = -(-seq // N)
     steps = steps or (8 if T <= 8 else (4 if T <= 32 else 2))
@@ -121,8 +123,16 @@ def decode_inputs(device, rng, T, dql, Hkv, G, seq=32768, min_pages=8192, layer_
     P = max(min_pages, min(R * blocks * steps, layer_bytes // per_layer))
     cache = _random_cache(m3.KVCacheSpec(Hkv).cache_shape(P, LAYERS), device, T)
     bts = np.stack([rng.choice(P, (R, blocks), replace=R * blocks > P) for _ in range(steps)])
-    topks = np.stack([[np.argsort(rng.random((Hkv * T, blocks)), axis=1)[:, :K]
-                       .reshape(Hkv, T, K) for _ in range(LAYERS)] for _ in range(steps)])
+    if shared is None:
+        topks = np.stack([[np.argsort(rng.random((Hkv * T, blocks)), axis=1)[:, :K]
+                           .reshape(Hkv, T, K) for _ in range(LAYERS)] for _ in range(steps)])
+    else:  # per (head, request) one draw: [0, shared) common, then K - shared per row
+        own = K - shared
+        cols = np.array([[k if k < shared else k + i * own for k in range(K)]
+                         for i in range(dql)])                                 # [dql, K]
+        draw = np.argsort(rng.random((steps, LAYERS, Hkv, R, blocks)), axis=-1)
+        topks = np.take_along_axis(draw[..., None, :], cols[None, None, None, None], -1)
+        topks = topks.reshape(steps, LAYERS, Hkv, T, K)
     q = rng.standard_normal((steps, LAYERS, T, Hkv * G, D)).astype(np.float32)
     seq_lens = np.full((R,), seq, np.int32)
     return steps, [jax.device_put(a, device) for a in (
@@ -150,10 +160,14 @@ def decode_model(attend, steps, dql, unroll=1):
     return run
 
 
-def decode_scan(device, rng, T, dql, Hkv, G, seq=32768, with_ref=True, min_pages=8192):
+def decode_scan(device, rng, T, dql, Hkv, G, seq=32768, with_ref=True, min_pages=8192,
+                shared=None):
     """Per-layer seconds (ours, reference) and our kernel's trace figures, for decode inside a
-    jitted scan over LAYERS layers."""
-    steps, args = decode_inputs(device, rng, T, dql, Hkv, G, seq, min_pages)
+    jitted scan over LAYERS layers; also the K/V bytes a layer's kernel must read (dql > 1: the
+    union of a request's rows' blocks)."""
+    steps, args = decode_inputs(device, rng, T, dql, Hkv, G, seq, min_pages, shared=shared)
+    tk = np.asarray(args[2][0, 0]).reshape(Hkv, T // dql, dql * K)
+    tiles = sum(len(np.unique(x)) for x in tk.reshape(-1, dql * K)) if dql > 1 else Hkv * T * K
     ours = decode_model(m3.sparse_decode, steps, dql)
     t_ours = _median_wall(ours, args) / (steps * LAYERS)
     t_unrolled = _median_wall(decode_model(m3.sparse_decode, steps, dql, LAYERS), args) / (
@@ -166,7 +180,8 @@ def decode_scan(device, rng, T, dql, Hkv, G, seq=32768, with_ref=True, min_pages
     mine, other, span, idle = split_events(events, "sparse_attention")
     n = steps * LAYERS
     kern = statistics.median(mine) * 1e-6 if mine else float("nan")
-    return t_ours, t_unrolled, t_ref, kern, other / n * 1e-6, idle / n * 1e-6
+    return (t_ours, t_unrolled, t_ref, kern, other / n * 1e-6, idle / n * 1e-6,
+            tiles * N * TOKEN_BYTES * 2)
 
 
 def gap(device, rng, T, Hkv=4, G=16, seq=32768, min_pages=8192):
@@ -454,17 +469,20 @@ def main(argv=None):
           f"{copy_bw / 1e12:.3f} TB/s (jitted x+1 over 1 GiB, read + write)")
     print(f"decode inside a jitted lax.scan over {LAYERS} layers of a 5-D LBHNC cache "
           "(traced layer), µs per layer; seq 32768, top-16x128, bf16; 'other' = XLA's own "
-          "kernels per layer, 'idle' = GPU idle per layer (trace)")
+          "kernels per layer, 'idle' = GPU idle per layer (trace); dql 's12': a request's rows "
+          "share 12 of their 16 blocks; % copy counts the bytes the kernel must read (dql > 1: "
+          "the union of a request's blocks)")
     print("Hkv G | T (dql) | ours (scan) | ours (scan, unroll=8) | XLA ref (scan) | ref/ours | "
           "kernel | % copy (kernel) | % copy (ours, unrolled) | other | idle")
-    shapes = [(1, 1, 4, 16), (128, 1, 4, 16)] if args.quick else [
-        (1, 1, 4, 16), (32, 1, 4, 16), (128, 1, 4, 16), (128, 4, 4, 16), (128, 1, 4, 8),
-        (128, 1, 4, 4)]
-    for T, dql, Hkv, G in shapes:
-        t, tu, tr, kern, other, idle = decode_scan(device, rng, T, dql, Hkv, G,
-                                                   with_ref=not args.no_ref)
-        nbytes = T * Hkv * K * N * TOKEN_BYTES * 2
-        print(f"{Hkv} {G:2d} | {T} ({dql}) | {t * 1e6:8.2f} | {tu * 1e6:8.2f} | {tr * 1e6:8.1f} | "
+    # (T, dql, Hkv, G, shared): dql 4 "s12": the rows of a request share 12 of their 16 blocks
+    shapes = [(1, 1, 4, 16, None), (128, 1, 4, 16, None), (128, 4, 4, 16, 12)] if args.quick else [
+        (1, 1, 4, 16, None), (32, 1, 4, 16, None), (128, 1, 4, 16, None), (128, 4, 4, 16, None),
+        (128, 4, 4, 16, 12), (32, 4, 4, 16, 12), (128, 1, 4, 8, None), (128, 1, 4, 4, None)]
+    for T, dql, Hkv, G, shared in shapes:
+        t, tu, tr, kern, other, idle, nbytes = decode_scan(device, rng, T, dql, Hkv, G,
+                                                           with_ref=not args.no_ref, shared=shared)
+        tag = f"{dql}" if shared is None else f"{dql} s{shared}"
+        print(f"{Hkv} {G:2d} | {T} ({tag}) | {t * 1e6:8.2f} | {tu * 1e6:8.2f} | {tr * 1e6:8.1f} | "
               f"{tr / t:6.1f}x | {kern * 1e6:7.2f} | {100 * nbytes / kern / copy_bw:5.1f}% | "
               f"{100 * nbytes / tu / copy_bw:5.1f}% | {other * 1e6:6.2f} | {idle * 1e6:6.2f}")
     if not args.quick:

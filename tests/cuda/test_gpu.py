@@ -92,7 +92,7 @@ def _topk(rng, Hkv, T, K, vis_blocks, M):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("dql", [1, 2])
+@pytest.mark.parametrize("dql", [1, 2, 4])
 def test_decode_matches_oracle(rng, dtype, dql):
     Hkv, K = 2, 16
     seq_lens = np.array([1500, 0, 640, 2049, 77, 3000])
@@ -234,11 +234,12 @@ def _bits(x):
     return np.asarray(x).view(np.uint16)
 
 
-@pytest.mark.parametrize("dql", [1, 2])
+@pytest.mark.parametrize("dql", [1, 2, 4])
 def test_decode_batch_and_tp_invariant(rng, dql):
     """Issue 22: a request's rows are bit-identical alone, in the batch, and with the KV heads
     split as tensor parallelism splits them (the op on head-sliced operands on one GPU: TP 2 and
-    4 over 4 KV heads, and TP 8's G = 8 halves of one replicated KV head)."""
+    4 over 4 KV heads, and TP 8's G = 8 halves of one replicated KV head). dql > 1 runs the
+    union kernel (the rows of a request share their blocks' loads)."""
     Hkv, K, G = 4, 16, 16
     seq_lens = np.array([1500, 0, 640, 2049, 77, 3000, 900, 4100])
     cache, bt, M, P = _setup(rng, Hkv, seq_lens, K)
@@ -323,3 +324,52 @@ def test_prefill_batch_invariant(rng):
     for t in range(T):
         np.testing.assert_array_equal(run(q[t:t + 1], topk[:, t:t + 1], req[t:t + 1],
                                           pos[t:t + 1]), full[t:t + 1])
+
+
+@pytest.mark.parametrize("dql", [2, 4])
+def test_decode_row_independent_of_tile_mates(rng, dql):
+    """Issue 22 item 2: with dql > 1 the rows of a request stream the union of their blocks once;
+    a row's bits must not depend on what its tile-mates selected (nothing, or the first row's
+    blocks) nor on the order of its own top-k slots; the first row of every request must keep
+    its bits. The request's later rows attend a key past the first row's limit whose bytes are
+    NaN: the first row stays finite and matches the float64 oracle."""
+    Hkv, K, G = 2, 16, 16
+    seq_lens = np.array([1500, 0, 640, 2049, 77, 3000])
+    cache, bt, M, P = _setup(rng, Hkv, seq_lens, K)
+    req, pos = oracle.decode_rows(seq_lens, dql)
+    T = len(req)
+    topk = _topk(rng, Hkv, T, K, (pos + 1 + 127) // 128, M)
+    # the last key of every request: NaN block scales (K and V); slot 0 of each row selects its block
+    cache = np.array(cache)
+    flat = cache.reshape(P, 2 * Hkv, 128 * 72)  # a view: the tile's data and scale planes
+    for r, n in enumerate(seq_lens):
+        if n <= 0:
+            continue
+        b, o = (n - 1) // 128, (n - 1) % 128
+        flat[bt[r, b], :, 8192 + 8 * o + 1] = 0x7F  # K and V: d 16..31 of that key
+        topk[:, r * dql:(r + 1) * dql, 0] = b
+    q = np.asarray(jnp.asarray(rng.standard_normal((T, Hkv * G, 128)), jnp.bfloat16))
+    fn = jax.jit(lambda *a: m3.sparse_decode(*a, decode_query_len=dql))
+    cache_d = _gpu(cache)
+
+    def run(tk):
+        return fn(_gpu(q), cache_d, _gpu(tk), _gpu(bt), _gpu(seq_lens.astype(np.int32)),
+                  _gpu(np.float32(0.8)), _gpu(np.float32(1.3)))
+
+    full = run(topk)
+    first = np.arange(T) % dql == 0
+    out = np.asarray(full.astype(jnp.float32))
+    ref = oracle.attention(np.asarray(jnp.asarray(q).astype(jnp.float32)), cache, topk, bt, req,
+                           pos, np.float32(0.8), np.float32(1.3))
+    assert np.isfinite(out[first]).all()
+    cos, relf = oracle.metrics(out[first], ref[first])
+    assert cos >= GPU_COS and relf <= GPU_RELF, (cos, relf)
+    live_last = (np.arange(T) % dql == dql - 1) & (seq_lens[req] > 0)
+    assert np.isnan(out[live_last]).any()  # the NaN key reaches the row that attends it
+    full = _bits(full)
+    mates = np.arange(T) - np.arange(T) % dql  # each row's first row
+    for variant in ("none", "first"):
+        tk = topk.copy()
+        tk[:, ~first] = -1 if variant == "none" else topk[:, mates[~first]]
+        np.testing.assert_array_equal(_bits(run(tk))[first], full[first])
+    np.testing.assert_array_equal(_bits(run(topk[:, :, ::-1].copy())), full)
