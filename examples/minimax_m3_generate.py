@@ -174,7 +174,7 @@ def serve(args, cfg):
           f"; tokenizer: {tokenizer.name}")
     cpu_paths = m3.cpu_attention_paths() if jax.default_backend() == "cpu" else None
     if cpu_paths:
-        print(f"CPU attention path: {cpu_paths[1]} of {', '.join(cpu_paths[0])} (BUILD.md)")
+        print(f"CPU attention path: {cpu_paths[1]} (available here: {', '.join(cpu_paths[0])}; BUILD.md)")
     if not args.checkpoint:
         print("NOTE: random weights -> the generated text is gibberish; the point is the serving "
               "path and its accuracy.")

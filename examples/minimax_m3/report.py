@@ -69,7 +69,7 @@ def format_summary(s: dict, cfg) -> str:
     if "kv_cache_bytes_per_device" in s:
         lines.append(f"NVFP4 cache: {s['kv_cache_bytes_per_device'] / 2**20:.2f} MiB per device "
                      f"({s['kv_cache_bytes'] / 2**20:.2f} MiB in all, tp {s['tp']}, "
-                     f"{s.get('cache_kv_heads', '?')} KV heads stored)")
+                     f"{kv_heads(s.get('cache_kv_heads', '?'))} stored)")
     sparse = [s["blocks_attended"][i] for i in cfg.sparse_layers]
     if sparse:
         lines.append(f"sparse selection: {100 * np.mean(sparse):.1f}% of the visible (token, block) "
@@ -131,3 +131,8 @@ def plot(engine: Engine, summary: dict, path: str) -> None:
     ax3.set_ylabel("greedy-token agreement so far (%)", color="tab:purple")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def kv_heads(n) -> str:
+    """'1 KV head' / 'n KV heads'."""
+    return f"{n} KV head" + ("" if n == 1 else "s")

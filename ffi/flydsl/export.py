@@ -12,7 +12,7 @@ For each kernel NAME of `KERNELS` this writes, into DIR:
 No GPU is needed or touched: nothing here calls a @flyc.jit function; `flyc.compile` only traces
 and compiles. Needs `pip install flydsl==0.5.0 torch` (CPU torch) and Debian's lld-22; the linker
 is found through $ROCM_PATH/llvm/bin/ld.lld, which this script sets up in a private folder when
-ROCM_PATH does not already provide one (see BUILD_gfx950.md).
+ROCM_PATH does not already provide one (see BUILD.md, "ROCm / gfx950").
 """
 
 from __future__ import annotations

@@ -138,19 +138,31 @@ def adjacent_overlap(topk):
 
 # ---- emulated runs -------------------------------------------------------------------------------
 
+def missing() -> str | None:
+    """Why this bench cannot run here (before any work), or None."""
+    _paths()
+    from emu_launch import emulator_missing  # noqa: PLC0415
+    from rocm_common import toolchain_missing  # noqa: PLC0415
+    why = [w for w in (toolchain_missing(), emulator_missing()) if w]
+    return "; ".join(why) or None
+
+
 class Kernels:
     """The exported kernels (exported once into a temporary folder) behind emu_launch.Handlers."""
 
     def __init__(self, names):
         _paths()
+        import os  # noqa: PLC0415
         import subprocess  # noqa: PLC0415
 
         import elf_tools  # noqa: PLC0415
         import emu_launch  # noqa: PLC0415
         self.out = Path(tempfile.mkdtemp(prefix="gfx950_traffic_"))
-        subprocess.run([sys.executable, str(REPO / "ffi/flydsl/export.py"), "--arch", "gfx950", "--out",
-                        str(self.out), "--only", *names], check=True, capture_output=True,
-                       env={**__import__("os").environ, "FLYDSL_GPU_ARCH": "gfx950", "ARCH": "gfx950"})
+        proc = subprocess.run([sys.executable, str(REPO / "ffi/flydsl/export.py"), "--arch", "gfx950", "--out",
+                               str(self.out), "--only", *names], capture_output=True, text=True,
+                              env={**os.environ, "FLYDSL_GPU_ARCH": "gfx950", "ARCH": "gfx950"})
+        if proc.returncode:
+            raise SystemExit(f"gfx950-traffic: export.py failed:\n{proc.stdout}{proc.stderr[-4000:]}")
         self.loaded = {}
 
         def modules(name):
@@ -207,7 +219,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sigma", type=float, default=0.35)
     ap.add_argument("--rho", type=float, default=0.95)
     args = ap.parse_args(argv)
-    _paths()
+    why = missing()
+    if why:
+        raise SystemExit(f"gfx950-traffic needs the repository checkout, `pip install -e .[rocm]` (FlyDSL, CPU torch), "
+                         f"Debian's lld-22 llvm-22 clang-22 and tinygrad's emulator (M3SPARSE_TINYGRAD): {why}")
     import jax.numpy as jnp  # noqa: PLC0415
     from attention_problems import decode_problem  # noqa: PLC0415
 
@@ -219,7 +234,10 @@ def main(argv=None) -> int:
     h = k.handlers
     rng = np.random.default_rng(7)
     print("gfx950 kernels on tinygrad's CDNA emulator (never on hardware); bytes and MFMAs counted per "
-          f"executed instruction; selections: σ = {args.sigma}, ρ = {args.rho}\n")
+          f"executed instruction; selections: σ = {args.sigma}, ρ = {args.rho}\n"
+          "K/V read ÷ tile unions / ÷ per-token sum: over each 16-row tile's distinct valid blocks and over each "
+          "row's valid slots (18432 B each); ÷ minimum: MFMAs over 64 per (row, valid slot); model: max(HBM / "
+          "8 TB/s, MFMA / 2.5 PFLOP/s, LDS / 78.6 TB/s), a model, not a measurement\n")
     print(HEADER)
     prefill = [(1, 16, 64, 4096), (1, 16, 256, 8192), (1, 8, 128, 6144)]
     if args.quick:
@@ -241,7 +259,8 @@ def main(argv=None) -> int:
         got_pt, c_pt, s_pt = count(lambda: h.sparse_decode(q.astype(jnp.bfloat16), p.cache, p.topk, p.block_table,
                                                            seq, p.k_scale, p.v_scale, 0, scale, q_len, split=False,
                                                            group=G), {"kv_cache": p.cache})
-        print(row(f"sparse_decode_{g8}bf16 (per-token)", case, c_pt, ref, s_pt, q.nbytes), flush=True)
+        print(row(f"sparse_decode_{g8}bf16 (per-token, the prefill's design until 2026-12-02)", case, c_pt, ref, s_pt,
+                  q.nbytes), flush=True)
         got, c, s = count(lambda: h.sparse_prefill(q, p.cache, p.topk, p.block_table, p.req, p.pos, p.k_scale,
                                                    p.v_scale, 0, scale, group=G), {"kv_cache": p.cache})
         print(row(f"sparse_prefill_{g8}f16 (union tiles)", case, c, ref, s, q.nbytes), flush=True)
@@ -264,7 +283,8 @@ def main(argv=None) -> int:
         case = "decode T 32 (8 × dql 4), 12 of 16 shared, @ 8192"
         args_ = (q, p.cache, p.topk, p.block_table, p.seq_lens, p.k_scale, p.v_scale, 0, scale, 4)
         _, c_pt, s_pt = count(lambda: h.sparse_decode(*args_, split=False), {"kv_cache": p.cache})
-        print(row("sparse_decode_bf16 (per-token)", case, c_pt, ref, s_pt, q.nbytes), flush=True)
+        print(row("sparse_decode_bf16 (per-token, dql > 1's kernel until 2026-12-02)", case, c_pt, ref, s_pt, q.nbytes),
+              flush=True)
         _, c, s = count(lambda: h.sparse_decode(*args_), {"kv_cache": p.cache})
         print(row("sparse_decode_union_bf16", case, c, ref, s, q.nbytes), flush=True)
         notes.append(f"{case}: union ÷ per-token K/V bytes {c.read['kv_cache'] / c_pt.read['kv_cache']:.3f}")
@@ -272,7 +292,7 @@ def main(argv=None) -> int:
     for n in notes:
         print("-", n)
     print()
-    print(full_size(rng, args.sigma, args.rho, max(lds_per_mfma)))
+    print(full_size(np.random.default_rng(11), args.sigma, args.rho, max(lds_per_mfma)))
     return 0
 
 
@@ -289,7 +309,7 @@ def full_size(rng, sigma, rho, lds_per_mfma, hkv=4, q_len=2048, kv_len=8192, G=1
     lines = [f"Formula at prefill {q_len} @ {kv_len}, Hkv {hkv}, G {G} (σ {sigma}, ρ {rho}; adjacent tokens share "
              f"{adjacent_overlap(topk):.1f} of 16, a tile's union {ref['mean_union']:.1f} blocks):",
              "| design | K/V bytes | ÷ per-token sum | MFMA FLOPs | model µs (HBM / MFMA / LDS) |", "|---|---|---|---|---|"]
-    for name, kv, mfma, lds in (("per-token (today's)", ref["per_token"], ref["min_mfma"], None),
+    for name, kv, mfma, lds in (("per-token (the previous prefill)", ref["per_token"], ref["min_mfma"], None),
                                 ("union tiles of 16", ref["union"], ref["union_mfma"], lds_per_mfma),
                                 ("context once (floor)", ref["context"], ref["min_mfma"], None)):
         flop = mfma * 2 * 16 * 16 * 32
