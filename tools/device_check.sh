@@ -286,30 +286,24 @@ cuobjdump -sass "$B/attention.o" > "$OUT/attention.sass" 2>/dev/null &&
   sort | uniq -c | sort -rn | head -24 | tr '\n' ' '; echo
 
 if [ "$MODE" = final ]; then  # one call: correctness, kernel and through-JAX tables, sanitizers
-  # BENCH_ARGS=--quick: bench.cuda on decode T in {1, 128} only; SKIP_GAP=1: no scan gap analysis
+  # BENCH_ARGS=--quick: bench.cuda on decode T in {1, 128} and dql 4 sharing 12 of 16 blocks;
+  # SKIP_GAP=1: no scan gap analysis; SKIP_PYSAN=1: no memcheck of the pytest run; RACE_S /
+  # MEM_S: the harness sanitizers' time limits. The measurements come first, the sanitizers last.
   echo "=== harness correctness (oracle, invariance, pack)"
   timeout 60 "$B/harness" --no-bench >"$OUT/harness_tests.log" 2>&1
   echo "rc=$? PASS $(grep -c '^PASS' "$OUT/harness_tests.log")"
   grep -E "^FAIL|failure" "$OUT/harness_tests.log" | tail -5
-  # kernel-only figures and the sanitizers while the Python modules build
   echo "=== harness --bench-only --quick"
   timeout 100 "$B/harness" --bench-only --quick >"$OUT/harness_bench.log" 2>&1
   grep -E "TABLE" "$OUT/harness_bench.log"
-  for tool in racecheck memcheck; do
-    echo "=== compute-sanitizer $tool: harness --no-bench"
-    timeout $([ $tool = racecheck ] && echo 200 || echo 120) compute-sanitizer --tool $tool --error-exitcode 9 "$B/harness" --no-bench \
-      >"$OUT/sanitize_$tool.log" 2>&1
-    echo "rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL |failure" "$OUT/sanitize_$tool.log" | tail -3
-    grep -m 4 -A 6 -E "^========= (Error|Warning)" "$OUT/sanitize_$tool.log"  # the first hazards
-  done
   # what binds: ncu of decode T = 128 (dql 1; dql 4 sharing 12 of 16 blocks: the union kernel)
   # and pack T = 65536 (harness --profile shapes)
-  M="smsp__inst_executed.sum,smsp__cycles_active.avg,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__warps_active.avg.per_cycle_active"
+  M="smsp__inst_executed.sum,smsp__cycles_active.avg,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__warps_active.avg.per_cycle_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio"
   for kn in sparse_attention_kernelI13__nv_bfloat16 sparse_attention_union_kernelI13__nv_bfloat16 pack_kernel; do
     echo "--- ncu $kn"
     timeout 90 ncu --clock-control none --kernel-name-base mangled -k regex:"$kn" \
       --launch-skip 2 --launch-count 1 --metrics "$M" "$B/harness" --profile >"$OUT/ncu_$kn.txt" 2>&1
-    grep -E "^\s+(smsp|sm__|dram|gpu__)" "$OUT/ncu_$kn.txt" | awk '{print $1, $NF}'
+    grep -E "^\s+(smsp|sm__|dram|gpu__|l1tex)" "$OUT/ncu_$kn.txt" | awk '{print $1, $NF}'
   done
   date -u
   wait $CMAKE_PID; tail -1 "$OUT/cmake.log"
@@ -325,11 +319,21 @@ if [ "$MODE" = final ]; then  # one call: correctness, kernel and through-JAX ta
     M3SPARSE_BENCH_TRACE=1 timeout 100 python3 -m jax_m3sparse.bench.cuda --gap 2>&1 |
       tee "$OUT/gap.log" | grep -v "^  trace"
   fi
-  echo "=== compute-sanitizer memcheck: pytest tests/cuda/test_gpu.py -k 'small_group or decode_matches or invariant or large_batch'"
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 compute-sanitizer --tool memcheck \
-    --error-exitcode 9 python3 -m pytest -q -x tests/cuda/test_gpu.py -p no:cacheprovider \
-    -k "small_group or decode_matches or invariant or large_batch" >"$OUT/sanitize_pytest.log" 2>&1
-  echo "rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize_pytest.log" | tail -3
+  for tool in racecheck memcheck; do
+    echo "=== compute-sanitizer $tool: harness --no-bench"
+    timeout $([ $tool = racecheck ] && echo ${RACE_S:-200} || echo ${MEM_S:-120}) compute-sanitizer --tool $tool --error-exitcode 9 "$B/harness" --no-bench \
+      >"$OUT/sanitize_$tool.log" 2>&1
+    echo "rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL |failure" "$OUT/sanitize_$tool.log" | tail -3
+    grep -m 4 -A 6 -E "^========= (Error|Warning)" "$OUT/sanitize_$tool.log"  # the first hazards
+    date -u
+  done
+  if [ -z "${SKIP_PYSAN:-}" ]; then
+    echo "=== compute-sanitizer memcheck: pytest tests/cuda/test_gpu.py -k 'small_group or decode_matches or invariant or large_batch or tile_mates'"
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 compute-sanitizer --tool memcheck \
+      --error-exitcode 9 python3 -m pytest -q -x tests/cuda/test_gpu.py -p no:cacheprovider \
+      -k "small_group or decode_matches or invariant or large_batch or tile_mates" >"$OUT/sanitize_pytest.log" 2>&1
+    echo "rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize_pytest.log" | tail -3
+  fi
   date -u
   exit 0
 fi

@@ -617,26 +617,38 @@ __global__ void __launch_bounds__(kThreads, kSplitted ? 1 : kMinBlocks)
 }
 
 // ---- decode with decode_query_len > 1: the rows of a request share their blocks (issue 22
-// item 2). One CTA per (group of up to 4 consecutive rows of one request, KV head); warp i owns
-// row i's state (m, l, O).
+// item 2). A cluster of 4 CTAs per (group of up to 4 consecutive rows of one request, KV head);
+// CTA q of the cluster takes keys [32q, 32q + 32) of every block, and its warp i owns row i's
+// leaf (m, l, O) over that key quarter.
 //   1. The rows' top-k slots are checked (SPEC §5.2, per row: its own causal limit) before any
 //      load; the distinct valid block ids form the union, ranked in ascending id, with each
 //      row's multiplicity per union entry (a duplicate id counts once per occurrence, §5.1).
-//   2. The union is streamed once: thread k loads key k's 64 + 8 bytes of the K and the V tile
-//      into registers one block ahead, dequantizes them exactly (dequant8) and stores K and V as
-//      16-bit [key][d] tiles (16-byte chunks XOR-swizzled by key & 7) into one of two buffers;
-//      one CTA barrier per block.
-//   3. Warp i, for each union entry its row selected (m times), runs S = Q·Kᵀ (ldmatrix) and the
-//      lean online softmax over 32 keys at a time with its own limit (keys >= its nvalid get -inf,
-//      and their V values are selected to 0 in its operand: another row may attend keys whose
-//      bytes are NaN here), then O += P·V (ldmatrix.trans). A row's keys are thus visited in
-//      ascending block id whatever its tile-mates chose, and its bits depend on its own
-//      selection only (the kernel is chosen by dql, never by the grid).
-//   4. out = O / l · v_scale; a row with no attended key writes zeros.
-constexpr int kMtpRows = kWarps;                       // rows per CTA (one warp each)
+//   2. The union is streamed once: two threads per (key, side) load that key's quarter-tile
+//      bytes into registers one block ahead, dequantize them exactly (dequant8) and store K and
+//      V as 16-bit [key][d] tiles (16-byte chunks XOR-swizzled by key & 7) into one of two
+//      buffers; one CTA barrier per block.
+//   3. Warp i, for each union entry its row selected (m times), runs S = Q·Kᵀ (ldmatrix), the
+//      lean online softmax with its own limit (keys >= its limit get -inf, and their V values
+//      are selected to 0 in its operand: another row may attend keys whose bytes are NaN), then
+//      O += P·V (ldmatrix.trans). A row meets its blocks in ascending id whatever its tile-mates
+//      chose, so its leaves depend on its own selection only.
+//   4. After a cluster barrier CTA i folds row i's 4 leaves (quarters 0..3, through distributed
+//      shared memory, fold_stats / fold_o) and writes out = O / l · v_scale (zeros for a row
+//      with no attended key). The kernel is chosen by dql alone, never by the grid.
+constexpr int kMtpRows = kWarps;                       // rows per cluster (one warp each)
 constexpr int kMtpMaxUnion = kMtpRows * kMaxTopk;      // 256
-constexpr int kDqTile = kBlockSize * kHeadDim * 2;     // 32768 bytes: one 16-bit tile
-constexpr int kSmemMtp = 2 * 2 * kDqTile;              // two buffers of (K, V)
+constexpr int kDqTile = 32 * kHeadDim * 2;             // 8192 bytes: a 16-bit key quarter
+constexpr int kDqBuf = 2 * kDqTile;                    // K, V
+// raw bytes of a key quarter of a (K, V) tile pair: K data 2048, K scales 256, V data, V scales
+constexpr int kRawSide = 32 * 64 + 32 * 8;             // 2304
+constexpr int kMtpStages = 4;                          // raw ring: 3 blocks in flight ahead
+constexpr int kSmemMtp = 2 * kDqBuf + kMtpStages * 2 * kRawSide;  // 51200
+static_assert(kSmemMtp >= kMtpRows * kStateBytes, "the leaves fit");
+
+__device__ __forceinline__ void cp_async4(void* smem_dst, const void* gmem_src) {
+  uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(gmem_src));
+}
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -651,48 +663,32 @@ __device__ __forceinline__ uint32_t dq_off(int key, int c) {
   return uint32_t(key * 256 + ((c ^ (key & 7)) << 4));
 }
 
-struct RawKey {  // one key's bytes of the K and the V tile
-  uint4 kd[4], vd[4];
-  uint2 ks, vs;
-};
-
-__device__ __forceinline__ void load_raw(const uint8_t* tile, int key, RawKey& x) {
-  const uint4* kd = reinterpret_cast<const uint4*>(tile + key * 64);
-  const uint4* vd = reinterpret_cast<const uint4*>(tile + kTileBytes + key * 64);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    x.kd[i] = __ldg(kd + i);
-    x.vd[i] = __ldg(vd + i);
-  }
-  x.ks = __ldg(reinterpret_cast<const uint2*>(tile + kScalePlane + key * 8));
-  x.vs = __ldg(reinterpret_cast<const uint2*>(tile + kTileBytes + kScalePlane + key * 8));
-}
-
-// 64 data bytes + 8 scale bytes of one key -> 128 16-bit values (times 2^-log2(kComp)) in
-// natural d order at row `key` of the swizzled tile.
+// 64 values of one key (two 16-byte data chunks, 4 scale bytes) -> 16-bit values (times
+// 2^-log2(kComp)) in natural d order, chunks c0 .. c0 + 7 of row `key` of a swizzled tile.
 template <typename T>
-__device__ __forceinline__ void dequant_key(const uint4 (&d)[4], uint2 sc, const uint16_t* s_mul,
-                                            uint8_t* tile, int key) {
-  const uint32_t sw[2] = {sc.x, sc.y};
+__device__ __forceinline__ void dequant_half_key(uint4 d0, uint4 d1, uint32_t sc,
+                                                 const uint16_t* s_mul, uint8_t* tile, int key,
+                                                 int c0) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {  // d 32j .. 32j + 31: scale bytes 2j, 2j + 1
-    const uint32_t s0 = s_mul[(sw[j >> 1] >> (16 * (j & 1))) & 0xFF];
-    const uint32_t s1 = s_mul[(sw[j >> 1] >> (16 * (j & 1) + 8)) & 0xFF];
-    const uint32_t w[4] = {d[j].x, d[j].y, d[j].z, d[j].w};
+  for (int j = 0; j < 2; ++j) {
+    const uint4 d = j ? d1 : d0;
+    const uint32_t s0 = s_mul[(sc >> (16 * j)) & 0xFF];
+    const uint32_t s1 = s_mul[(sc >> (16 * j + 8)) & 0xFF];
+    const uint32_t w[4] = {d.x, d.y, d.z, d.w};
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {  // d 32j + 8q .. + 7
+    for (int q = 0; q < 4; ++q) {
       const uint32_t s = q < 2 ? s0 : s1;
       uint32_t r[4];
       dequant8<T>(w[q], s | (s << 16), r);  // pairs (e0,e4) (e1,e5) (e2,e6) (e3,e7)
       const uint4 v = make_uint4(prmt(r[0], r[1], 0x5410), prmt(r[2], r[3], 0x5410),
                                  prmt(r[0], r[1], 0x7632), prmt(r[2], r[3], 0x7632));
-      *reinterpret_cast<uint4*>(tile + dq_off(key, 4 * j + q)) = v;
+      *reinterpret_cast<uint4*>(tile + dq_off(key, c0 + 4 * j + q)) = v;
     }
   }
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1) sparse_attention_union_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kThreads, 3) sparse_attention_union_kernel(const AttentionParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_pb[kMtpMaxUnion];        // (row, slot) -> valid block id or -1
   __shared__ int s_fb[kMtpMaxUnion];        // (row, slot) -> its id where first seen, or -1
@@ -708,13 +704,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attention_union_kernel(con
   const int G = p.group > 0 ? p.group : kGroup;
   const int Hq = Hkv * G;
   const int ngroups = (dql + kMtpRows - 1) / kMtpRows;
-  const int64_t unit = int64_t(blockIdx.x) / Hkv;
-  const int g = int(blockIdx.x % Hkv);
+  const int quarter = int(blockIdx.x % kSplit);  // = the cluster rank
+  const int64_t cl = int64_t(blockIdx.x) / kSplit;
+  const int64_t unit = cl / Hkv;
+  const int g = int(cl % Hkv);
   const int64_t r = unit / ngroups;
   const int i0 = int(unit % ngroups) * kMtpRows;
-  const int64_t t0 = r * dql + i0;  // the CTA's first row
+  const int64_t t0 = r * dql + i0;  // the cluster's first row
   const int nrows = int(min(int64_t(min(kMtpRows, dql - i0)), p.num_tokens - t0));
-  if (nrows <= 0) return;  // (T not a multiple of dql: the last request's missing rows)
+  if (nrows <= 0) return;  // the whole cluster (T not a multiple of dql: missing rows)
   const int npairs = nrows * K;
 
   s_mul[tid] = scale_multiplier<T>(tid);
@@ -782,100 +780,159 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attention_union_kernel(con
   for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
-  // 2. the union, one block ahead in registers, two 16-bit buffers
+  // 2. the union through a ring of raw quarter tiles (cp.async, kMtpStages - 1 blocks ahead):
+  // thread (side, key, half) copies 32 data and 4 scale bytes (64 values) and dequantizes
+  // exactly those itself, so the ring needs no barrier; the 16-bit buffers do (one per block)
+  const int side = tid >> 6, lk = (tid >> 1) & 31, half = tid & 1;
+  const int src = side * kTileBytes + (32 * quarter + lk) * 64 + 32 * half;
+  const int src_s = side * kTileBytes + kScalePlane + (32 * quarter + lk) * 8 + 4 * half;
+  const int dst = side * kRawSide + lk * 64 + 32 * half;
+  const int dst_s = side * kRawSide + 2048 + lk * 8 + 4 * half;
+  uint8_t* const ring = smem + 2 * kDqBuf;
   const uint8_t* cache = p.kv_cache;
+  auto issue = [&](int u) {
+    const uint8_t* tile = cache + s_uoff[u];
+    uint8_t* st = ring + (u % kMtpStages) * (2 * kRawSide);
+    cp_async16(st + dst, tile + src);
+    cp_async16(st + dst + 16, tile + src + 16);
+    cp_async4(st + dst_s, tile + src_s);
+  };
+  auto store = [&](int u) {
+    const uint8_t* st = ring + (u % kMtpStages) * (2 * kRawSide);
+    dequant_half_key<T>(*reinterpret_cast<const uint4*>(st + dst),
+                        *reinterpret_cast<const uint4*>(st + dst + 16),
+                        *reinterpret_cast<const uint32_t*>(st + dst_s), s_mul,
+                        smem + (u & 1) * kDqBuf + side * kDqTile, lk, 8 * half);
+  };
+  // the lane's ldmatrix offsets: K rows 8v + (lane & 7), chunks 2s + lane / 8 (k-steps s, s+1);
+  // V rows 16i + (lane & 7) + 8 (lane / 8 & 1), chunks n + lane / 16 (d-tiles n, n+1)
+  const int lo = lane & 7;
+  uint32_t koff[4], voff[8];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) koff[s] = dq_off(lo, 4 * s + (lane >> 3));
+#pragma unroll
+  for (int n = 0; n < 8; ++n) voff[n] = kDqTile + dq_off(lo + 8 * ((lane >> 3) & 1), 2 * n + (lane >> 4));
   const uint32_t sbase = uint32_t(__cvta_generic_to_shared(smem));
-  RawKey raw;
-  if (U > 0) {
-    load_raw(cache + s_uoff[0], tid, raw);
-    dequant_key<T>(raw.kd, raw.ks, s_mul, smem, tid);
-    dequant_key<T>(raw.vd, raw.vs, s_mul, smem + kDqTile, tid);
+#pragma unroll
+  for (int j = 0; j < kMtpStages - 1; ++j) {  // one commit group per block index
+    if (j < U) issue(j);
+    cp_async_commit();
   }
-  if (U > 1) load_raw(cache + s_uoff[1], tid, raw);
+  cp_async_wait<kMtpStages - 2>();  // block 0's group
+  if (U > 0) store(0);
   __syncthreads();
+  const int kq = 32 * quarter;  // this CTA's keys in every block
   for (int u = 0; u < U; ++u) {
-    const uint32_t kt = sbase + (u & 1) * (2 * kDqTile), vt = kt + kDqTile;
+    // block u + 3 into the stage block u - 1 left (this thread dequantized it already)
+    if (u + kMtpStages - 1 < U) issue(u + kMtpStages - 1);
+    cp_async_commit();
+    const uint32_t buf = sbase + (u & 1) * kDqBuf;
     const int mult = has_row ? int((s_mult[u] >> (8 * warp)) & 0xFF) : 0;
-    const int64_t rest = vis - int64_t(s_ub[u]) * kBlockSize;
-    const int nvalid = int(rest < kBlockSize ? rest : kBlockSize);
-    for (int rep = 0; rep < mult; ++rep) {
-      for (int kb = 0; kb < nvalid; kb += 32) {
-        // S over keys kb .. kb + 31: n-tile v, k-steps s and s + 1 per ldmatrix
-        float sc[4][4];
+    const int64_t rest = vis - int64_t(s_ub[u]) * kBlockSize - kq;
+    const int nl = int(rest < 32 ? rest : 32);  // this row's keys in this quarter: [0, nl)
+    for (int rep = 0; rep < (nl > 0 ? mult : 0); ++rep) {
+      float sc[4][4];
 #pragma unroll
-        for (int v = 0; v < 4; ++v) sc[v][0] = sc[v][1] = sc[v][2] = sc[v][3] = 0.f;
+      for (int v = 0; v < 4; ++v) sc[v][0] = sc[v][1] = sc[v][2] = sc[v][3] = 0.f;
 #pragma unroll
-        for (int s = 0; s < 8; s += 2) {  // 4 independent mma chains per k-step pair
-          uint32_t b[4][4];
+      for (int s = 0; s < 4; ++s) {  // k-steps 2s, 2s + 1; 4 independent mma chains
+        uint32_t b[4][4];
 #pragma unroll
-          for (int v = 0; v < 4; ++v)
-            ldsm_x4(b[v], kt + dq_off(kb + 8 * v + (lane & 7), 2 * s + (lane >> 3)));
+        for (int v = 0; v < 4; ++v) ldsm_x4(b[v], buf + koff[s] + v * 2048);
 #pragma unroll
-          for (int v = 0; v < 4; ++v) Traits<T>::mma(sc[v], qa[s], b[v][0], b[v][1]);
+        for (int v = 0; v < 4; ++v) Traits<T>::mma(sc[v], qa[2 * s], b[v][0], b[v][1]);
 #pragma unroll
-          for (int v = 0; v < 4; ++v) Traits<T>::mma(sc[v], qa[s + 1], b[v][2], b[v][3]);
+        for (int v = 0; v < 4; ++v) Traits<T>::mma(sc[v], qa[2 * s + 1], b[v][2], b[v][3]);
+      }
+      const bool masked = nl < 32;
+      if (masked) online_softmax_lean<true, 16, true>(sc, acc, m0, m1, l0, l1, zc, 0, nl, tig);
+      else online_softmax_lean<false, 16, true>(sc, acc, m0, m1, l0, l1, zc, 0, nl, tig);
+      // O += P·V: k-step i = local keys 16i .. 16i + 15
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        uint32_t pa[4];
+        pa[0] = Traits<T>::pack2(sc[2 * i][0], sc[2 * i][1]);
+        pa[1] = Traits<T>::pack2(sc[2 * i][2], sc[2 * i][3]);
+        pa[2] = Traits<T>::pack2(sc[2 * i + 1][0], sc[2 * i + 1][1]);
+        pa[3] = Traits<T>::pack2(sc[2 * i + 1][2], sc[2 * i + 1][3]);
+        uint32_t mk0 = 0xFFFFFFFFu, mk1 = 0xFFFFFFFFu;
+        if (masked) {  // this lane's keys in b0 / b1: 16i + 2·tig (+1), and + 8
+          const int ka = 16 * i + 2 * tig;
+          mk0 = (ka < nl ? 0xFFFFu : 0u) | (ka + 1 < nl ? 0xFFFF0000u : 0u);
+          mk1 = (ka + 8 < nl ? 0xFFFFu : 0u) | (ka + 9 < nl ? 0xFFFF0000u : 0u);
         }
-        const bool masked = kb + 32 > nvalid;
-        if (masked) online_softmax_lean<true, 16, true>(sc, acc, m0, m1, l0, l1, zc, kb, nvalid, tig);
-        else online_softmax_lean<false, 16, true>(sc, acc, m0, m1, l0, l1, zc, kb, nvalid, tig);
-        // O += P·V: k-step i = keys kb + 16i .. + 15
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          uint32_t pa[4];
-          pa[0] = Traits<T>::pack2(sc[2 * i][0], sc[2 * i][1]);
-          pa[1] = Traits<T>::pack2(sc[2 * i][2], sc[2 * i][3]);
-          pa[2] = Traits<T>::pack2(sc[2 * i + 1][0], sc[2 * i + 1][1]);
-          pa[3] = Traits<T>::pack2(sc[2 * i + 1][2], sc[2 * i + 1][3]);
-          const int key = kb + 16 * i + (lane & 7) + 8 * ((lane >> 3) & 1);
-          // this lane's keys in b0 / b1: kb + 16i + 2·tig (+1), and + 8
-          const int ka = kb + 16 * i + 2 * tig;
-          const uint32_t mk0 = (ka < nvalid ? 0xFFFFu : 0u) | (ka + 1 < nvalid ? 0xFFFF0000u : 0u);
-          const uint32_t mk1 =
-              (ka + 8 < nvalid ? 0xFFFFu : 0u) | (ka + 9 < nvalid ? 0xFFFF0000u : 0u);
-#pragma unroll
-          for (int n = 0; n < 16; n += 2) {
-            uint32_t b[4];
-            ldsm_x4_t(b, vt + dq_off(key, n + (lane >> 4)));
-            if (masked) {  // select: a NaN value past this row's limit never meets its P = 0
-              b[0] &= mk0;
-              b[1] &= mk1;
-              b[2] &= mk0;
-              b[3] &= mk1;
-            }
-            Traits<T>::mma(acc[n], pa, b[0], b[1]);
-            Traits<T>::mma(acc[n + 1], pa, b[2], b[3]);
+        for (int n = 0; n < 8; ++n) {
+          uint32_t b[4];
+          ldsm_x4_t(b, buf + voff[n] + i * 4096);
+          if (masked) {  // select: a NaN value past this row's limit never meets its P = 0
+            b[0] &= mk0;
+            b[1] &= mk1;
+            b[2] &= mk0;
+            b[3] &= mk1;
           }
+          Traits<T>::mma(acc[2 * n], pa, b[0], b[1]);
+          Traits<T>::mma(acc[2 * n + 1], pa, b[2], b[3]);
         }
       }
     }
     // the next block into the other buffer (its last readers passed the previous barrier)
-    if (u + 1 < U) {
-      uint8_t* nb = smem + ((u + 1) & 1) * (2 * kDqTile);
-      dequant_key<T>(raw.kd, raw.ks, s_mul, nb, tid);
-      dequant_key<T>(raw.vd, raw.vs, s_mul, nb + kDqTile, tid);
-    }
-    if (u + 2 < U) load_raw(cache + s_uoff[u + 2], tid, raw);
+    cp_async_wait<kMtpStages - 2>();  // block u + 1's group
+    if (u + 1 < U) store(u + 1);
     __syncthreads();
   }
+  cp_async_wait<0>();  // (every group is complete already; the leaves overlap the ring)
 
-  // 4. out = O / l · vsc
-  if (!has_row) return;
+  // 3. the leaf (row warp, this quarter) into this CTA's shared memory (the buffers are done)
   l0 = quad_sum(l0);
   l1 = quad_sum(l1);
-  const float vsc = (*p.v_scale) * Traits<T>::kComp;
-  uint16_t* out = static_cast<uint16_t*>(p.out) + (trow * Hq + int64_t(g) * G) * kHeadDim;
+  float* leaf = reinterpret_cast<float*>(smem + warp * kStateBytes);
 #pragma unroll
-  for (int n = 0; n < 16; ++n) {
-    const int d = 8 * n + 2 * tig;
-    if (g8 < G)
-      *reinterpret_cast<uint32_t*>(out + g8 * kHeadDim + d) =
-          uint32_t(final_value<T>(acc[n][0], l0, vsc)) |
-          (uint32_t(final_value<T>(acc[n][1], l0, vsc)) << 16);
-    if (g8 + 8 < G)
-      *reinterpret_cast<uint32_t*>(out + (g8 + 8) * kHeadDim + d) =
-          uint32_t(final_value<T>(acc[n][2], l1, vsc)) |
-          (uint32_t(final_value<T>(acc[n][3], l1, vsc)) << 16);
+  for (int n = 0; n < 16; ++n)
+    reinterpret_cast<float4*>(leaf)[n * 32 + lane] = make_float4(acc[n][0], acc[n][1], acc[n][2], acc[n][3]);
+  if (tig == 0) {
+    leaf[kGroup * kHeadDim + g8] = m0;
+    leaf[kGroup * kHeadDim + g8 + 8] = m1;
+    leaf[kGroup * kHeadDim + kGroup + g8] = l0;
+    leaf[kGroup * kHeadDim + kGroup + g8 + 8] = l1;
   }
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  // 4. CTA i folds row i's leaves of quarters 0..3
+  if (quarter < nrows) {
+    const int64_t tq = t0 + quarter;
+    const float vsc = (*p.v_scale) * Traits<T>::kComp;
+    uint16_t* out = static_cast<uint16_t*>(p.out) + (tq * Hq + int64_t(g) * G) * kHeadDim;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int f4 = k * kThreads + tid;  // float4 index [n][lane]
+      const int n = f4 >> 5, ln = f4 & 31, ra = ln >> 2, rb = ra + 8;
+      float mA = -INFINITY, lA = 0.f, mB = -INFINITY, lB = 0.f;
+      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int qq = 0; qq < kSplit; ++qq) {
+        const float* base =
+            reinterpret_cast<const float*>(cluster.map_shared_rank(smem + quarter * kStateBytes, qq));
+        const float4 L = reinterpret_cast<const float4*>(base)[f4];
+        const float* Lm = base + kGroup * kHeadDim;
+        float fRA, fLA, fRB, fLB;
+        fold_stats(mA, lA, Lm[ra], Lm[kGroup + ra], mA, lA, fRA, fLA);
+        fold_stats(mB, lB, Lm[rb], Lm[kGroup + rb], mB, lB, fRB, fLB);
+        o.x = fold_o(o.x, L.x, fRA, fLA);
+        o.y = fold_o(o.y, L.y, fRA, fLA);
+        o.z = fold_o(o.z, L.z, fRB, fLB);
+        o.w = fold_o(o.w, L.w, fRB, fLB);
+      }
+      const int d = 8 * n + 2 * (ln & 3);
+      if (ra < G)
+        *reinterpret_cast<uint32_t*>(out + ra * kHeadDim + d) =
+            uint32_t(final_value<T>(o.x, lA, vsc)) | (uint32_t(final_value<T>(o.y, lA, vsc)) << 16);
+      if (rb < G)
+        *reinterpret_cast<uint32_t*>(out + rb * kHeadDim + d) =
+            uint32_t(final_value<T>(o.z, lB, vsc)) | (uint32_t(final_value<T>(o.w, lB, vsc)) << 16);
+    }
+  }
+  cluster.sync();  // no CTA leaves while the others read its leaves
 }
 
 struct DeviceInfo {
@@ -922,9 +979,19 @@ cudaError_t launch_typed(const AttentionParams& p, cudaStream_t stream) {
   if (decode_uses_union(p)) {  // chosen by dql alone (a property of the call)
     const int dql = p.decode_query_len;
     const int64_t units = (p.num_tokens + dql - 1) / dql * ((dql + kMtpRows - 1) / kMtpRows);
-    sparse_attention_union_kernel<T>
-        <<<unsigned(units * p.num_kv_heads), kThreads, kSmemMtp, stream>>>(p);
-    return cudaGetLastError();
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(unsigned(units * p.num_kv_heads * kSplit), 1, 1);
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = kSmemMtp;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kSplit;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, sparse_attention_union_kernel<T>, p);
   }
   if (attention_split(p, num_sms) == 1) {
     sparse_attention_kernel<T, kCvt, false><<<unsigned(rows), kThreads, kSmemRow, stream>>>(p);
