@@ -296,10 +296,9 @@ if [ "$MODE" = final ]; then  # one call: correctness, kernel and through-JAX ta
   echo "=== harness --bench-only --quick"
   timeout 100 "$B/harness" --bench-only --quick >"$OUT/harness_bench.log" 2>&1
   grep -E "TABLE" "$OUT/harness_bench.log"
-  # what binds: ncu of decode T = 128 (dql 1; dql 4 sharing 12 of 16 blocks: the union kernel)
-  # and pack T = 65536 (harness --profile shapes)
+  # what binds: ncu of decode T = 128 and pack T = 65536 (harness --profile shapes)
   M="smsp__inst_executed.sum,smsp__cycles_active.avg,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__warps_active.avg.per_cycle_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio"
-  for kn in sparse_attention_kernelI13__nv_bfloat16 sparse_attention_union_kernelI13__nv_bfloat16 pack_kernel; do
+  for kn in sparse_attention_kernelI13__nv_bfloat16 pack_kernel; do
     echo "--- ncu $kn"
     timeout 90 ncu --clock-control none --kernel-name-base mangled -k regex:"$kn" \
       --launch-skip 2 --launch-count 1 --metrics "$M" "$B/harness" --profile >"$OUT/ncu_$kn.txt" 2>&1

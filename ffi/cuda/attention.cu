@@ -188,22 +188,17 @@ __device__ __forceinline__ void build_q_frags(const uint16_t* qbase, int G, int 
 // rarely rescaled and P <= 2^kLazy (out = Σ p·v / Σ p holds for any common reference); each
 // p = exp2(fma(s, zc, -m)) is one FFMA and one MUFU. sc returns P (0 for masked keys).
 constexpr float kLazy = 8.0f;
-// kNatural: the plain mma column order (column c of n-tile v is key kb+8v+2·tig+(c&1); the
-// union kernel) instead of the permuted one above.
-template <bool kMasked, int kNj, bool kNatural = false>
+template <bool kMasked, int kNj>
 __device__ __forceinline__ void online_softmax_lean(float (&sc)[4][4], float (&acc)[kNj][4],
                                                     float& m0, float& m1, float& l0, float& l1,
                                                     float zc, int kb, int nvalid, int tig) {
-  auto key = [&](int v, int e) {
-    return kNatural ? kb + 8 * v + 2 * tig + (e & 1) : kb + 8 * v + 4 * (e & 1) + tig;
-  };
   float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
   for (int v = 0; v < 4; ++v) {
     if constexpr (kMasked) {
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (key(v, e) >= nvalid) sc[v][e] = -INFINITY;
+        if (kb + 8 * v + 4 * (e & 1) + tig >= nvalid) sc[v][e] = -INFINITY;
     }
     mx0 = fmaxf(mx0, fmaxf(sc[v][0], sc[v][1]));
     mx1 = fmaxf(mx1, fmaxf(sc[v][2], sc[v][3]));
@@ -243,7 +238,7 @@ __device__ __forceinline__ void online_softmax_lean(float (&sc)[4][4], float (&a
     if constexpr (kMasked) {  // -inf · 0 would be NaN for zc == 0
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (key(v, e) >= nvalid) sc[v][e] = 0.f;
+        if (kb + 8 * v + 4 * (e & 1) + tig >= nvalid) sc[v][e] = 0.f;
     }
     l0 += sc[v][0] + sc[v][1];
     l1 += sc[v][2] + sc[v][3];
@@ -616,325 +611,6 @@ __global__ void __launch_bounds__(kThreads, kSplitted ? 1 : kMinBlocks)
   }
 }
 
-// ---- decode with decode_query_len > 1: the rows of a request share their blocks (issue 22
-// item 2). A cluster of 4 CTAs per (group of up to 4 consecutive rows of one request, KV head);
-// CTA q of the cluster takes keys [32q, 32q + 32) of every block, and its warp i owns row i's
-// leaf (m, l, O) over that key quarter.
-//   1. The rows' top-k slots are checked (SPEC §5.2, per row: its own causal limit) before any
-//      load; the distinct valid block ids form the union, ranked in ascending id, with each
-//      row's multiplicity per union entry (a duplicate id counts once per occurrence, §5.1).
-//   2. The union is streamed once: two threads per (key, side) load that key's quarter-tile
-//      bytes into registers one block ahead, dequantize them exactly (dequant8) and store K and
-//      V as 16-bit [key][d] tiles (16-byte chunks XOR-swizzled by key & 7) into one of two
-//      buffers; one CTA barrier per block.
-//   3. Warp i, for each union entry its row selected (m times), runs S = Q·Kᵀ (ldmatrix), the
-//      lean online softmax with its own limit (keys >= its limit get -inf, and their V values
-//      are selected to 0 in its operand: another row may attend keys whose bytes are NaN), then
-//      O += P·V (ldmatrix.trans). A row meets its blocks in ascending id whatever its tile-mates
-//      chose, so its leaves depend on its own selection only.
-//   4. After a cluster barrier CTA i folds row i's 4 leaves (quarters 0..3, through distributed
-//      shared memory, fold_stats / fold_o) and writes out = O / l · v_scale (zeros for a row
-//      with no attended key). The kernel is chosen by dql alone, never by the grid.
-constexpr int kMtpRows = kWarps;                       // rows per cluster (one warp each)
-constexpr int kMtpMaxUnion = kMtpRows * kMaxTopk;      // 256
-constexpr int kDqTile = 32 * kHeadDim * 2;             // 8192 bytes: a 16-bit key quarter
-constexpr int kDqBuf = 2 * kDqTile;                    // K, V
-// raw bytes of a key quarter of a (K, V) tile pair: K data 2048, K scales 256, V data, V scales
-constexpr int kRawSide = 32 * 64 + 32 * 8;             // 2304
-constexpr int kMtpStages = 4;                          // raw ring: 3 blocks in flight ahead
-constexpr int kSmemMtp = 2 * kDqBuf + kMtpStages * 2 * kRawSide;  // 51200
-static_assert(kSmemMtp >= kMtpRows * kStateBytes, "the leaves fit");
-
-__device__ __forceinline__ void cp_async4(void* smem_dst, const void* gmem_src) {
-  uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(gmem_src));
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-// byte offset of (key, 16-byte chunk c of its 256-byte row) in a swizzled 16-bit tile
-__device__ __forceinline__ uint32_t dq_off(int key, int c) {
-  return uint32_t(key * 256 + ((c ^ (key & 7)) << 4));
-}
-
-// 64 values of one key (two 16-byte data chunks, 4 scale bytes) -> 16-bit values (times
-// 2^-log2(kComp)) in natural d order, chunks c0 .. c0 + 7 of row `key` of a swizzled tile.
-template <typename T>
-__device__ __forceinline__ void dequant_half_key(uint4 d0, uint4 d1, uint32_t sc,
-                                                 const uint16_t* s_mul, uint8_t* tile, int key,
-                                                 int c0) {
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const uint4 d = j ? d1 : d0;
-    const uint32_t s0 = s_mul[(sc >> (16 * j)) & 0xFF];
-    const uint32_t s1 = s_mul[(sc >> (16 * j + 8)) & 0xFF];
-    const uint32_t w[4] = {d.x, d.y, d.z, d.w};
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const uint32_t s = q < 2 ? s0 : s1;
-      uint32_t r[4];
-      dequant8<T>(w[q], s | (s << 16), r);  // pairs (e0,e4) (e1,e5) (e2,e6) (e3,e7)
-      const uint4 v = make_uint4(prmt(r[0], r[1], 0x5410), prmt(r[2], r[3], 0x5410),
-                                 prmt(r[0], r[1], 0x7632), prmt(r[2], r[3], 0x7632));
-      *reinterpret_cast<uint4*>(tile + dq_off(key, c0 + 4 * j + q)) = v;
-    }
-  }
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kThreads, 3) sparse_attention_union_kernel(const AttentionParams p) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ int s_pb[kMtpMaxUnion];        // (row, slot) -> valid block id or -1
-  __shared__ int s_fb[kMtpMaxUnion];        // (row, slot) -> its id where first seen, or -1
-  __shared__ int s_ub[kMtpMaxUnion];        // union entry -> block id (ascending)
-  __shared__ int64_t s_uoff[kMtpMaxUnion];  // union entry -> K tile offset
-  __shared__ uint32_t s_mult[kMtpMaxUnion]; // union entry -> byte i: row i's multiplicity
-  __shared__ uint16_t s_mul[256];
-  __shared__ int s_count;
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g8 = lane >> 2, tig = lane & 3;
-  const int Hkv = p.num_kv_heads, K = p.topk, dql = p.decode_query_len;
-  const int G = p.group > 0 ? p.group : kGroup;
-  const int Hq = Hkv * G;
-  const int ngroups = (dql + kMtpRows - 1) / kMtpRows;
-  const int quarter = int(blockIdx.x % kSplit);  // = the cluster rank
-  const int64_t cl = int64_t(blockIdx.x) / kSplit;
-  const int64_t unit = cl / Hkv;
-  const int g = int(cl % Hkv);
-  const int64_t r = unit / ngroups;
-  const int i0 = int(unit % ngroups) * kMtpRows;
-  const int64_t t0 = r * dql + i0;  // the cluster's first row
-  const int nrows = int(min(int64_t(min(kMtpRows, dql - i0)), p.num_tokens - t0));
-  if (nrows <= 0) return;  // the whole cluster (T not a multiple of dql: missing rows)
-  const int npairs = nrows * K;
-
-  s_mul[tid] = scale_multiplier<T>(tid);
-  s_mul[tid + 128] = scale_multiplier<T>(tid + 128);
-  for (int x = tid; x < kMtpMaxUnion; x += kThreads) s_mult[x] = 0u;
-  if (tid == 0) s_count = 0;
-  // 1. validity per (row, slot): the row's own limit
-  for (int x = tid; x < npairs; x += kThreads) {
-    const int i = x / K;
-    const TokenPos tp = token_position(p, t0 + i);
-    const int64_t b = p.topk_indices[(int64_t(g) * p.num_tokens + t0 + i) * K + (x % K)];
-    bool ok = tp.vis > 0 && b >= 0 && b < p.max_blocks && b * kBlockSize < tp.vis;
-    if (ok) ok = p.geom.valid_page(p.block_table[tp.r * p.max_blocks + b]);
-    s_pb[x] = ok ? int(b) : -1;
-  }
-  __syncthreads();
-  // the union: s_fb keeps a valid pair's id where it is the id's first occurrence (else -1);
-  // the rank of an id is the number of distinct valid ids below it (ascending order)
-  for (int x = tid; x < npairs; x += kThreads) {
-    const int b = s_pb[x];
-    bool first = b >= 0;
-    for (int y = 0; y < x && first; ++y) first = s_pb[y] != b;
-    s_fb[x] = first ? b : -1;
-  }
-  __syncthreads();
-  for (int x = tid; x < npairs; x += kThreads) {
-    const int b = s_pb[x];
-    if (b < 0) continue;
-    int rank = 0;
-    for (int y = 0; y < npairs; ++y) {
-      const int c = s_fb[y];
-      rank += c >= 0 && c < b;
-    }
-    atomicAdd(&s_mult[rank], 1u << (8 * (x / K)));
-    if (s_fb[x] >= 0) {
-      const TokenPos tp = token_position(p, t0);
-      s_ub[rank] = b;
-      s_uoff[rank] = p.geom.tile_offset(tp.layer, p.block_table[tp.r * p.max_blocks + b], 2 * g);
-      atomicAdd(&s_count, 1);
-    }
-  }
-  __syncthreads();
-  const int U = s_count;
-
-  // this warp's row: Q A-fragments in registers (natural d order), its limit
-  const bool has_row = warp < nrows;
-  const int64_t trow = t0 + (has_row ? warp : 0);
-  const int64_t vis = token_position(p, trow).vis;
-  const float zs = p.scale * (*p.k_scale) * Traits<T>::kComp * kLog2e;
-  const float zc = fabsf(zs);
-  const uint32_t flip = zs < 0.f ? 0x80008000u : 0u;
-  uint32_t qa[8][4];
-  {
-    const uint16_t* qb = static_cast<const uint16_t*>(p.q) + (trow * Hq + int64_t(g) * G) * kHeadDim;
-#pragma unroll
-    for (int s = 0; s < 8; ++s)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int h = g8 + 8 * (j & 1), d = 16 * s + 8 * (j >> 1) + 2 * tig;
-        qa[s][j] = h < G ? (*reinterpret_cast<const uint32_t*>(qb + h * kHeadDim + d)) ^ flip : 0u;
-      }
-  }
-  float acc[16][4];
-#pragma unroll
-  for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-
-  // 2. the union through a ring of raw quarter tiles (cp.async, kMtpStages - 1 blocks ahead):
-  // thread (side, key, half) copies 32 data and 4 scale bytes (64 values) and dequantizes
-  // exactly those itself, so the ring needs no barrier; the 16-bit buffers do (one per block)
-  const int side = tid >> 6, lk = (tid >> 1) & 31, half = tid & 1;
-  const int src = side * kTileBytes + (32 * quarter + lk) * 64 + 32 * half;
-  const int src_s = side * kTileBytes + kScalePlane + (32 * quarter + lk) * 8 + 4 * half;
-  const int dst = side * kRawSide + lk * 64 + 32 * half;
-  const int dst_s = side * kRawSide + 2048 + lk * 8 + 4 * half;
-  uint8_t* const ring = smem + 2 * kDqBuf;
-  const uint8_t* cache = p.kv_cache;
-  auto issue = [&](int u) {
-    const uint8_t* tile = cache + s_uoff[u];
-    uint8_t* st = ring + (u % kMtpStages) * (2 * kRawSide);
-    cp_async16(st + dst, tile + src);
-    cp_async16(st + dst + 16, tile + src + 16);
-    cp_async4(st + dst_s, tile + src_s);
-  };
-  auto store = [&](int u) {
-    const uint8_t* st = ring + (u % kMtpStages) * (2 * kRawSide);
-    dequant_half_key<T>(*reinterpret_cast<const uint4*>(st + dst),
-                        *reinterpret_cast<const uint4*>(st + dst + 16),
-                        *reinterpret_cast<const uint32_t*>(st + dst_s), s_mul,
-                        smem + (u & 1) * kDqBuf + side * kDqTile, lk, 8 * half);
-  };
-  // the lane's ldmatrix offsets: K rows 8v + (lane & 7), chunks 2s + lane / 8 (k-steps s, s+1);
-  // V rows 16i + (lane & 7) + 8 (lane / 8 & 1), chunks n + lane / 16 (d-tiles n, n+1)
-  const int lo = lane & 7;
-  uint32_t koff[4], voff[8];
-#pragma unroll
-  for (int s = 0; s < 4; ++s) koff[s] = dq_off(lo, 4 * s + (lane >> 3));
-#pragma unroll
-  for (int n = 0; n < 8; ++n) voff[n] = kDqTile + dq_off(lo + 8 * ((lane >> 3) & 1), 2 * n + (lane >> 4));
-  const uint32_t sbase = uint32_t(__cvta_generic_to_shared(smem));
-#pragma unroll
-  for (int j = 0; j < kMtpStages - 1; ++j) {  // one commit group per block index
-    if (j < U) issue(j);
-    cp_async_commit();
-  }
-  cp_async_wait<kMtpStages - 2>();  // block 0's group
-  if (U > 0) store(0);
-  __syncthreads();
-  const int kq = 32 * quarter;  // this CTA's keys in every block
-  for (int u = 0; u < U; ++u) {
-    // block u + 3 into the stage block u - 1 left (this thread dequantized it already)
-    if (u + kMtpStages - 1 < U) issue(u + kMtpStages - 1);
-    cp_async_commit();
-    const uint32_t buf = sbase + (u & 1) * kDqBuf;
-    const int mult = has_row ? int((s_mult[u] >> (8 * warp)) & 0xFF) : 0;
-    const int64_t rest = vis - int64_t(s_ub[u]) * kBlockSize - kq;
-    const int nl = int(rest < 32 ? rest : 32);  // this row's keys in this quarter: [0, nl)
-    for (int rep = 0; rep < (nl > 0 ? mult : 0); ++rep) {
-      float sc[4][4];
-#pragma unroll
-      for (int v = 0; v < 4; ++v) sc[v][0] = sc[v][1] = sc[v][2] = sc[v][3] = 0.f;
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {  // k-steps 2s, 2s + 1; 4 independent mma chains
-        uint32_t b[4][4];
-#pragma unroll
-        for (int v = 0; v < 4; ++v) ldsm_x4(b[v], buf + koff[s] + v * 2048);
-#pragma unroll
-        for (int v = 0; v < 4; ++v) Traits<T>::mma(sc[v], qa[2 * s], b[v][0], b[v][1]);
-#pragma unroll
-        for (int v = 0; v < 4; ++v) Traits<T>::mma(sc[v], qa[2 * s + 1], b[v][2], b[v][3]);
-      }
-      const bool masked = nl < 32;
-      if (masked) online_softmax_lean<true, 16, true>(sc, acc, m0, m1, l0, l1, zc, 0, nl, tig);
-      else online_softmax_lean<false, 16, true>(sc, acc, m0, m1, l0, l1, zc, 0, nl, tig);
-      // O += P·V: k-step i = local keys 16i .. 16i + 15
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        uint32_t pa[4];
-        pa[0] = Traits<T>::pack2(sc[2 * i][0], sc[2 * i][1]);
-        pa[1] = Traits<T>::pack2(sc[2 * i][2], sc[2 * i][3]);
-        pa[2] = Traits<T>::pack2(sc[2 * i + 1][0], sc[2 * i + 1][1]);
-        pa[3] = Traits<T>::pack2(sc[2 * i + 1][2], sc[2 * i + 1][3]);
-        uint32_t mk0 = 0xFFFFFFFFu, mk1 = 0xFFFFFFFFu;
-        if (masked) {  // this lane's keys in b0 / b1: 16i + 2·tig (+1), and + 8
-          const int ka = 16 * i + 2 * tig;
-          mk0 = (ka < nl ? 0xFFFFu : 0u) | (ka + 1 < nl ? 0xFFFF0000u : 0u);
-          mk1 = (ka + 8 < nl ? 0xFFFFu : 0u) | (ka + 9 < nl ? 0xFFFF0000u : 0u);
-        }
-#pragma unroll
-        for (int n = 0; n < 8; ++n) {
-          uint32_t b[4];
-          ldsm_x4_t(b, buf + voff[n] + i * 4096);
-          if (masked) {  // select: a NaN value past this row's limit never meets its P = 0
-            b[0] &= mk0;
-            b[1] &= mk1;
-            b[2] &= mk0;
-            b[3] &= mk1;
-          }
-          Traits<T>::mma(acc[2 * n], pa, b[0], b[1]);
-          Traits<T>::mma(acc[2 * n + 1], pa, b[2], b[3]);
-        }
-      }
-    }
-    // the next block into the other buffer (its last readers passed the previous barrier)
-    cp_async_wait<kMtpStages - 2>();  // block u + 1's group
-    if (u + 1 < U) store(u + 1);
-    __syncthreads();
-  }
-  cp_async_wait<0>();  // (every group is complete already; the leaves overlap the ring)
-
-  // 3. the leaf (row warp, this quarter) into this CTA's shared memory (the buffers are done)
-  l0 = quad_sum(l0);
-  l1 = quad_sum(l1);
-  float* leaf = reinterpret_cast<float*>(smem + warp * kStateBytes);
-#pragma unroll
-  for (int n = 0; n < 16; ++n)
-    reinterpret_cast<float4*>(leaf)[n * 32 + lane] = make_float4(acc[n][0], acc[n][1], acc[n][2], acc[n][3]);
-  if (tig == 0) {
-    leaf[kGroup * kHeadDim + g8] = m0;
-    leaf[kGroup * kHeadDim + g8 + 8] = m1;
-    leaf[kGroup * kHeadDim + kGroup + g8] = l0;
-    leaf[kGroup * kHeadDim + kGroup + g8 + 8] = l1;
-  }
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  // 4. CTA i folds row i's leaves of quarters 0..3
-  if (quarter < nrows) {
-    const int64_t tq = t0 + quarter;
-    const float vsc = (*p.v_scale) * Traits<T>::kComp;
-    uint16_t* out = static_cast<uint16_t*>(p.out) + (tq * Hq + int64_t(g) * G) * kHeadDim;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int f4 = k * kThreads + tid;  // float4 index [n][lane]
-      const int n = f4 >> 5, ln = f4 & 31, ra = ln >> 2, rb = ra + 8;
-      float mA = -INFINITY, lA = 0.f, mB = -INFINITY, lB = 0.f;
-      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int qq = 0; qq < kSplit; ++qq) {
-        const float* base =
-            reinterpret_cast<const float*>(cluster.map_shared_rank(smem + quarter * kStateBytes, qq));
-        const float4 L = reinterpret_cast<const float4*>(base)[f4];
-        const float* Lm = base + kGroup * kHeadDim;
-        float fRA, fLA, fRB, fLB;
-        fold_stats(mA, lA, Lm[ra], Lm[kGroup + ra], mA, lA, fRA, fLA);
-        fold_stats(mB, lB, Lm[rb], Lm[kGroup + rb], mB, lB, fRB, fLB);
-        o.x = fold_o(o.x, L.x, fRA, fLA);
-        o.y = fold_o(o.y, L.y, fRA, fLA);
-        o.z = fold_o(o.z, L.z, fRB, fLB);
-        o.w = fold_o(o.w, L.w, fRB, fLB);
-      }
-      const int d = 8 * n + 2 * (ln & 3);
-      if (ra < G)
-        *reinterpret_cast<uint32_t*>(out + ra * kHeadDim + d) =
-            uint32_t(final_value<T>(o.x, lA, vsc)) | (uint32_t(final_value<T>(o.y, lA, vsc)) << 16);
-      if (rb < G)
-        *reinterpret_cast<uint32_t*>(out + rb * kHeadDim + d) =
-            uint32_t(final_value<T>(o.z, lB, vsc)) | (uint32_t(final_value<T>(o.w, lB, vsc)) << 16);
-    }
-  }
-  cluster.sync();  // no CTA leaves while the others read its leaves
-}
-
 struct DeviceInfo {
   bool configured = false;
   int num_sms = 0;
@@ -955,9 +631,6 @@ cudaError_t configure(int* num_sms) {
     if (err == cudaSuccess)
       err = cudaFuncSetAttribute(sparse_attention_kernel<T, kCvt, true>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSplit);
-    if (err == cudaSuccess)  // the union kernel (dql > 1): one form per q dtype
-      err = cudaFuncSetAttribute(sparse_attention_union_kernel<T>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemMtp);
     if (err == cudaSuccess)
       err = cudaDeviceGetAttribute(&info[dev].num_sms, cudaDevAttrMultiProcessorCount, dev);
     if (err != cudaSuccess) return err;
@@ -976,23 +649,6 @@ cudaError_t launch_typed(const AttentionParams& p, cudaStream_t stream) {
   cudaError_t err = configure<T, kCvt>(&num_sms);
   if (err != cudaSuccess) return err;
   const int64_t rows = p.num_tokens * p.num_kv_heads;
-  if (decode_uses_union(p)) {  // chosen by dql alone (a property of the call)
-    const int dql = p.decode_query_len;
-    const int64_t units = (p.num_tokens + dql - 1) / dql * ((dql + kMtpRows - 1) / kMtpRows);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(unsigned(units * p.num_kv_heads * kSplit), 1, 1);
-    cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = kSmemMtp;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = kSplit;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, sparse_attention_union_kernel<T>, p);
-  }
   if (attention_split(p, num_sms) == 1) {
     sparse_attention_kernel<T, kCvt, false><<<unsigned(rows), kThreads, kSmemRow, stream>>>(p);
     return cudaGetLastError();
@@ -1030,10 +686,6 @@ int attention_split(const AttentionParams& p, int num_sms) {
   // the cluster launch while its 4 CTAs per row fit at 2 per SM (one wave; H200: T·Hkv <= 66);
   // at T·Hkv = 128 one CTA per row was faster (29.4 vs 37.9 µs, BENCHMARKS 2026-12-02)
   return p.num_tokens * p.num_kv_heads * kSplit <= 2 * int64_t(num_sms) ? kSplit : 1;
-}
-
-bool decode_uses_union(const AttentionParams& p) {
-  return !p.is_prefill && p.decode_query_len > 1 && p.split != 1 && p.split != kSplit;
 }
 
 cudaError_t launch_sparse_attention(const AttentionParams& p, cudaStream_t stream) {

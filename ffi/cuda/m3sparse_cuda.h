@@ -45,9 +45,8 @@ struct AttentionParams {
   float scale;                    // softmax scale
   DType dtype;                    // of q / out
   int32_t group;                  // G = Hq / Hkv, 1..16 (0 means 16); rows >= G are padding
-  int32_t split;                  // launch shape: 0 chosen by dql (> 1: the union kernel) and the
-                                  // grid (attention_split), 1 one CTA per row, 4 a cluster of 4
-                                  // per row (1 and 4 give the same bits)
+  int32_t split;                  // launch shape: 0 chosen from the grid (attention_split), 1 one
+                                  // CTA per row, 4 a cluster of 4 per row (the same bits)
 };
 
 struct PackParams {
@@ -72,10 +71,6 @@ const char* attention_unsupported(int64_t num_heads, int64_t num_kv_heads, int64
 // The launch shape the attention kernels take for p on a device of num_sms SMs: 1 (one CTA per
 // row) or 4 (a cluster of 4 CTAs per row). Either computes a row's bits the same way.
 int attention_split(const AttentionParams& p, int num_sms);
-
-// Whether p runs the union kernel: decode with decode_query_len > 1 (the rows of a request
-// share the loads of their blocks), unless `split` forces a per-row shape (harness, tests).
-bool decode_uses_union(const AttentionParams& p);
 
 // Launches (asynchronously on `stream`); returns the launch's error code.
 cudaError_t launch_sparse_attention(const AttentionParams& p, cudaStream_t stream);

@@ -163,11 +163,8 @@ def decode_model(attend, steps, dql, unroll=1):
 def decode_scan(device, rng, T, dql, Hkv, G, seq=32768, with_ref=True, min_pages=8192,
                 shared=None):
     """Per-layer seconds (ours, reference) and our kernel's trace figures, for decode inside a
-    jitted scan over LAYERS layers; also the K/V bytes a layer's kernel must read (dql > 1: the
-    union of a request's rows' blocks)."""
+    jitted scan over LAYERS layers."""
     steps, args = decode_inputs(device, rng, T, dql, Hkv, G, seq, min_pages, shared=shared)
-    tk = np.asarray(args[2][0, 0]).reshape(Hkv, T // dql, dql * K)
-    tiles = sum(len(np.unique(x)) for x in tk.reshape(-1, dql * K)) if dql > 1 else Hkv * T * K
     ours = decode_model(m3.sparse_decode, steps, dql)
     t_ours = _median_wall(ours, args) / (steps * LAYERS)
     t_unrolled = _median_wall(decode_model(m3.sparse_decode, steps, dql, LAYERS), args) / (
@@ -180,8 +177,7 @@ def decode_scan(device, rng, T, dql, Hkv, G, seq=32768, with_ref=True, min_pages
     mine, other, span, idle = split_events(events, "sparse_attention")
     n = steps * LAYERS
     kern = statistics.median(mine) * 1e-6 if mine else float("nan")
-    return (t_ours, t_unrolled, t_ref, kern, other / n * 1e-6, idle / n * 1e-6,
-            tiles * N * TOKEN_BYTES * 2)
+    return t_ours, t_unrolled, t_ref, kern, other / n * 1e-6, idle / n * 1e-6
 
 
 def gap(device, rng, T, Hkv=4, G=16, seq=32768, min_pages=8192):
@@ -470,8 +466,7 @@ def main(argv=None):
     print(f"decode inside a jitted lax.scan over {LAYERS} layers of a 5-D LBHNC cache "
           "(traced layer), µs per layer; seq 32768, top-16x128, bf16; 'other' = XLA's own "
           "kernels per layer, 'idle' = GPU idle per layer (trace); dql 's12': a request's rows "
-          "share 12 of their 16 blocks; % copy counts the bytes the kernel must read (dql > 1: "
-          "the union of a request's blocks)")
+          "share 12 of their 16 blocks")
     print("Hkv G | T (dql) | ours (scan) | ours (scan, unroll=8) | XLA ref (scan) | ref/ours | "
           "kernel | % copy (kernel) | % copy (ours, unrolled) | other | idle")
     # (T, dql, Hkv, G, shared): dql 4 "s12": the rows of a request share 12 of their 16 blocks
@@ -479,8 +474,9 @@ def main(argv=None):
         (1, 1, 4, 16, None), (32, 1, 4, 16, None), (128, 1, 4, 16, None), (128, 4, 4, 16, None),
         (128, 4, 4, 16, 12), (32, 4, 4, 16, 12), (128, 1, 4, 8, None), (128, 1, 4, 4, None)]
     for T, dql, Hkv, G, shared in shapes:
-        t, tu, tr, kern, other, idle, nbytes = decode_scan(device, rng, T, dql, Hkv, G,
-                                                           with_ref=not args.no_ref, shared=shared)
+        t, tu, tr, kern, other, idle = decode_scan(device, rng, T, dql, Hkv, G,
+                                                   with_ref=not args.no_ref, shared=shared)
+        nbytes = T * Hkv * K * N * TOKEN_BYTES * 2
         tag = f"{dql}" if shared is None else f"{dql} s{shared}"
         print(f"{Hkv} {G:2d} | {T} ({tag}) | {t * 1e6:8.2f} | {tu * 1e6:8.2f} | {tr * 1e6:8.1f} | "
               f"{tr / t:6.1f}x | {kern * 1e6:7.2f} | {100 * nbytes / kern / copy_bw:5.1f}% | "

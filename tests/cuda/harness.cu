@@ -415,11 +415,11 @@ static void test_attention(std::mt19937& rng, const char* name, bool prefill, in
   report(ok, msg);
 }
 
-// dql > 1 (the union kernel): the last key of every request gets a NaN block scale, and every
-// row's slot 0 selects the request's last block. Only the request's last row attends that key;
-// every other row (whose limit ends before it, while the block is shared) must match the oracle
-// with no NaN (SPEC §5.2: V select-masked per row). Also the kernel against the per-row kernel.
-static void test_union_nan_tail(std::mt19937& rng, int dql, bool f16) {
+// dql > 1: the last key of every request gets a NaN block scale, and every row's slot 0 selects
+// the request's last block. Only the request's last row attends that key; every other row (whose
+// limit ends before it, in a block it shares) must match the oracle with no NaN (SPEC §5.2: V
+// select-masked per row; the guard a kernel sharing blocks between rows needs).
+static void test_shared_block_nan_tail(std::mt19937& rng, int dql, bool f16) {
   HostCase c = make_case(rng, false, 2, 9, dql, 16, 1, 0, 0, f16);
   for (int r = 0; r < c.R; ++r) {
     const int total = c.seq_lens[r];
@@ -446,7 +446,7 @@ static void test_union_nan_tail(std::mt19937& rng, int dql, bool f16) {
   const Metrics m = compare(c, got, ref, empty);
   char msg[256];
   snprintf(msg, sizeof msg,
-           "union dql=%d %s NaN key attended by the last row only: other rows rel-F %.5f cosine "
+           "shared block dql=%d %s: a NaN key attended by the last row only: other rows rel-F %.5f cosine "
            "%.6f, nan %ld (last rows: %ld NaN values, as the oracle)",
            dql, f16 ? "f16" : "bf16", m.relf, m.cosine, m.nan, last_nan);
   report(m.nan == 0 && m.unwritten == 0 && m.nonzero_empty == 0 && m.relf <= 0.06 &&
@@ -510,33 +510,29 @@ static void test_invariance(std::mt19937& rng, const char* name, bool prefill, i
                             int dql, bool f16, int G = 16) {
   const int K = 16;
   const HostCase c = make_case(rng, prefill, Hkv, R, dql, K, 1, 0, 0, f16, G);
-  // dql > 1: the union kernel (chosen by dql); its shape comparisons are the tile-mate cases
-  const bool uni = !prefill && dql > 1;
-  const std::vector<uint16_t> full = run_case(c, uni ? 0 : 1);
+  const std::vector<uint16_t> full = run_case(c, 1);
   const size_t row = size_t(Hkv) * G * 128;  // elements of one token
   long bad_alone = 0, bad_tp = 0, units = 0, bad_shape = 0, bad_prefix = 0, nonzero = 0;
   for (uint16_t b : full) nonzero += b != 0;
-  if (!uni) {
-    bad_shape += run_case(c, 4) != full;
-    bad_shape += run_case(c, 0) != full;
-  } else {
-    // a row's bits do not depend on its tile-mates' selections nor on the order of its slots:
-    // (a) the other rows of every request select nothing, (b) they select row 0's blocks,
-    // (c) every row's slots reversed; rows 0 (a, b) / all rows (c) must equal the batch
-    for (int variant = 0; variant < 3; ++variant) {
+  bad_shape += run_case(c, 4) != full;
+  bad_shape += run_case(c, 0) != full;
+  long bad_mates = 0;
+  if (!prefill && dql > 1) {
+    // a row's bits do not depend on its tile-mates' selections: the other rows of every
+    // request select (a) nothing, (b) the first row's blocks; the first rows must keep theirs
+    for (int variant = 0; variant < 2; ++variant) {
       HostCase v = c;
       for (int g = 0; g < Hkv; ++g)
         for (int t = 0; t < c.T; ++t) {
           int32_t* tr = v.topk.data() + (size_t(g) * c.T + t) * K;
           const int32_t* r0 = c.topk.data() + (size_t(g) * c.T + t - t % dql) * K;
-          if (variant == 2) std::reverse(tr, tr + K);
-          else if (t % dql) for (int k = 0; k < K; ++k) tr[k] = variant == 0 ? -1 : r0[k];
+          if (t % dql)
+            for (int k = 0; k < K; ++k) tr[k] = variant == 0 ? -1 : r0[k];
         }
       const std::vector<uint16_t> got = run_case(v, 0);
-      for (int t = 0; t < c.T; ++t)
-        if (variant == 2 || t % dql == 0)
-          bad_shape += !std::equal(got.begin() + t * row, got.begin() + (t + 1) * row,
-                                   full.begin() + t * row);
+      for (int t = 0; t < c.T; t += dql)
+        bad_mates += !std::equal(got.begin() + t * row, got.begin() + (t + 1) * row,
+                                 full.begin() + t * row);
     }
   }
   const int nunits = prefill ? c.T : c.R;
@@ -567,16 +563,16 @@ static void test_invariance(std::mt19937& rng, const char* name, bool prefill, i
   pc.num_kv_heads = Hkv;
   AttentionParams p1 = pc;
   p1.num_tokens = udql;
-  char msg[320];
+  char msg[400];
   snprintf(msg, sizeof msg,
-           "invariance %s T=%d Hkv=%d G=%d (auto shape: batch %s%d, unit alone %d CTAs/row): "
-           "%s %ld differ, %ld of %ld units alone differ, %ld prefix "
+           "invariance %s T=%d Hkv=%d G=%d (auto shape: batch %d, unit alone %d CTAs/row): "
+           "cluster vs one-CTA batch %ld differ, %ld first rows differ with other tile-mates, "
+           "%ld of %ld units alone differ, %ld prefix "
            "batches differ, %ld head-sliced rows differ (bit for bit; %ld nonzero)",
-           name, c.T, Hkv, G, uni ? "union kernel, " : "", attention_split(pc, g_num_sms),
-           attention_split(p1, g_num_sms),
-           uni ? "rows vs tile-mates none / sharing / reversed slots" : "cluster vs one-CTA batch",
-           bad_shape, bad_alone, units, bad_prefix, bad_tp, nonzero);
-  report(bad_shape == 0 && bad_alone == 0 && bad_prefix == 0 && bad_tp == 0 && nonzero > 0, msg);
+           name, c.T, Hkv, G, attention_split(pc, g_num_sms), attention_split(p1, g_num_sms),
+           bad_shape, bad_mates, bad_alone, units, bad_prefix, bad_tp, nonzero);
+  report(bad_shape == 0 && bad_mates == 0 && bad_alone == 0 && bad_prefix == 0 && bad_tp == 0 &&
+             nonzero > 0, msg);
 }
 
 // ------------------------------------------------------------------ pack exactness
@@ -830,8 +826,7 @@ static double time_graph(F launch, int nvariants, int n = 20, int reps = 9) {
 struct BenchDecode {
   int T, dql, Hkv, K;
   int64_t seq;
-  int split = 0;  // launch shape (0: chosen by dql and the grid; -1: the other one; 1: one CTA
-                  // per row, also for dql > 1)
+  int split = 0;  // launch shape (0: chosen from the grid; -1: the other one)
   int shared = -1;  // dql > 1: blocks every row of a request selects (the rest distinct per row);
                     // -1: every row draws its own
 };
@@ -861,14 +856,6 @@ static void bench_decode(std::mt19937& rng, const BenchDecode& b, double copy_tb
     for (int k = 0; k < K; ++k)  // shared: ids [0, S) in common, then K - S of row ir's own
       topk[i * K + k] = b.shared < 0 ? ids[k] : ids[k < b.shared ? k : k + ir * (K - b.shared)];
   }
-  double union_tiles = 0;  // distinct (request, head, block) tiles: what the union kernel reads
-  for (int g = 0; g < Hkv; ++g)
-    for (int r = 0; r < R; ++r) {
-      std::vector<int> u(topk.begin() + (size_t(g) * T + r * dql) * K,
-                         topk.begin() + (size_t(g) * T + (r + 1) * dql) * K);
-      std::sort(u.begin(), u.end());
-      union_tiles += double(std::unique(u.begin(), u.end()) - u.begin());
-    }
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<uint16_t> q(size_t(T) * Hkv * 16 * 128);
   for (auto& x : q) x = float_to_bf16(nd(rng));
@@ -906,8 +893,7 @@ static void bench_decode(std::mt19937& rng, const BenchDecode& b, double copy_tb
   p.dtype = DType::kBF16;
   p.split = b.split < 0 ? (attention_split(p, g_num_sms) == 1 ? 4 : 1) : b.split;
   const int shape = attention_split(p, g_num_sms);
-  const bool uni = decode_uses_union(p);
-  const double bytes = (uni ? union_tiles : double(T) * Hkv * K) * 128 * 72 * 2;
+  const double bytes = double(T) * Hkv * K * 128 * 72 * 2;
   auto launch = [&](int v, cudaStream_t st) {
     AttentionParams pv = p;
     pv.block_table = bt_d + size_t(v) * R * M;
@@ -915,9 +901,8 @@ static void bench_decode(std::mt19937& rng, const BenchDecode& b, double copy_tb
   };
   const double us = time_graph(launch, nv);
   char sh[64];
-  if (uni) snprintf(sh, sizeof sh, "union kernel, %d shared", b.shared);
-  else snprintf(sh, sizeof sh, "%s%d CTA/row%s", b.split ? "forced " : "", shape,
-                dql > 1 ? (b.shared < 0 ? ", own draws" : ", rows share blocks") : "");
+  snprintf(sh, sizeof sh, "%s%d CTA/row%s", b.split ? "forced " : "", shape,
+           dql > 1 ? (b.shared < 0 ? ", own draws" : ", rows share 12 of 16 blocks") : "");
   printf("TABLE decode T=%d dql=%d Hkv=%d K=%d seq=%lld %s: %.2f us, %.3f TB/s, %.1f%% "
          "of copy (%.1f MB read, %d block tables)\n", T, dql, Hkv, K, (long long)b.seq,
          sh, us, bytes / (us * 1e-6) / 1e12,
@@ -1118,8 +1103,8 @@ int main(int argc, char** argv) {
   test_invariance(rng, "decode bf16 G=8 dql=4", false, 2, 6, 4, false, 8);
   test_invariance(rng, "decode f16 dql=6", false, 2, 5, 6, true);  // two row groups
   test_invariance(rng, "decode bf16 dql=4 large batch", false, 4, 40, 4, false);
-  test_union_nan_tail(rng, 4, false);
-  test_union_nan_tail(rng, 2, true);
+  test_shared_block_nan_tail(rng, 4, false);
+  test_shared_block_nan_tail(rng, 2, true);
   test_invariance(rng, "decode bf16 G=8", false, 2, 5, 1, false, 8);
   test_invariance(rng, "prefill bf16", true, 4, 3, 1, false);
   // a batch large enough for one CTA per row (T·Hkv > SMs) vs its first 1, 2, 8 requests
@@ -1146,7 +1131,6 @@ int main(int argc, char** argv) {
     const int64_t seq = 32768;
     if (profile) {  // the shapes for ncu: decode T=128, pack 65536
       bench_decode(rng, BenchDecode{128, 1, 4, 16, seq}, copy, false);
-      bench_decode(rng, BenchDecode{128, 4, 4, 16, seq, 0, 12}, copy, false);
       bench_pack(rng, 65536, copy);
       return 0;
     }
@@ -1156,15 +1140,12 @@ int main(int argc, char** argv) {
     }
     for (int T : {1, 8, 32})  // the other launch shape at the same T (the same bits)
       bench_decode(rng, BenchDecode{T, 1, 4, 16, seq, -1}, copy, false);
-    // MTP (issue 22 item 2): dql 4 with the rows of a request sharing 12 of their 16 blocks,
-    // the union kernel vs the per-row kernel on the same inputs vs dql 1 at the same T
-    for (int T : {4, 32, 128}) {
-      bench_decode(rng, BenchDecode{T, 4, 4, 16, seq, 0, 12}, copy, T == 128);
-      bench_decode(rng, BenchDecode{T, 4, 4, 16, seq, 1, 12}, copy, false);
-      if (T != 128) bench_decode(rng, BenchDecode{T, 1, 4, 16, seq}, copy, false);
-    }
-    bench_decode(rng, BenchDecode{128, 4, 4, 16, seq, 0, -1}, copy, false);  // own draws
-    bench_decode(rng, BenchDecode{128, 2, 4, 16, seq, 0, 12}, copy, false);
+    // MTP (issue 22 item 2): dql 4 with the rows of a request sharing 12 of their 16 blocks
+    // beside dql 1 at the same T (the union kernel that read them once left the build)
+    bench_decode(rng, BenchDecode{4, 4, 4, 16, seq, 0, 12}, copy, false);
+    bench_decode(rng, BenchDecode{4, 1, 4, 16, seq}, copy, false);
+    bench_decode(rng, BenchDecode{128, 4, 4, 16, seq, 0, 12}, copy, true);
+    bench_decode(rng, BenchDecode{128, 4, 4, 16, seq}, copy, false);
     bench_prefill(rng, 2048, 8192, copy);
     if (!quick) bench_prefill(rng, 8192, 8192, copy);
     bench_pack(rng, 4096, copy);

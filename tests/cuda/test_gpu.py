@@ -238,8 +238,7 @@ def _bits(x):
 def test_decode_batch_and_tp_invariant(rng, dql):
     """Issue 22: a request's rows are bit-identical alone, in the batch, and with the KV heads
     split as tensor parallelism splits them (the op on head-sliced operands on one GPU: TP 2 and
-    4 over 4 KV heads, and TP 8's G = 8 halves of one replicated KV head). dql > 1 runs the
-    union kernel (the rows of a request share their blocks' loads)."""
+    4 over 4 KV heads, and TP 8's G = 8 halves of one replicated KV head)."""
     Hkv, K, G = 4, 16, 16
     seq_lens = np.array([1500, 0, 640, 2049, 77, 3000, 900, 4100])
     cache, bt, M, P = _setup(rng, Hkv, seq_lens, K)
@@ -328,11 +327,11 @@ def test_prefill_batch_invariant(rng):
 
 @pytest.mark.parametrize("dql", [2, 4])
 def test_decode_row_independent_of_tile_mates(rng, dql):
-    """Issue 22 item 2: with dql > 1 the rows of a request stream the union of their blocks once;
-    a row's bits must not depend on what its tile-mates selected (nothing, or the first row's
-    blocks) nor on the order of its own top-k slots; the first row of every request must keep
-    its bits. The request's later rows attend a key past the first row's limit whose bytes are
-    NaN: the first row stays finite and matches the float64 oracle."""
+    """Issue 22 item 2: a row's bits must not depend on what its tile-mates (the other rows of
+    its request) selected: nothing, or the first row's blocks; the first row of every request
+    keeps its bits. The request's later rows attend a key past the first row's limit whose bytes
+    are NaN, in a block every row selects: the first row stays finite and matches the float64
+    oracle (SPEC §5.2: V select-masked per row)."""
     Hkv, K, G = 2, 16, 16
     seq_lens = np.array([1500, 0, 640, 2049, 77, 3000])
     cache, bt, M, P = _setup(rng, Hkv, seq_lens, K)
@@ -372,4 +371,3 @@ def test_decode_row_independent_of_tile_mates(rng, dql):
         tk = topk.copy()
         tk[:, ~first] = -1 if variant == "none" else topk[:, mates[~first]]
         np.testing.assert_array_equal(_bits(run(tk))[first], full[first])
-    np.testing.assert_array_equal(_bits(run(topk[:, :, ::-1].copy())), full)
