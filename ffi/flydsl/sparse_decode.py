@@ -235,7 +235,7 @@ def compile_sparse_decode_split(dtype: str = "bf16", group: int = GROUP_HEADS):
 @functools.lru_cache(maxsize=None)
 def compile_sparse_decode_union(dtype: str = "bf16", group: int = GROUP_HEADS):
     """Launcher of the union-tile decode for decode_query_len > 1 (MTP / speculative rows): one
-    workgroup of 512 threads per 16 consecutive rows and KV head, grid (ceil(T / 16), Hkv); the rows
+    workgroup of 512 threads per 16 consecutive rows (32 for G = 8) and KV head, grid (ceil(T / tile), Hkv); the rows
     of a tile (a request's draft rows, or several requests' when dql < 16) load each block any of
     them selected once (union_tile.py). Products in bf16 as the per-token decode (SPEC §5.5); the
     same arguments as `compile_sparse_decode`. The handler uses it whenever dql > 1."""
@@ -244,7 +244,7 @@ def compile_sparse_decode_union(dtype: str = "bf16", group: int = GROUP_HEADS):
 
     @fx.struct
     class UnionStorage:
-        buf: fx.Array[fx.Int32, union_tile.LDS_BYTES // 4, 16]
+        buf: fx.Array[fx.Int32, union_tile.lds_bytes(group) // 4, 16]
 
     @flyc.kernel(known_block_size=(union_tile.THREADS, 1, 1))
     def sparse_decode_union_kernel(
@@ -271,6 +271,8 @@ def compile_sparse_decode_union(dtype: str = "bf16", group: int = GROUP_HEADS):
                        page_stride, layer_stride, scale)
         union_tile.attend_union(ops, compute, io, tile, kv_head, row_of, lds_base, group=group)
 
+    rows = union_tile.tile_rows(group)
+
     @flyc.jit
     def launch(
         q: fx.Pointer, kv_cache: fx.Pointer, topk_indices: fx.Pointer, block_table: fx.Pointer,
@@ -284,7 +286,7 @@ def compile_sparse_decode_union(dtype: str = "bf16", group: int = GROUP_HEADS):
             q, kv_cache, topk_indices, block_table, seq_lens, k_scale, v_scale, layer, out,
             num_tokens, num_kv_heads, num_requests, max_blocks, num_pages, num_layers, page_stride,
             layer_stride, decode_query_len, scale,
-        ).launch(grid=((num_tokens + union_tile.TILE_ROWS - 1) // union_tile.TILE_ROWS, num_kv_heads, 1),
+        ).launch(grid=((num_tokens + rows - 1) // rows, num_kv_heads, 1),
                  block=(union_tile.THREADS, 1, 1), stream=stream)
 
     return launch

@@ -16,7 +16,8 @@ Launcher arguments, in order:
     num_tokens T, num_kv_heads Hkv, num_requests R, max_blocks M, num_pages P, num_layers L (int32),
     page_stride, layer_stride (int64 bytes), scale (float32), stream.
 
-One workgroup of 8 waves per (tile of 16 consecutive tokens, KV head), grid = (ceil(T / 16), Hkv):
+One workgroup of 8 waves per (tile of 16 consecutive tokens, or 32 for G = 8, KV head), grid =
+(ceil(T / tile), Hkv):
 the tokens of a tile share every block any of them selected, loaded and dequantized once
 (union_tile.py has the algorithm, the mapping and the masking). Per token (SPEC §5.4):
 r = query_req_id[t] (a padding token, r < 0 or r >= R, attends nothing and writes exact zeros),
@@ -36,7 +37,7 @@ import flydsl.expr as fx
 
 from attention_core import COMPUTE_DTYPES, IO_DTYPES, Operands
 from common import GROUP_HEADS
-from union_tile import LDS_BYTES, THREADS, TILE_ROWS, attend_union
+from union_tile import THREADS, attend_union, lds_bytes, tile_rows
 
 COMPUTE = "f16"             # SPEC §5.5: the gfx950 prefill computes the products in fp16
 
@@ -49,7 +50,7 @@ def compile_sparse_prefill(dtype: str = "f16", group: int = GROUP_HEADS):
 
     @fx.struct
     class SharedStorage:
-        buf: fx.Array[fx.Int32, LDS_BYTES // 4, 16]
+        buf: fx.Array[fx.Int32, lds_bytes(group) // 4, 16]
 
     @flyc.kernel(known_block_size=(THREADS, 1, 1))
     def sparse_prefill_kernel(
@@ -76,6 +77,8 @@ def compile_sparse_prefill(dtype: str = "f16", group: int = GROUP_HEADS):
                        page_stride, layer_stride, scale)
         attend_union(ops, compute, io, tile, kv_head, row_of, lds_base, group=group)
 
+    rows = tile_rows(group)
+
     @flyc.jit
     def launch(
         q: fx.Pointer, kv_cache: fx.Pointer, topk_indices: fx.Pointer, block_table: fx.Pointer,
@@ -90,7 +93,7 @@ def compile_sparse_prefill(dtype: str = "f16", group: int = GROUP_HEADS):
             q, kv_cache, topk_indices, block_table, query_req_id, query_abs_pos, k_scale, v_scale, layer,
             out, num_tokens, num_kv_heads, num_requests, max_blocks, num_pages, num_layers, page_stride,
             layer_stride, scale,
-        ).launch(grid=((num_tokens + TILE_ROWS - 1) // TILE_ROWS, num_kv_heads, 1), block=(THREADS, 1, 1),
+        ).launch(grid=((num_tokens + rows - 1) // rows, num_kv_heads, 1), block=(THREADS, 1, 1),
                  stream=stream)
 
     return launch

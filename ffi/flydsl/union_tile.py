@@ -57,26 +57,50 @@ from common import (
     TILE_BYTES, TOPK, WAVE, buffer_rsrc, exp2_fast, lane_ids, load_dwords, load_u16, store_dwords, uniform,
 )
 
-TILE_ROWS = 16                          # consecutive query rows per workgroup
 NUM_WAVES = 8
 THREADS = NUM_WAVES * WAVE              # 512
-ROWS_PER_WAVE = TILE_ROWS // NUM_WAVES  # 2
-CANDIDATES = TILE_ROWS * TOPK           # 256 (row, slot) pairs
+COLUMN_GROUPS = 2                       # MFMA column groups (16 columns each) per wave
 SENTINEL = 0x7FFFFFFF                   # key of an invalid slot: sorts after every valid key
 ROW_BYTES = 128 * 2 + 16                # 128 16-bit values + 16 bytes of padding (bank spread)
 K_OFF = 0                               # K[key][d]
 VT_OFF = BLOCK_SIZE * ROW_BYTES         # Vt[d][key]
-CAND_OFF = VT_OFF + HEAD_DIM * ROW_BYTES    # int32 [256]: each (row, slot)'s key
-CAND_VIS_OFF = CAND_OFF + 4 * CANDIDATES    # int32 [256]: the row's vis
-FIRST_OFF = CAND_VIS_OFF + 4 * CANDIDATES   # int32 [256]: key if first occurrence, else sentinel
-UNION_KEY_OFF = FIRST_OFF + 4 * CANDIDATES  # int32 [≤256]: the sorted union's keys
-UNION_B_OFF = UNION_KEY_OFF + 4 * CANDIDATES    # ... their block ids
-UNION_LIM_OFF = UNION_B_OFF + 4 * CANDIDATES    # ... the largest block-local limit of a selecting row
-COUNT_OFF = UNION_LIM_OFF + 4 * CANDIDATES      # int32: the union's size
-Q_OFF = COUNT_OFF + 16                  # per wave, its rows' Q as each lane's MFMA B operands
-Q_WAVE_BYTES = ROWS_PER_WAVE * 4 * WAVE * 16
-LDS_BYTES = Q_OFF + NUM_WAVES * Q_WAVE_BYTES
-PARTS = 2                               # online-softmax updates per block (64 keys each: few live scores)
+
+
+def rows_per_group(group: int) -> int:
+    """Rows sharing one MFMA's 16 columns: 1 for G = 16, 2 for G = 8 (row j in columns 8j .. 8j+7)."""
+    return GROUP_HEADS // group
+
+
+def tile_rows(group: int = GROUP_HEADS) -> int:
+    """Consecutive rows per workgroup: 16 for G = 16, 32 for G = 8."""
+    return NUM_WAVES * COLUMN_GROUPS * rows_per_group(group)
+
+
+class Layout:
+    """LDS byte offsets for G = group: the staged block, the union's tables, each wave's Q."""
+
+    def __init__(self, group: int):
+        self.candidates = tile_rows(group) * TOPK           # (row, slot) pairs: 256 or 512
+        n = 4 * self.candidates
+        self.cand = VT_OFF + HEAD_DIM * ROW_BYTES           # int32: each (row, slot)'s key
+        self.cand_vis = self.cand + n                       # int32: the row's vis
+        self.first = self.cand_vis + n                      # int32: key if first occurrence, else sentinel
+        self.union_key = self.first + n                     # int32: the sorted union's keys
+        self.union_b = self.union_key + n                   # ... their block ids
+        self.union_lim = self.union_b + n                   # ... the largest block-local limit of a selecting row
+        self.q = self.union_lim + n                         # per wave: each lane's Q B operands
+        self.q_wave = COLUMN_GROUPS * 4 * WAVE * 16
+        self.bytes = self.q + NUM_WAVES * self.q_wave
+
+
+def lds_bytes(group: int = GROUP_HEADS) -> int:
+    return Layout(group).bytes
+
+
+def parts(group: int) -> int:
+    """Online-softmax updates per block: 2 (64 keys each) for G = 16; 4 for G = 8, whose per-row
+    masked V pass keeps two results live (a whole block at once spills)."""
+    return 2 if group == GROUP_HEADS else 4
 
 
 def dyn_for(start, stop, state: dict, body):
@@ -118,16 +142,17 @@ def put_i32(lds_base, byte_off, value):
     lds_store(lds_base, byte_off, fx.Vector.from_elements([fx.Int32(value)], dtype=fx.Int32), fx.Int32, 4)
 
 
-def build_union(ops, lds_base, tid, key, vis, b):
+def build_union(lay, lds_base, tid, key, vis, b):
     """Step 1 (see the module docstring): sorted, de-duplicated union of the tile's keys in LDS.
-    `key`, `vis`, `b`: thread tid's candidate (threads >= 256 hold the sentinel). Returns the size."""
-    is_cand = tid < CANDIDATES
-    when(is_cand, lambda: (put_i32(lds_base, CAND_OFF + 4 * tid, key), put_i32(lds_base, CAND_VIS_OFF + 4 * tid, vis)))
+    `key`, `vis`, `b`: thread tid's candidate (the sentinel where invalid). Returns the size."""
+    n = lay.candidates
+    is_cand = tid < n
+    when(is_cand, lambda: (put_i32(lds_base, lay.cand + 4 * tid, key), put_i32(lds_base, lay.cand_vis + 4 * tid, vis)))
     gpu.barrier()
 
     def scan_equal(j, st):
-        keys = lds_i32(lds_base, CAND_OFF + 16 * j, 4)
-        viss = lds_i32(lds_base, CAND_VIS_OFF + 16 * j, 4)
+        keys = lds_i32(lds_base, lay.cand + 16 * j, 4)
+        viss = lds_i32(lds_base, lay.cand_vis + 16 * j, 4)
         dup, vmax = st["dup"], st["vmax"]
         for i in range_constexpr(4):
             eq = fx.Int32(keys[i]) == key
@@ -135,32 +160,33 @@ def build_union(ops, lds_base, tid, key, vis, b):
             vmax = (eq & (fx.Int32(viss[i]) > vmax)).select(fx.Int32(viss[i]), vmax)
         return {"dup": dup, "vmax": vmax}
 
-    st = dyn_for(0, CANDIDATES // 4, {"dup": fx.Int32(0), "vmax": fx.Int32(0)}, scan_equal)
+    st = dyn_for(0, n // 4, {"dup": fx.Int32(0), "vmax": fx.Int32(0)}, scan_equal)
     first = (key != SENTINEL) & (st["dup"] == 0)
-    when(is_cand, lambda: put_i32(lds_base, FIRST_OFF + 4 * tid, first.select(key, fx.Int32(SENTINEL))))
+    when(is_cand, lambda: put_i32(lds_base, lay.first + 4 * tid, first.select(key, fx.Int32(SENTINEL))))
     gpu.barrier()
 
     def count_smaller(j, st):
-        keys = lds_i32(lds_base, FIRST_OFF + 16 * j, 4)
-        rank = st["rank"]
+        keys = lds_i32(lds_base, lay.first + 16 * j, 4)
+        rank, size = st["rank"], st["size"]
         for i in range_constexpr(4):
-            rank = rank + (fx.Int32(keys[i]) < key).select(fx.Int32(1), fx.Int32(0))
-        return {"rank": rank}
+            k = fx.Int32(keys[i])
+            rank = rank + (k < key).select(fx.Int32(1), fx.Int32(0))
+            size = size + (k != SENTINEL).select(fx.Int32(1), fx.Int32(0))
+        return {"rank": rank, "size": size}
 
-    rank = dyn_for(0, CANDIDATES // 4, {"rank": fx.Int32(0)}, count_smaller)["rank"]
+    st2 = dyn_for(0, n // 4, {"rank": fx.Int32(0), "size": fx.Int32(0)}, count_smaller)
+    rank = st2["rank"]
     limit = st["vmax"] - b * BLOCK_SIZE
     limit = (limit > BLOCK_SIZE).select(fx.Int32(BLOCK_SIZE), limit)
 
     def write_entry():
-        put_i32(lds_base, UNION_KEY_OFF + 4 * rank, key)
-        put_i32(lds_base, UNION_B_OFF + 4 * rank, b)
-        put_i32(lds_base, UNION_LIM_OFF + 4 * rank, limit)
+        put_i32(lds_base, lay.union_key + 4 * rank, key)
+        put_i32(lds_base, lay.union_b + 4 * rank, b)
+        put_i32(lds_base, lay.union_lim + 4 * rank, limit)
 
     when(is_cand & first, write_entry)
-    # the first thread past the candidates holds the sentinel: its rank is the union's size
-    when(tid == CANDIDATES, lambda: put_i32(lds_base, COUNT_OFF, rank))
     gpu.barrier()
-    return uniform(lds_i32(lds_base, COUNT_OFF))
+    return uniform(st2["size"])             # every thread counted the same first occurrences
 
 
 def stage_k(compute, lds_base, k_rsrc, tid):
@@ -207,17 +233,29 @@ def key_masks(limit, s, quad):
     return masks
 
 
+def pick(cond, a, b):
+    """a where cond (a per-lane i1), else b; b when cond is None (nothing to choose)."""
+    return b if cond is None else cond.select(a, b)
+
+
 def attend_union(ops, compute, io, tile, kv_head, row_of, lds_base, group=GROUP_HEADS):
-    """Attention of rows 16·tile .. +15 (KV head kv_head) over the union of their selections.
+    """Attention of rows tile_rows·tile .. + tile_rows - 1 (KV head kv_head) over the union of their
+    selections.
 
     row_of(token) -> (req, vis, row_ok): the row's request, vis = pos + 1, and whether it attends
     at all (SPEC §5.3 / §5.4); called with an in-range token. Rows past num_tokens store nothing.
+    Wave w owns rows_per_wave consecutive rows: column group cg (of 2) holds rows_per_group of them,
+    row j of a group in columns G·j .. G·j + G - 1 (head = column % G).
     """
+    lay = Layout(group)
+    rpg = rows_per_group(group)
+    rpw = COLUMN_GROUPS * rpg                   # rows per wave: 2 (G = 16) or 4 (G = 8)
+    n_rows = tile_rows(group)
     tid = fx.Int32(fx.thread_idx.x)
     wave = uniform(tid // WAVE)
     lane, lane16, quad = lane_ids(tid)
     num_heads = ops.num_kv_heads * group
-    t0 = tile * TILE_ROWS
+    t0 = tile * n_rows
 
     layer = fx.Int32(ops.layer.load())
     layer_ok = (layer >= 0) & (layer < ops.num_layers)                 # SPEC §3.3, §7
@@ -228,38 +266,39 @@ def attend_union(ops, compute, io, tile, kv_head, row_of, lds_base, group=GROUP_
     topk_rsrc = buffer_rsrc(ops.topk_indices, fx.Int64(ops.num_kv_heads) * fx.Int64(ops.num_tokens) * (TOPK * 4))
 
     # ---- 1. the candidate of thread tid: row t0 + tid/16, slot tid%16 (SPEC §5.2) ----------------
-    token = t0 + (tid // TOPK) % TILE_ROWS
-    in_range = (tid < CANDIDATES) & (token < ops.num_tokens)
+    token = t0 + (tid // TOPK) % n_rows
+    in_range = (tid < lay.candidates) & (token < ops.num_tokens)
     req, vis, row_ok = row_of(in_range.select(token, 0))
     b = load_dwords(topk_rsrc, ((kv_head * ops.num_tokens + in_range.select(token, 0)) * TOPK + tid % TOPK) * 4, 1)
     b_ok = in_range & row_ok & layer_ok & (b >= 0) & (b < ops.max_blocks) & (b * BLOCK_SIZE < vis)
     page = load_dwords(table_rsrc, b_ok.select(req * ops.max_blocks + b, 0) * 4, 1)
     valid = b_ok & (page >= 0) & (page < ops.num_pages)
     key = valid.select(req * ops.max_blocks + b, fx.Int32(SENTINEL))
-    union_size = build_union(ops, lds_base, tid, key, vis, b)
+    union_size = build_union(lay, lds_base, tid, key, vis, b)
 
-    # ---- this wave's two rows: Q, the slot keys (lane l < 32: row l/16, slot l%16), vis -----------
+    # ---- this wave's rows: Q, the slot keys (lane l < 16·rows: row l/16, slot l%16), vis -----------
     io_bytes = io.width // 8
     q_rsrc = buffer_rsrc(ops.q, fx.Int64(ops.num_tokens) * fx.Int64(num_heads) * (HEAD_DIM * io_bytes))
-    rows = [t0 + ROWS_PER_WAVE * wave + r for r in range(ROWS_PER_WAVE)]
+    rows = [t0 + rpw * wave + r for r in range(rpw)]
+    second = (lane16 >= group) if rpg > 1 else None     # the lane's column is the group's second row
+    lane_rows = [pick(second, rows[cg * rpg + rpg - 1], rows[cg * rpg]) for cg in range(COLUMN_GROUPS)]
     # Q of the wave's rows goes to LDS, each lane's B operands where that lane reads them back:
-    # holding them in registers would leave no room for two rows' accumulators (256 VGPRs)
-    q_base = Q_OFF + wave * Q_WAVE_BYTES + lane * 16
-    for r in range_constexpr(ROWS_PER_WAVE):
-        q_row = ((rows[r] * num_heads + kv_head * group + lane16 % group) * HEAD_DIM + quad * D_PER_QUAD) * io_bytes
+    # holding them in registers would leave no room for two column groups' accumulators (256 VGPRs)
+    q_base = lay.q + wave * lay.q_wave + lane * 16
+    for cg in range_constexpr(COLUMN_GROUPS):
+        q_row = ((lane_rows[cg] * num_heads + kv_head * group + lane16 % group) * HEAD_DIM + quad * D_PER_QUAD) * io_bytes
         for c in range_constexpr(4):
-            lds_store(lds_base, q_base + (r * 4 + c) * (WAVE * 16), load_vec8(q_rsrc, q_row + 8 * io_bytes * c, io, compute),
+            lds_store(lds_base, q_base + (cg * 4 + c) * (WAVE * 16), load_vec8(q_rsrc, q_row + 8 * io_bytes * c, io, compute),
                       compute, 16)
-    q_ops = q_base
-    slot_key = lds_i32(lds_base, CAND_OFF + 4 * ((ROWS_PER_WAVE * wave) * TOPK + lane % (ROWS_PER_WAVE * TOPK)))
-    slot_key = (lane < ROWS_PER_WAVE * TOPK).select(slot_key, fx.Int32(SENTINEL))
-    row_vis = [uniform(lds_i32(lds_base, CAND_VIS_OFF + 4 * ((ROWS_PER_WAVE * wave + r) * TOPK)))
-               for r in range(ROWS_PER_WAVE)]
+    slot_key = lds_i32(lds_base, lay.cand + 4 * ((rpw * wave) * TOPK + lane % (rpw * TOPK)))
+    if rpw * TOPK < WAVE:
+        slot_key = (lane < rpw * TOPK).select(slot_key, fx.Int32(SENTINEL))
+    vis_addr = [lay.cand_vis + 4 * ((rpw * wave + r) * TOPK) for r in range(rpw)]
 
     def per_entry(u, st):
-        key_u = uniform(lds_i32(lds_base, UNION_KEY_OFF + 4 * u))
-        b_u = uniform(lds_i32(lds_base, UNION_B_OFF + 4 * u))
-        lim_u = uniform(lds_i32(lds_base, UNION_LIM_OFF + 4 * u))
+        key_u = uniform(lds_i32(lds_base, lay.union_key + 4 * u))
+        b_u = uniform(lds_i32(lds_base, lay.union_b + 4 * u))
+        lim_u = uniform(lds_i32(lds_base, lay.union_lim + 4 * u))
         page_u = uniform(load_dwords(table_rsrc, key_u * 4, 1))
         page_base = layer_base + fx.Int64(page_u) * ops.page_stride     # 64-bit (SPEC §3.3)
         k_rsrc = buffer_rsrc(ops.kv_cache + (page_base + fx.Int64(kv_head * 2) * TILE_BYTES), fx.Int32(TILE_BYTES))
@@ -269,37 +308,46 @@ def attend_union(ops, compute, io, tile, kv_head, row_of, lds_base, group=GROUP_
         stage_v(compute, lds_base, v_rsrc, tid, lim_u)
         gpu.barrier()
         # how often each row selected this entry (duplicates count per occurrence, SPEC §5.1)
-        votes = fx.Int32(_arith.trunci(T.i32, fx.rocdl.ballot(T.i64, (slot_key == key_u).ir_value())))
-        mult = [fx.Int32(fx.ctpop(fx.Int32(votes >> (TOPK * r)) & 0xFFFF)) for r in range(ROWS_PER_WAVE)]
+        votes = fx.rocdl.ballot(T.i64, (slot_key == key_u).ir_value())
+        words = [fx.Int32(_arith.trunci(T.i32, votes))]
+        if rpw * TOPK > 32:
+            words.append(fx.Int32(_arith.trunci(T.i32, _arith.shrui(votes, _arith.constant(T.i64, 32)))))
+        mult = [fx.Int32(fx.ctpop(fx.Int32(words[r // 2] >> (TOPK * (r % 2))) & 0xFFFF)) for r in range(rpw)]
         limits = []
-        for r in range_constexpr(ROWS_PER_WAVE):
-            lim = row_vis[r] - b_u * BLOCK_SIZE
+        for r in range_constexpr(rpw):
+            # the row's vis re-read from LDS per entry (a broadcast): held across the loop it would
+            # cost an SGPR per row, and G = 8's four rows spill
+            lim = uniform(lds_i32(lds_base, vis_addr[r])) - b_u * BLOCK_SIZE
             lim = (lim > BLOCK_SIZE).select(fx.Int32(BLOCK_SIZE), lim)
             limits.append((mult[r] > 0).select(lim, fx.Int32(0)))
-        selected = mult[0]
-        for r in range(1, ROWS_PER_WAVE):
+        selected, need_mask = mult[0], limits[0] < lim_u
+        for r in range(1, rpw):
             selected = selected + mult[r]
+            need_mask = need_mask | (limits[r] < lim_u)
+        # per column group, the lane's own row's multiplicity and limit
+        lane_mult = [pick(second, mult[cg * rpg + rpg - 1], mult[cg * rpg]) for cg in range(COLUMN_GROUPS)]
+        lane_limit = [pick(second, limits[cg * rpg + rpg - 1], limits[cg * rpg]) for cg in range(COLUMN_GROUPS)]
+        row_limits = [limits[cg * rpg:(cg + 1) * rpg] for cg in range(COLUMN_GROUPS)]
         return dyn_if(selected > 0, st,
-                      lambda s: update_rows(compute, lds_base, s, q_ops, mult, limits, lim_u, qk_scale, lane16, quad))
+                      lambda s: update_rows(compute, lds_base, s, q_base, lane_mult, lane_limit, row_limits, need_mask,
+                                            qk_scale, lane16, quad, group))
 
-    state = {"m": [fx.Float32(NEG_INF)] * ROWS_PER_WAVE, "l": [fx.Float32(0.0)] * ROWS_PER_WAVE,
-             "o": [[fx.Vector.filled(4, 0.0, fx.Float32) for _ in range(D_TILES)] for _ in range(ROWS_PER_WAVE)]}
+    state = {"m": [fx.Float32(NEG_INF)] * COLUMN_GROUPS, "l": [fx.Float32(0.0)] * COLUMN_GROUPS,
+             "o": [[fx.Vector.filled(4, 0.0, fx.Float32) for _ in range(D_TILES)] for _ in range(COLUMN_GROUPS)]}
     state = dyn_for(0, union_size, state, per_entry)
 
-    # ---- 4. the two rows' outputs: O / l · v_scale, exact zeros where nothing was attended -------
+    # ---- 4. the rows' outputs: O / l · v_scale, exact zeros where nothing was attended -------------
     out_bytes = fx.Int64(ops.num_tokens) * fx.Int64(num_heads) * (HEAD_DIM * io_bytes)
     out_rsrc = buffer_rsrc(ops.out, out_bytes)
-    for r in range_constexpr(ROWS_PER_WAVE):
-        l_all = state["l"][r]
+    for cg in range_constexpr(COLUMN_GROUPS):
+        l_all = state["l"][cg]
         l_all = l_all + l_all.shuffle_xor(16, WAVE)
         l_all = l_all + l_all.shuffle_xor(32, WAVE)
         attended_any = l_all != 0.0
         inv = attended_any.select(v_scale / l_all, fx.Float32(0.0))
-        off = ((rows[r] * num_heads + kv_head * group + lane16) * HEAD_DIM + 4 * quad) * io_bytes
-        # G = 8: lanes 8..15 repeat heads 0..7 and store nothing (an offset past the buffer)
-        off = (lane16 < group).select(off, fx.Int32(0x7FFFFFF0)) if group < GROUP_HEADS else off
+        off = ((lane_rows[cg] * num_heads + kv_head * group + lane16 % group) * HEAD_DIM + 4 * quad) * io_bytes
         for dt in range_constexpr(D_TILES):
-            o = state["o"][r][dt] * fx.Vector.from_elements([inv] * 4, dtype=fx.Float32)
+            o = state["o"][cg][dt] * fx.Vector.from_elements([inv] * 4, dtype=fx.Float32)
             o = attended_any.select(o, fx.Vector.filled(4, 0.0, fx.Float32))
             store_vec4(out_rsrc, off + 16 * dt * io_bytes, o, io)
 
@@ -312,21 +360,27 @@ def store_vec4(rsrc, byte_off, vals, io):
         store_dwords(rsrc, byte_off, vals.to(io).bitcast(fx.Int32))
 
 
-def update_rows(compute, lds_base, st, q_ops, mult, limits, lim_u, qk_scale, lane16, quad):
+def update_rows(compute, lds_base, st, q_ops, mult, limits, row_limits, need_mask, qk_scale, lane16, quad, group):
     """Step 3 for the wave's rows on the staged entry, 64 keys at a time (an online-softmax update
     per half block keeps the live scores few: 0 spills; a whole block spills): S^T, softmax,
     O^T += V^T·P^T."""
     m, l, o = list(st["m"]), list(st["l"]), [list(x) for x in st["o"]]
-    for half in range_constexpr(PARTS):
+    for half in range_constexpr(parts(group)):
         fx.rocdl.sched_barrier(0)       # keep the parts apart: the scheduler would overlap their live ranges
-        m, l, o = update_half(compute, lds_base, half, m, l, o, q_ops, mult, limits, lim_u, qk_scale, lane16, quad)
+        m, l, o = update_half(compute, lds_base, half, m, l, o, q_ops, mult, limits, row_limits, need_mask, qk_scale,
+                              lane16, quad, group)
     return {"m": m, "l": l, "o": o}
 
 
-def update_half(compute, lds_base, half, m, l, o, q_ops, mult, limits, lim_u, qk_scale, lane16, quad):
-    rows = range_constexpr(ROWS_PER_WAVE)
+def update_half(compute, lds_base, half, m, l, o, q_ops, mult, limits, row_limits, need_mask, qk_scale, lane16, quad,
+                group):
+    """One part of update_rows; index r runs over the wave's column groups, mult / limits are the
+    lane's own row's (per lane: with G = 8 the two halves of a group's columns are two rows);
+    row_limits[r] the group's rows' limits (wave-uniform), for the per-row V masks."""
+    rows = range_constexpr(COLUMN_GROUPS)
     k_base = K_OFF + lane16 * ROW_BYTES + quad * 64         # + constants: ds_read immediate offsets
-    tiles = range_constexpr(KEY_TILES // PARTS * half, KEY_TILES // PARTS * (half + 1))
+    n_parts = parts(group)
+    tiles = range_constexpr(KEY_TILES // n_parts * half, KEY_TILES // n_parts * (half + 1))
     # S^T = K·Q^T over this part's tiles of 16 keys; each K operand read once from LDS serves both rows
     scores = [{} for _ in rows]
     m_blk = [fx.Float32(NEG_INF) for _ in rows]
@@ -359,7 +413,7 @@ def update_half(compute, lds_base, half, m, l, o, q_ops, mult, limits, lim_u, qk
         weight = fx.Float32(_arith.sitofp(T.f32, mult[r].ir_value()))
         l_blk = fx.Float32(0.0)
         ops_r = {}
-        for s in range_constexpr(PV_STEPS // PARTS * half, PV_STEPS // PARTS * (half + 1)):
+        for s in range_constexpr(PV_STEPS // n_parts * half, PV_STEPS // n_parts * (half + 1)):
             vals = []
             for sub in range_constexpr(2):
                 for i in range_constexpr(4):
@@ -376,7 +430,7 @@ def update_half(compute, lds_base, half, m, l, o, q_ops, mult, limits, lim_u, qk
     # one read of each V^T operand serves both rows. Otherwise (the diagonal block, or a row that
     # did not select the entry) keys past a row's limit may hold another row's data, which must
     # not reach it even as 0·NaN (SPEC §5.2): each row's operands are masked by a select of raw bits.
-    steps = range_constexpr(PV_STEPS // PARTS * half, PV_STEPS // PARTS * (half + 1))
+    steps = range_constexpr(PV_STEPS // n_parts * half, PV_STEPS // n_parts * (half + 1))
     vt_base = VT_OFF + lane16 * ROW_BYTES + quad * 8
 
     def v_words(s, dt):
@@ -394,20 +448,25 @@ def update_half(compute, lds_base, half, m, l, o, q_ops, mult, limits, lim_u, qk
         return {"o": o}
 
     def masked(st):
+        # V^T is the MFMA's A operand, shared by all 16 columns: it can carry one row's mask only.
+        # With G = 8 a column group holds two rows, so each row's masked pass keeps its own
+        # columns' result (the others see keys that row may attend and this one may not).
         o = [list(x) for x in st["o"]]
         for r in rows:
-            for s in steps:
-                masks = key_masks(limits[r], s, quad)
-                for dt in range_constexpr(D_TILES):
-                    words = v_words(s, dt)
-                    v_op = fx.Vector.from_elements([words[i] & masks[i] for i in range(4)],
-                                                   dtype=fx.Int32).bitcast(compute)
-                    o[r][dt] = mfma(compute, v_op, p_ops[r][s], o[r][dt])
+            for j in range_constexpr(len(row_limits[r])):
+                if j:
+                    fx.rocdl.sched_barrier(0)       # one row's pass at a time (their live ranges add up)
+                own = None if len(row_limits[r]) == 1 else ((lane16 >= group) if j else (lane16 < group))
+                for s in steps:
+                    masks = key_masks(row_limits[r][j], s, quad)
+                    for dt in range_constexpr(D_TILES):
+                        words = v_words(s, dt)
+                        v_op = fx.Vector.from_elements([words[i] & masks[i] for i in range(4)],
+                                                       dtype=fx.Int32).bitcast(compute)
+                        new = mfma(compute, v_op, p_ops[r][s], o[r][dt])
+                        o[r][dt] = new if own is None else own.select(new, o[r][dt])
         return {"o": o}
 
-    need_mask = limits[0] < lim_u
-    for r in range(1, ROWS_PER_WAVE):
-        need_mask = need_mask | (limits[r] < lim_u)
     o = ReplaceIfWithDispatch.scf_if_dispatch(need_mask, lambda _n, *v: masked({"o": v[0]}),
                                               lambda _n, *v: shared({"o": v[0]}),
                                               result_names=("o",), result_values=(o,))

@@ -220,7 +220,12 @@ def launch(kernel: GpuKernel, grid, block, args) -> None:
 
 D, N, TOKEN_BYTES = 128, 128, 72          # head_dim, block_size, bytes per token and head slot
 SPLIT_BELOW_PAIRS, SPLITS, PARTIAL_BYTES = 256, 4, 16 * 128 * 4 + 16 * 8
-UNION_TILE_ROWS, UNION_THREADS = 16, 512    # union_tile.py's TILE_ROWS and THREADS
+UNION_THREADS = 512                         # union_tile.py's THREADS
+
+
+def union_tile_rows(group: int) -> int:
+    """union_tile.py's tile_rows: 16 rows per workgroup for G = 16, 32 for G = 8."""
+    return 16 * (16 // group)
 
 
 def io_name(dtype) -> str:
@@ -334,7 +339,7 @@ class Handlers:
             launch(merge, (tokens, geo.hkv, 1), (256, 1, 1), [ws, ptrs[6], out, i32(tokens), i32(geo.hkv)])
         elif kind == "union":
             (kern,) = self._kernels(f"sparse_decode_union_{g}{io_name(q.dtype)}")
-            launch(kern, (-(-tokens // UNION_TILE_ROWS), geo.hkv, 1), (UNION_THREADS, 1, 1), ptrs + tail)
+            launch(kern, (-(-tokens // union_tile_rows(group)), geo.hkv, 1), (UNION_THREADS, 1, 1), ptrs + tail)
         else:
             (kern,) = self._kernels(f"sparse_decode_{g}{io_name(q.dtype)}")
             launch(kern, (tokens, geo.hkv, 1), (256, 1, 1), ptrs + tail)
@@ -348,8 +353,9 @@ class Handlers:
             return out
         g = "" if group == 16 else f"g{group}_"
         (kern,) = self._kernels(f"sparse_prefill_{g}{io_name(q.dtype)}")
-        # union tiles (ffi/flydsl/union_tile.py): one workgroup of 512 threads per 16 tokens and KV head
-        launch(kern, (-(-q.shape[0] // UNION_TILE_ROWS), geo.hkv, 1), (UNION_THREADS, 1, 1),
+        # union tiles (ffi/flydsl/union_tile.py): one workgroup of 512 threads per 16 tokens (G = 8: 32)
+        # and KV head
+        launch(kern, (-(-q.shape[0] // union_tile_rows(group)), geo.hkv, 1), (UNION_THREADS, 1, 1),
                [q, cache, topk.astype(np.int32), block_table.astype(np.int32), query_req_id.astype(np.int32),
                 query_abs_pos.astype(np.int32), scalar(k_scale, np.float32), scalar(v_scale, np.float32),
                 scalar(layer, np.int32), out] + sizes + [f32(scale)])
