@@ -1,44 +1,49 @@
-"""Union-tile sparse attention for gfx950: 16 consecutive query tokens share each selected block
+"""Union-tile sparse attention for gfx950: consecutive query rows share each selected block
 (SPEC §5.2, §5.5; serves sparse_prefill and sparse_decode with decode_query_len > 1).
 
 Why: neighbouring tokens of a request select mostly the same blocks. The per-token kernel
 (attention_core.attend) reads a token's 16 blocks for that token alone, so a prefill chunk reads
 K/V about 16 × (tokens per block selected by neighbours) times over. Here one workgroup takes a
-*tile* of 16 consecutive rows t0 .. t0+15 (t0 = 16 · blockIdx.x) and one KV head, forms the
+*tile* of consecutive rows (16 for G = 16, 32 for G = 8: `tile_rows`) and one KV head, forms the
 sorted union of the rows' selected blocks, and loads and dequantizes each union block once.
 
-Workgroup: 8 waves (512 threads); wave w owns rows t0 + 2w and t0 + 2w + 1 (their Q in
-registers, their online-softmax state: m, l and O^T accumulators, as attention_core.attend's
-mapping with one token's 16 heads on the MFMA's 16 columns; G = 8 repeats heads 0..7 in lanes
-8..15 and stores only lanes < G).
+Workgroup: 8 waves (512 threads). A wave has 2 MFMA column groups of 16 columns; a column group
+holds one row's 16 heads (G = 16) or two rows' 8 heads (G = 8: row j in columns 8j .. 8j+7), so a
+wave owns 2 or 4 consecutive rows: their Q (staged in LDS as each lane's B operands) and their
+online-softmax state (m, l and O^T accumulators per column), with attention_core.attend's lane
+mapping otherwise.
 
-1. Union (threads 0..255, one per (row τ, slot k)): the slot's key is req·M + b when the slot is
-   valid (SPEC §5.2: 0 <= b < M, 128·b < vis, layer in range, 0 <= block_table[req, b] < P), else
-   a sentinel. A thread whose key has no equal at a lower index is the key's first occurrence;
-   its rank among the first occurrences (the number of smaller distinct keys) is the key's place
-   in the sorted union. Keys of one request sort by block id, so every row meets its own blocks
-   in increasing block order whatever the other rows of its tile selected: a row's result does
-   not depend on its tile-mates (batch invariance). The union holds at most 16 · 16 entries, all of
-   which fit in LDS, so no tile ever falls back. Per entry the union keeps b and the largest
-   block-local limit any selecting row has (keys at or past it are attended by no row).
+1. Union (one thread per (row τ, slot k): 256 or 512): the slot's key is req·M + b when the slot
+   is valid (SPEC §5.2: 0 <= b < M, 128·b < vis, layer in range, 0 <= block_table[req, b] < P),
+   else a sentinel. A thread whose key has no equal at a lower index is the key's first
+   occurrence; its rank among the first occurrences (the number of smaller distinct keys) is the
+   key's place in the sorted union. Keys of one request sort by block id, so every row meets its
+   own blocks in increasing block order whatever the other rows of its tile selected: a row's
+   result does not depend on its tile-mates (batch invariance). The union holds at most one entry
+   per candidate, all of which fit in LDS, so no tile ever falls back. Per entry the union keeps b
+   and the largest block-local limit any selecting row has (keys at or past it are attended by no row).
 2. Per union entry: all 512 threads load the page's K and V tiles once (K: thread t reads token
    t/4's 16 data bytes and 2 scale bytes; V: 4 tokens × one data dword and its scale byte) and
    write them dequantized to LDS, K as rows [key][d] and V transposed as Vt[d][key]. V words of
    keys at or past the entry's limit are zeroed as raw NVFP4 words (garbage never reaches PV).
 3. Each wave finds how often each of its rows selected the entry (a ballot of the rows' slot keys
    against the entry's key: a duplicate id counts once per occurrence, SPEC §5.1, applied as a
-   weight on P and l). A wave whose rows did not select the entry skips it (no MFMA). Otherwise
-   S^T = K·Q^T for both rows from the same LDS operands (select-masked to -inf past the row's own
-   causal limit, or wholly when the row did not select the entry), the online softmax update, and
-   O^T += V^T·P^T with V^T operands masked per row by a select of raw bits (keys past the row's
-   limit may hold another row's data; 0·NaN must not reach the row, SPEC §5.2).
-4. Each wave writes its two rows (exact zeros where nothing was attended).
+   weight on P and l). A wave whose rows did not select the entry skips it (no MFMA). Otherwise,
+   per part of the block (64 keys, or 32 for G = 8): S^T = K·Q^T for both column groups from the
+   same K operands (select-masked to -inf past each column's row's causal limit, or wholly where
+   that row did not select the entry), the online softmax update, and O^T += V^T·P^T. When every
+   row of the wave attends all staged keys, one V^T operand serves both column groups; otherwise
+   (the diagonal block, or a row that did not select the entry) V^T, the MFMA's A operand shared by
+   all 16 columns, is masked by a select of raw bits for one row at a time and only that row's
+   columns keep the result (keys past a row's limit may hold another row's data; 0·NaN must not
+   reach the row, SPEC §5.2). Both forms give a row the same bits.
+4. Each wave writes its rows (exact zeros where nothing was attended).
 
 Products in the caller's compute dtype (bf16 for decode, fp16 for prefill, SPEC §5.5); NVFP4 ->
 compute exactly as attention_core (unit-scale conversion, exact E4M3 multiply).
 
-LDS: K 128 × 272 B + Vt 128 × 272 B + the union's tables 7 KiB + Q 64 KiB = 139 KiB (one workgroup
-per CU: 2 waves per SIMD, which is what 256 VGPRs allow anyway).
+LDS: K 128 × 272 B + Vt 128 × 272 B + the union's tables (6 KiB, G = 8: 12 KiB) + Q 64 KiB = 138 KiB
+(144 KiB): one workgroup per CU, 2 waves per SIMD, which is what 256 VGPRs allow anyway.
 """
 
 from __future__ import annotations

@@ -34,7 +34,6 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK_BYTES = 2 * 128 * 72                      # K + V of one (page, KV head): 18432
-TILE = 16
 HBM, MFMA_PEAK, LDS_BW = 8e12, 2.5e15, 256 * 128 * 2.4e9
 
 
@@ -102,29 +101,39 @@ def valid_keys(topk, req, pos, block_table, num_pages):
     return out
 
 
-def references(keys, block_table):
-    """Per-token sum, tile-union sum, context (bytes), the union sizes' mean, and the union
-    kernel's MFMA count by formula (per tile entry, 128 per wave whose two rows selected it)."""
+def references(keys, block_table, pos, G=16):
+    """Per-token sum, tile-union sum, context (bytes), the union sizes' mean, the selections'
+    minimum MFMAs (64·G/16 per row and valid slot: with G = 8 two rows could share an MFMA's 16
+    columns), and the union kernel's MFMAs by formula: per tile entry and wave whose rows selected
+    it, 128, or 192 for G = 8 when one of the wave's rows stops short of the staged keys (its
+    per-row masked V pass; ffi/flydsl/union_tile.py)."""
+    tile = 16 * (16 // G)
+    per_wave = tile // 8
     per_token = union = mfma = 0
     pages = set()
     sizes = []
     for rows in keys:
         T = len(rows)
         per_token += sum(len(r) for r in rows)
-        for t0 in range(0, T, TILE):
-            tile = rows[t0:t0 + TILE]
-            u = set().union(*map(set, tile)) if tile else set()
+        for t0 in range(0, T, tile):
+            tile_rows = [set(r) for r in rows[t0:t0 + tile]] + [set()] * max(0, t0 + tile - T)
+            vis = [int(p) + 1 for p in pos[t0:t0 + tile]] + [0] * max(0, t0 + tile - T)
+            u = set().union(*tile_rows)
             sizes.append(len(u))
             union += len(u)
-            for w in range(0, len(tile), 2):
-                pair = set(tile[w]) | (set(tile[w + 1]) if w + 1 < len(tile) else set())
-                mfma += 128 * len(pair)
+            for key in u:
+                lim = [min(128, vis[i] - 128 * key[1]) if key in tile_rows[i] else 0 for i in range(tile)]
+                lim_u = max(lim)
+                for w in range(0, tile, per_wave):
+                    wave = lim[w:w + per_wave]
+                    if any(key in tile_rows[i] for i in range(w, w + per_wave)):
+                        mfma += 192 if G == 8 and min(wave) < lim_u else 128
         for rws in rows:
             pages |= {int(block_table[r, b]) for r, b in rws}
     hkv = len(keys)
     return dict(per_token=per_token * BLOCK_BYTES, union=union * BLOCK_BYTES,
                 context=len(pages) * hkv * BLOCK_BYTES, mean_union=float(np.mean(sizes)) if sizes else 0.0,
-                min_mfma=sum(64 * len(r) for rows in keys for r in rows), union_mfma=mfma)
+                min_mfma=sum(64 * G // 16 * len(r) for rows in keys for r in rows), union_mfma=mfma)
 
 
 def adjacent_overlap(topk):
@@ -235,8 +244,9 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(7)
     print("gfx950 kernels on tinygrad's CDNA emulator (never on hardware); bytes and MFMAs counted per "
           f"executed instruction; selections: σ = {args.sigma}, ρ = {args.rho}\n"
-          "K/V read ÷ tile unions / ÷ per-token sum: over each 16-row tile's distinct valid blocks and over each "
-          "row's valid slots (18432 B each); ÷ minimum: MFMAs over 64 per (row, valid slot); model: max(HBM / "
+          "K/V read ÷ tile unions / ÷ per-token sum: over each 16-row tile's (G = 8: 32-row) distinct valid blocks "
+          "and over each row's valid slots (18432 B each); ÷ minimum: MFMAs over 64·G/16 per (row, valid slot); "
+          "model: max(HBM / "
           "8 TB/s, MFMA / 2.5 PFLOP/s, LDS / 78.6 TB/s), a model, not a measurement\n")
     print(HEADER)
     prefill = [(1, 16, 64, 4096), (1, 16, 256, 8192), (1, 8, 128, 6144)]
@@ -247,7 +257,7 @@ def main(argv=None) -> int:
     for hkv, G, q_len, kv_len in prefill:
         p = prefill_case(rng, hkv, G, q_len, kv_len, args.sigma, args.rho, "float16")
         keys = valid_keys(p.topk, p.req, p.pos, p.block_table, p.cache.shape[0])
-        ref = references(keys, p.block_table)
+        ref = references(keys, p.block_table, p.pos, G)
         q = np.asarray(p.q)
         case = f"prefill {q_len} @ {kv_len}, Hkv {hkv}, G {G}"
         want = np.asarray(m3.sparse_prefill(jnp.asarray(q), p.cache, p.topk, p.block_table, p.req, p.pos,
@@ -266,19 +276,20 @@ def main(argv=None) -> int:
         print(row(f"sparse_prefill_{g8}f16 (union tiles)", case, c, ref, s, q.nbytes), flush=True)
         cos = float(np.asarray(got, np.float64).ravel() @ want.ravel()
                     / (np.linalg.norm(got.astype(np.float64)) * np.linalg.norm(want) + 1e-300))
-        lds_per_mfma.append((c.lds_read + c.lds_written) / c.mfma)
+        if G == 16:                     # the full-size formula below is G = 16's
+            lds_per_mfma.append((c.lds_read + c.lds_written) / c.mfma)
         assert c.read["kv_cache"] == ref["union"], "union-tile K/V bytes differ from the formula"
         assert c.mfma == ref["union_mfma"], "union-tile MFMAs differ from the formula"
         assert c_pt.read["kv_cache"] == ref["per_token"], "per-token K/V bytes differ from the formula"
         notes.append(f"{case}: adjacent tokens share {adjacent_overlap(p.topk):.1f} of 16 blocks, "
-                     f"a 16-token tile's union {ref['mean_union']:.1f} blocks; context {ref['context'] / 1e6:.2f} MB; "
+                     f"a {16 * (16 // G)}-token tile's union {ref['mean_union']:.1f} blocks; context {ref['context'] / 1e6:.2f} MB; "
                      f"union output vs CPU cosine {cos:.6f}")
     if not args.quick:
         seq_lens = [8192] * 8
         p = decode_problem(rng, 1, 16, seq_lens, 4, dtype=jnp.bfloat16, extra_pages=1)
         p.topk = shared_topk(rng, 1, 4, [n // 128 for n in seq_lens])
         keys = valid_keys(p.topk, p.req, p.pos, p.block_table, p.cache.shape[0])
-        ref = references(keys, p.block_table)
+        ref = references(keys, p.block_table, p.pos)
         q = np.asarray(p.q)
         case = "decode T 32 (8 × dql 4), 12 of 16 shared, @ 8192"
         args_ = (q, p.cache, p.topk, p.block_table, p.seq_lens, p.k_scale, p.v_scale, 0, scale, 4)
@@ -304,7 +315,7 @@ def full_size(rng, sigma, rho, lds_per_mfma, hkv=4, q_len=2048, kv_len=8192, G=1
     topk = correlated_topk(rng, hkv, pos, M, sigma, rho)
     table = np.arange(M, dtype=np.int32)[None]
     keys = valid_keys(topk, np.zeros(q_len, np.int32), pos, table, M)
-    ref = references(keys, table)
+    ref = references(keys, table, pos, G)
     q_bytes = q_len * hkv * G * 128 * 2
     lines = [f"Formula at prefill {q_len} @ {kv_len}, Hkv {hkv}, G {G} (σ {sigma}, ρ {rho}; adjacent tokens share "
              f"{adjacent_overlap(topk):.1f} of 16, a tile's union {ref['mean_union']:.1f} blocks):",
@@ -319,5 +330,5 @@ def full_size(rng, sigma, rho, lds_per_mfma, hkv=4, q_len=2048, kv_len=8192, G=1
                      f"{parts['hbm']:.0f} / {parts['mfma']:.0f} / {lds_text} |")
     floor = ref["min_mfma"] * 2 * 16 * 16 * 32 / MFMA_PEAK * 1e6
     lines.append(f"Compute floor (the selections' MFMAs at 2.5 PFLOP/s): {floor:.0f} µs. Union kernel's LDS: "
-                 f"{lds_per_mfma:.0f} bytes per MFMA (the emulated cases' largest).")
+                 f"{lds_per_mfma:.0f} bytes per MFMA (the emulated G = 16 cases' largest).")
     return "\n".join(lines)

@@ -272,13 +272,15 @@ def test_union_prefill_reads_each_tile_union_once(gpu, rng):
 def test_union_row_bits_do_not_depend_on_tile_mates(gpu, rng):
     """A token computed alone (T = 1) and inside a 16-token tile whose other rows select other
     blocks, in both the prefill and the dql > 1 decode kernel: the same bits."""
-    p = prefill_problem(rng, 1, 16, (12, 7), (900, 1300), pad=1, dtype=jnp.bfloat16, extra_pages=1)
-    q = np.asarray(p.q)
-    full = gpu.sparse_prefill(q, p.cache, p.topk, p.block_table, p.req, p.pos, p.k_scale, p.v_scale, 0, SCALE)
-    for t in (0, 5, 13, 18):
-        one = gpu.sparse_prefill(q[t:t + 1], p.cache, np.ascontiguousarray(p.topk[:, t:t + 1]), p.block_table,
-                                 p.req[t:t + 1], p.pos[t:t + 1], p.k_scale, p.v_scale, 0, SCALE)
-        assert np.array_equal(one.view(np.uint16), full[t:t + 1].view(np.uint16)), f"prefill token {t}"
+    for G in (16, 8):       # G = 8: two rows share an MFMA's columns; alone, a row has no partner
+        p = prefill_problem(rng, 1, G, (12, 7), (900, 1300), pad=1, dtype=jnp.bfloat16, extra_pages=1)
+        q = np.asarray(p.q)
+        full = gpu.sparse_prefill(q, p.cache, p.topk, p.block_table, p.req, p.pos, p.k_scale, p.v_scale, 0, SCALE,
+                                  group=G)
+        for t in (0, 5, 13, 18):
+            one = gpu.sparse_prefill(q[t:t + 1], p.cache, np.ascontiguousarray(p.topk[:, t:t + 1]), p.block_table,
+                                     p.req[t:t + 1], p.pos[t:t + 1], p.k_scale, p.v_scale, 0, SCALE, group=G)
+            assert np.array_equal(one.view(np.uint16), full[t:t + 1].view(np.uint16)), f"G {G} prefill token {t}"
     d = decode_problem(rng, 1, 8, [300, 77, 1000, 5], 4, dtype=jnp.bfloat16, extra_pages=1)
     dq = np.asarray(d.q)
     full = gpu.sparse_decode(dq, d.cache, d.topk, d.block_table, d.seq_lens, d.k_scale, d.v_scale, 0, SCALE, 4,
