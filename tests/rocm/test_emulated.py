@@ -241,32 +241,45 @@ def test_prefill(gpu, rng, G, dtype, hkv, q_lens, kv_lens, pad, layout, layer):
 
 
 # ---- union tiles: what they read, and a row's bits whatever its tile-mates ----------------------
-def test_union_prefill_reads_each_tile_union_once(gpu, rng):
+@pytest.mark.parametrize("G", [16, 8])
+def test_union_prefill_reads_each_tile_union_once(gpu, rng, G):
     """Counted on the emulator (emu_traffic): the union-tile prefill reads K/V bytes equal to the sum
-    over 16-token tiles of each tile's distinct valid (request, block) pairs, 18432 bytes each, and
-    issues 128 MFMAs per (wave, union entry) its two rows selected; the per-token kernel on the same
-    rows reads each token's valid slots (a 10x larger sum here). Two requests share tile 1."""
+    over tiles (16 rows; 32 for G = 8) of each tile's distinct valid (request, block) pairs, 18432
+    bytes each, and issues 128 MFMAs per (wave, union entry) its rows selected, plus 64 for G = 8
+    where a row of the wave stops short of the entry's staged keys (its own masked V pass); the
+    per-token kernel on the same rows would read each token's valid slots (a larger sum here).
+    Two requests share a tile."""
     import emu_traffic
-    p = prefill_problem(rng, 1, 16, (24, 9), (3000, 2100), pad=3, dtype=jnp.float16, extra_pages=1)
+    p = prefill_problem(rng, 1, G, (24, 9), (3000, 2100), pad=3, dtype=jnp.float16, extra_pages=1)
     Hkv, T, _ = p.topk.shape
     M, P = p.block_table.shape[1], p.cache.shape[0]
     # neighbours select alike: a request's tokens share 13 of 16 blocks with the one before
     for t in range(1, T):
         if p.req[t] == p.req[t - 1] >= 0 and p.pos[t] // 128 == p.pos[t - 1] // 128:
             p.topk[:, t, :13] = p.topk[:, t - 1, :13]
-    valid = lambda g, t: [(p.req[t], int(b)) for b in p.topk[g, t] if p.req[t] >= 0 and 0 <= b < M
-                          and 128 * b <= p.pos[t] and 0 <= p.block_table[p.req[t], b] < P]
-    union = sum(len(set().union(*[valid(0, t) for t in range(t0, min(T, t0 + 16))])) for t0 in range(0, T, 16))
-    per_token = sum(len(valid(0, t)) for t in range(T))
-    pairs = sum(len(set(valid(0, t)) | set(valid(0, t + 1) if t + 1 < T else [])) for t in range(0, T, 2))
+    valid = lambda t: set() if t >= T else {(p.req[t], int(b)) for b in p.topk[0, t] if p.req[t] >= 0 and 0 <= b < M
+                                            and 128 * b <= p.pos[t] and 0 <= p.block_table[p.req[t], b] < P}
+    tile, union, mfma = 16 * (16 // G), 0, 0
+    per_wave = tile // 8
+    for t0 in range(0, T, tile):
+        rows = [valid(t) for t in range(t0, t0 + tile)]
+        entries = set().union(*rows)
+        union += len(entries)
+        for key in entries:
+            lim = [min(128, p.pos[t0 + i] + 1 - 128 * key[1]) if key in rows[i] else 0 for i in range(tile)]
+            for w in range(0, tile, per_wave):
+                if any(key in rows[i] for i in range(w, w + per_wave)):
+                    mfma += 128 + (64 if G == 8 and min(lim[w:w + per_wave]) < max(lim) else 0)
+    per_token = sum(len(valid(t)) for t in range(T))
     q = np.asarray(p.q)
     with emu_traffic.counting({"kv_cache": p.cache, "q": q}) as c:
-        gpu.sparse_prefill(q, p.cache, p.topk, p.block_table, p.req, p.pos, p.k_scale, p.v_scale, 0, SCALE)
+        gpu.sparse_prefill(q, p.cache, p.topk, p.block_table, p.req, p.pos, p.k_scale, p.v_scale, 0, SCALE, group=G)
     assert c.read["kv_cache"] == union * 18432
-    assert c.mfma == 128 * pairs
+    assert c.mfma == mfma
     assert c.read["q"] == q.nbytes
     assert union < per_token / 3
-    RESULTS.append(("sparse_prefill_f16", f"traffic T={T}", f"K/V {union} blocks (per-token {per_token})", 0.0))
+    RESULTS.append((f"sparse_prefill{'_g8' if G == 8 else ''}_f16", f"traffic T={T}",
+                    f"K/V {union} blocks (per-token {per_token})", 0.0))
 
 
 def test_union_row_bits_do_not_depend_on_tile_mates(gpu, rng):
