@@ -62,6 +62,9 @@ def _clang_on_path() -> bool:
 def emulator_missing() -> str | None:
     """Why the emulated tests cannot run here, or None."""
     if tinygrad_dir() is None:
+        env = os.environ.get("M3SPARSE_TINYGRAD")
+        if env:
+            return f"tinygrad's emulator not found: M3SPARSE_TINYGRAD={env} has no test/mockgpu/amd/emu.py"
         return ("tinygrad's emulator not found: set M3SPARSE_TINYGRAD or put it at "
                 f"{REPO.parent / 'shared' / 'emulator' / 'tinygrad'}")
     if not _clang_on_path():
