@@ -62,6 +62,20 @@ class Operands:
     scale: object
 
 
+def read_common(ops: Operands):
+    """What every attention workgroup reads first: whether the layer is in range and its byte base
+    (SPEC §3.3, §7), the base-2 logit scale with k_scale folded in and v_scale (SPEC §5.5), and the
+    block_table / topk_indices descriptors."""
+    layer = fx.Int32(ops.layer.load())
+    layer_ok = (layer >= 0) & (layer < ops.num_layers)
+    layer_base = fx.Int64(layer_ok.select(layer, 0)) * ops.layer_stride
+    qk_scale = ops.scale * fx.Float32(ops.k_scale.load()) * LOG2E
+    v_scale = fx.Float32(ops.v_scale.load())
+    table_rsrc = buffer_rsrc(ops.block_table, fx.Int64(ops.num_requests) * fx.Int64(ops.max_blocks) * 4)
+    topk_rsrc = buffer_rsrc(ops.topk_indices, fx.Int64(ops.num_kv_heads) * fx.Int64(ops.num_tokens) * (TOPK * 4))
+    return layer_ok, layer_base, qk_scale, v_scale, table_rsrc, topk_rsrc
+
+
 def lds_ptr(base, byte_off, elem_ty, align):
     p = fx.add_offset(base, fx.make_int_tuple(byte_off))
     return fx.recast_iter(fx.PointerType.get(elem_ty.ir_type, fx.AddressSpace.Shared, align), p)
@@ -140,14 +154,16 @@ def load_vec8(rsrc, byte_off, io, compute):
     return raw if io is compute else raw.to(fx.Float32).to(compute)
 
 
-def store_vec8(rsrc, byte_off, vals, io):
-    """Store 8 fp32 results as io (one 16-byte store, or two for f32)."""
-    if io is fx.Float32:
-        bits = vals.bitcast(fx.Int32)
-        store_dwords(rsrc, byte_off, fx.Vector.from_elements([bits[i] for i in range(4)], dtype=fx.Int32))
-        store_dwords(rsrc, byte_off + 16, fx.Vector.from_elements([bits[i] for i in range(4, 8)], dtype=fx.Int32))
-    else:
-        store_dwords(rsrc, byte_off, vals.to(io).bitcast(fx.Int32))
+def store_values(rsrc, byte_off, vals, io):
+    """Store a vector of fp32 results as io: their dwords in stores of at most 16 bytes (8 values
+    are one store for bf16/f16, two for f32)."""
+    bits = vals.bitcast(fx.Int32) if io is fx.Float32 else vals.to(io).bitcast(fx.Int32)
+    if len(bits) <= 4:
+        store_dwords(rsrc, byte_off, bits)
+        return
+    for k in range(0, len(bits), 4):
+        store_dwords(rsrc, byte_off + 4 * k, fx.Vector.from_elements([bits[i] for i in range(k, k + 4)],
+                                                                     dtype=fx.Int32))
 
 
 # A split's partial result in the workspace (split decode): O[16 heads][128 d] f32 (not yet divided
@@ -204,14 +220,7 @@ def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_bas
     num_heads = ops.num_kv_heads * group
     vt_base = wave * VT_BYTES
 
-    layer = fx.Int32(ops.layer.load())
-    layer_ok = (layer >= 0) & (layer < ops.num_layers)                 # SPEC §3.3, §7
-    layer_base = fx.Int64(layer_ok.select(layer, 0)) * ops.layer_stride
-    qk_scale = ops.scale * fx.Float32(ops.k_scale.load()) * LOG2E     # k_scale folded (SPEC §5.5)
-    v_scale = fx.Float32(ops.v_scale.load())
-
-    table_rsrc = buffer_rsrc(ops.block_table, fx.Int64(ops.num_requests) * fx.Int64(ops.max_blocks) * 4)
-    topk_rsrc = buffer_rsrc(ops.topk_indices, fx.Int64(ops.num_kv_heads) * fx.Int64(ops.num_tokens) * (TOPK * 4))
+    layer_ok, layer_base, qk_scale, v_scale, table_rsrc, topk_rsrc = read_common(ops)
 
     # ---- Q in registers: head g·16 + lane16, d = 32·quad + 8·c + i (four 16-byte loads) --------
     io_bytes = io.width // 8
@@ -343,12 +352,12 @@ def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_bas
         out_bytes = fx.Int64(ops.num_tokens) * fx.Int64(num_heads) * (HEAD_DIM * io_bytes)
         out_rsrc = buffer_rsrc(ops.out, owned_bytes(owns, out_bytes))
         out_off = ((token * num_heads + kv_head * group + head) * HEAD_DIM + d0) * io_bytes
-        store_vec8(out_rsrc, out_off, finish(o_all, l_all, v_scale), io)
+        store_values(out_rsrc, out_off, finish(o_all, l_all, v_scale), io)
     else:
         ws_bytes = fx.Int64(ops.num_tokens) * fx.Int64(ops.num_kv_heads) * (num_splits * PARTIAL_BYTES)
         ws_rsrc = buffer_rsrc(workspace, owned_bytes(owns, ws_bytes))
         record = ((token * ops.num_kv_heads + kv_head) * num_splits + split) * PARTIAL_BYTES
-        store_vec8(ws_rsrc, record + (head * HEAD_DIM + d0) * 4, o_all, fx.Float32)
+        store_values(ws_rsrc, record + (head * HEAD_DIM + d0) * 4, o_all, fx.Float32)
         # the 16 lanes of a head store the same (m, l) pair
         ml = fx.Vector.from_elements([m_all, l_all], dtype=fx.Float32).bitcast(fx.Int32)
         store_dwords(ws_rsrc, record + PARTIAL_O_BYTES + head * 8, ml)

@@ -63,7 +63,7 @@ Softmax (SPEC §5.5): base 2, fp32. The logit scale is scale · k_scale · log2(
 one multiply per score); v_scale is applied once in the epilogue. exp2 is v_exp_f32. A row with
 nothing attended has l = 0 and is written as exact zeros; a NaN that is attended stays visible.
 
-Split variant (`sparse_decode_split_*`, used by the handler when T·Hkv < 256): grid (T, Hkv, 4),
+Split variant (`sparse_decode_split_*`, used by the handler when dql = 1 and T·Hkv < 256): grid (T, Hkv, 4),
 workgroup z covers slots 4·z .. 4·z+3 (one per wave) and writes its merged (O, m, l) to a float32
 workspace; a merge kernel, grid (T, Hkv), combines the 4 records with the same LSE formula and
 writes the output. 4× more workgroups for small batches, same result.
@@ -80,12 +80,20 @@ from flydsl.expr import range_constexpr
 
 from attention_core import (
     COMPUTE_DTYPES, IO_DTYPES, NUM_WAVES, PARTIAL_BYTES, PARTIAL_O_BYTES, THREADS, TOPK, Operands, attend,
-    finish, lse_combine, owned_bytes, shared_storage, store_vec8,
+    finish, lse_combine, owned_bytes, shared_storage, store_values,
 )
 from common import GROUP_HEADS, HEAD_DIM, buffer_rsrc, load_dwords, uniform
 import union_tile
 
 COMPUTE = "bf16"            # SPEC §5.5: the gfx950 decode computes the products in bf16
+
+
+def decode_row(token, seq_lens, decode_query_len):
+    """SPEC §5.3: row t belongs to request r = t // dql at pos = seq_lens[r] - dql + t % dql; returns
+    (r, vis = pos + 1, whether the row attends: a padded request, seq_len 0, attends nothing)."""
+    req = token // decode_query_len
+    vis = fx.Int32(seq_lens[req]) - decode_query_len + token % decode_query_len + 1
+    return req, vis, vis > 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,11 +117,7 @@ def compile_sparse_decode(dtype: str = "bf16", group: int = GROUP_HEADS):
         lds = fx.SharedAllocator().allocate(SharedStorage).peek()
         lds_base = fx.recast_iter(fx.Uint8, lds.buf.ptr)
 
-        # SPEC §5.3: row t belongs to request t // dql; pos = seq_lens[r] - dql + t % dql.
-        req = token // decode_query_len
-        seq_len = fx.Int32(seq_lens[req])
-        vis = seq_len - decode_query_len + token % decode_query_len + 1
-        row_ok = vis > 0                           # a padded request (seq_len 0) attends nothing
+        req, vis, row_ok = decode_row(token, seq_lens, decode_query_len)
 
         ops = Operands(q, kv_cache, topk_indices, block_table, k_scale, v_scale, layer, out,
                        num_tokens, num_kv_heads, num_requests, max_blocks, num_pages, num_layers,
@@ -168,10 +172,7 @@ def compile_sparse_decode_split(dtype: str = "bf16", group: int = GROUP_HEADS):
         split = fx.Int32(fx.block_idx.z)
         lds = fx.SharedAllocator().allocate(SharedStorage).peek()
         lds_base = fx.recast_iter(fx.Uint8, lds.buf.ptr)
-        req = token // decode_query_len                                  # SPEC §5.3
-        seq_len = fx.Int32(seq_lens[req])
-        vis = seq_len - decode_query_len + token % decode_query_len + 1
-        row_ok = vis > 0
+        req, vis, row_ok = decode_row(token, seq_lens, decode_query_len)
         ops = Operands(q, kv_cache, topk_indices, block_table, k_scale, v_scale, layer, out,
                        num_tokens, num_kv_heads, num_requests, max_blocks, num_pages, num_layers,
                        page_stride, layer_stride, scale)
@@ -208,7 +209,7 @@ def compile_sparse_decode_split(dtype: str = "bf16", group: int = GROUP_HEADS):
         out_bytes = fx.Int64(num_tokens) * fx.Int64(num_heads) * (HEAD_DIM * io_bytes)
         out_rsrc = buffer_rsrc(out, owned_bytes(owns, out_bytes))
         out_off = ((token * num_heads + kv_head * group + head) * HEAD_DIM + d0) * io_bytes
-        store_vec8(out_rsrc, out_off, finish(o_all, l_all, fx.Float32(v_scale.load())), io)
+        store_values(out_rsrc, out_off, finish(o_all, l_all, fx.Float32(v_scale.load())), io)
 
     @flyc.jit
     def launch(
@@ -261,10 +262,7 @@ def compile_sparse_decode_union(dtype: str = "bf16", group: int = GROUP_HEADS):
         lds_base = fx.recast_iter(fx.Uint8, lds.buf.ptr)
 
         def row_of(token):
-            # SPEC §5.3: row t belongs to request t // dql; pos = seq_lens[r] - dql + t % dql.
-            req = token // decode_query_len
-            vis = fx.Int32(seq_lens[req]) - decode_query_len + token % decode_query_len + 1
-            return req, vis, vis > 0                   # a padded request (seq_len 0) attends nothing
+            return decode_row(token, seq_lens, decode_query_len)
 
         ops = Operands(q, kv_cache, topk_indices, block_table, k_scale, v_scale, layer, out,
                        num_tokens, num_kv_heads, num_requests, max_blocks, num_pages, num_layers,

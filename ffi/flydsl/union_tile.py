@@ -55,11 +55,12 @@ from flydsl.expr import gpu, range_constexpr
 from flydsl.expr.typing import T
 
 from attention_core import (
-    D_TILES, KEY_TILES, PV_STEPS, lds_load, lds_store, load_vec8, mfma, scale_pair, dequant,
+    D_TILES, KEY_TILES, PV_STEPS, dequant, lds_load, lds_store, load_vec8, mfma, read_common, scale_pair,
+    store_values,
 )
 from common import (
-    BLOCK_SIZE, D_PER_QUAD, DATA_BYTES, GROUP_HEADS, HEAD_DIM, LOG2E, NEG_INF, SCALE_BYTES, SCALE_PLANE,
-    TILE_BYTES, TOPK, WAVE, buffer_rsrc, exp2_fast, lane_ids, load_dwords, load_u16, store_dwords, uniform,
+    BLOCK_SIZE, D_PER_QUAD, DATA_BYTES, GROUP_HEADS, HEAD_DIM, NEG_INF, SCALE_BYTES, SCALE_PLANE,
+    TILE_BYTES, TOPK, WAVE, buffer_rsrc, exp2_fast, lane_ids, load_dwords, load_u16, uniform,
 )
 
 NUM_WAVES = 8
@@ -262,13 +263,7 @@ def attend_union(ops, compute, io, tile, kv_head, row_of, lds_base, group=GROUP_
     num_heads = ops.num_kv_heads * group
     t0 = tile * n_rows
 
-    layer = fx.Int32(ops.layer.load())
-    layer_ok = (layer >= 0) & (layer < ops.num_layers)                 # SPEC §3.3, §7
-    layer_base = fx.Int64(layer_ok.select(layer, 0)) * ops.layer_stride
-    qk_scale = ops.scale * fx.Float32(ops.k_scale.load()) * LOG2E     # k_scale folded (SPEC §5.5)
-    v_scale = fx.Float32(ops.v_scale.load())
-    table_rsrc = buffer_rsrc(ops.block_table, fx.Int64(ops.num_requests) * fx.Int64(ops.max_blocks) * 4)
-    topk_rsrc = buffer_rsrc(ops.topk_indices, fx.Int64(ops.num_kv_heads) * fx.Int64(ops.num_tokens) * (TOPK * 4))
+    layer_ok, layer_base, qk_scale, v_scale, table_rsrc, topk_rsrc = read_common(ops)
 
     # ---- 1. the candidate of thread tid: row t0 + tid/16, slot tid%16 (SPEC §5.2) ----------------
     token = t0 + (tid // TOPK) % n_rows
@@ -354,15 +349,7 @@ def attend_union(ops, compute, io, tile, kv_head, row_of, lds_base, group=GROUP_
         for dt in range_constexpr(D_TILES):
             o = state["o"][cg][dt] * fx.Vector.from_elements([inv] * 4, dtype=fx.Float32)
             o = attended_any.select(o, fx.Vector.filled(4, 0.0, fx.Float32))
-            store_vec4(out_rsrc, off + 16 * dt * io_bytes, o, io)
-
-
-def store_vec4(rsrc, byte_off, vals, io):
-    """Store 4 fp32 results as io (8 bytes, or 16 for f32)."""
-    if io is fx.Float32:
-        store_dwords(rsrc, byte_off, vals.bitcast(fx.Int32))
-    else:
-        store_dwords(rsrc, byte_off, vals.to(io).bitcast(fx.Int32))
+            store_values(out_rsrc, off + 16 * dt * io_bytes, o, io)
 
 
 def update_rows(compute, lds_base, st, q_ops, mult, limits, row_limits, need_mask, qk_scale, lane16, quad, group):

@@ -218,19 +218,7 @@ ffi::Error SparseDecode(hipStream_t stream, int32_t device, ffi::ScratchAllocato
       int64_t(seq_lens.element_count()) != s.requests)
     return refuse(kDecodeTarget, "decode needs T = R·decode_query_len and seq_lens [R]");
   if (s.tokens == 0) return ffi::Error::Success();
-  // dql > 1: union tiles (ffi/flydsl/union_tile.py) load each block a request's rows selected once.
-  const auto uv = M3SPARSE_GROUP_VARIANTS(sparse_decode_union, q.element_type(), s.group);
-  if (decode_query_len > 1) {
-    if (auto e = prepare_launch(kDecodeTarget, uv.kernel, device); e.failure()) return e;
-    int32_t st = uv.call(q.untyped_data(), cache.untyped_data(), topk.typed_data(), block_table.typed_data(),
-                         seq_lens.typed_data(), k_scale.typed_data(), v_scale.typed_data(),
-                         layer.typed_data(), out->untyped_data(), int32_t(s.tokens), int32_t(s.hkv),
-                         int32_t(s.requests), int32_t(s.max_blocks), int32_t(s.geo.num_pages),
-                         int32_t(s.geo.num_layers), s.page_stride, s.layer_stride,
-                         int32_t(decode_query_len), scale, stream);
-    return launch_status(kDecodeTarget, uv.kernel, st);
-  }
-  if (s.tokens * s.hkv < kSplitBelowPairs) {
+  if (decode_query_len == 1 && s.tokens * s.hkv < kSplitBelowPairs) {
     const int64_t ws_bytes = s.tokens * s.hkv * kDecodeSplits * kPartialBytes;
     std::optional<void*> workspace = scratch.Allocate(size_t(ws_bytes), 16);
     if (workspace.has_value()) {
@@ -246,7 +234,11 @@ ffi::Error SparseDecode(hipStream_t stream, int32_t device, ffi::ScratchAllocato
     }
     // No scratch memory: the one-pass kernel below computes the same result.
   }
-  const auto v = M3SPARSE_GROUP_VARIANTS(sparse_decode, q.element_type(), s.group);
+  // dql > 1: union tiles (ffi/flydsl/union_tile.py) load each block a request's rows selected once;
+  // the same entry-point signature as the one-pass kernel.
+  const auto v = decode_query_len > 1
+                     ? M3SPARSE_GROUP_VARIANTS(sparse_decode_union, q.element_type(), s.group)
+                     : M3SPARSE_GROUP_VARIANTS(sparse_decode, q.element_type(), s.group);
   if (auto e = prepare_launch(kDecodeTarget, v.kernel, device); e.failure()) return e;
   int32_t st = v.call(q.untyped_data(), cache.untyped_data(), topk.typed_data(), block_table.typed_data(),
                     seq_lens.typed_data(), k_scale.typed_data(), v_scale.typed_data(),
