@@ -196,7 +196,7 @@ def model_us(hbm_bytes, flop, lds_bytes):
     return max(parts.values()), parts
 
 
-def row(kernel, case, c, ref, seconds, q_bytes):
+def row(kernel, case, c, ref, seconds):
     kv = c.read.get("kv_cache", 0)
     other = sum(v for k, v in c.read.items() if k != "kv_cache")
     written = sum(c.written.values())
@@ -269,11 +269,11 @@ def main(argv=None) -> int:
         got_pt, c_pt, s_pt = count(lambda: h.sparse_decode(q.astype(jnp.bfloat16), p.cache, p.topk, p.block_table,
                                                            seq, p.k_scale, p.v_scale, 0, scale, q_len, split=False,
                                                            group=G), {"kv_cache": p.cache})
-        print(row(f"sparse_decode_{g8}bf16 (per-token, the prefill's design until 2026-12-02)", case, c_pt, ref, s_pt,
-                  q.nbytes), flush=True)
+        print(row(f"sparse_decode_{g8}bf16 (per-token, the prefill's design until 2026-12-02)", case, c_pt, ref, s_pt),
+              flush=True)
         got, c, s = count(lambda: h.sparse_prefill(q, p.cache, p.topk, p.block_table, p.req, p.pos, p.k_scale,
                                                    p.v_scale, 0, scale, group=G), {"kv_cache": p.cache})
-        print(row(f"sparse_prefill_{g8}f16 (union tiles)", case, c, ref, s, q.nbytes), flush=True)
+        print(row(f"sparse_prefill_{g8}f16 (union tiles)", case, c, ref, s), flush=True)
         cos = float(np.asarray(got, np.float64).ravel() @ want.ravel()
                     / (np.linalg.norm(got.astype(np.float64)) * np.linalg.norm(want) + 1e-300))
         if G == 16:                     # the full-size formula below is G = 16's
@@ -294,10 +294,10 @@ def main(argv=None) -> int:
         case = "decode T 32 (8 × dql 4), 12 of 16 shared, @ 8192"
         args_ = (q, p.cache, p.topk, p.block_table, p.seq_lens, p.k_scale, p.v_scale, 0, scale, 4)
         _, c_pt, s_pt = count(lambda: h.sparse_decode(*args_, split=False), {"kv_cache": p.cache})
-        print(row("sparse_decode_bf16 (per-token, dql > 1's kernel until 2026-12-02)", case, c_pt, ref, s_pt, q.nbytes),
+        print(row("sparse_decode_bf16 (per-token, dql > 1's kernel until 2026-12-02)", case, c_pt, ref, s_pt),
               flush=True)
         _, c, s = count(lambda: h.sparse_decode(*args_), {"kv_cache": p.cache})
-        print(row("sparse_decode_union_bf16", case, c, ref, s, q.nbytes), flush=True)
+        print(row("sparse_decode_union_bf16", case, c, ref, s), flush=True)
         notes.append(f"{case}: union ÷ per-token K/V bytes {c.read['kv_cache'] / c_pt.read['kv_cache']:.3f}")
     print()
     for n in notes:
