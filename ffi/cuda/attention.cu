@@ -1,34 +1,38 @@
-// Sparse NVFP4 attention for sm_90a: sparse_decode (SPEC §5.3) and sparse_prefill (§5.4).
+// Sparse NVFP4 attention for sm_90: sparse_decode (SPEC §5.3) and sparse_prefill (§5.4).
 //
-// One CTA row (token, KV head) is a warpgroup of 4 consumer warps plus one producer warp:
+// A row (token, KV head) is computed by one fixed reduction tree whatever the launch shape, so its
+// bits never depend on T, Hkv or the other rows (batch- and TP-invariant; tests/cuda). The G <= 16
+// query heads of a KV head are the rows of every m16n8k16 mma (rows G..15 are zero padding), so
+// each dequantized K/V element serves all G heads.
 //   1. Threads 0..K-1 check their top-k slot (SPEC §5.2: 0 <= b < max_blocks, 128·b < vis,
-//      0 <= block_table[r, b] < P, layer in [0, L)) before anything is loaded; the valid slots
-//      are compacted in shared memory, in top-k order. Meanwhile Qᵀ (d permuted, see below) is
-//      written once into shared memory as wgmma's B operand.
-//   2. The producer (one lane) streams each valid (page, head) tile pair — K and V are adjacent
-//      in the cache, 18432 bytes — with one bulk copy into a ring of stages, completing on the
-//      stage's `full` mbarrier; consumers free a stage through its `empty` mbarrier.
-//   3. The consumers compute Sᵀ = K·Qᵀ with wgmma m64n16k16: the block's 128 tokens on M (two
-//      m-tiles), the G <= 16 heads on N (heads >= G are zero columns), K dequantized once per
-//      element straight into the A registers (device_utils.cuh: exact). Each thread holds 4
-//      tokens x 4 heads of scores; the base-2 online softmax is lazy: the running max of a head
-//      moves only when the block's max exceeds it by more than kLazy, decided for the whole
-//      warpgroup by one bar.red.or, so the cross-warp max exchange runs only then.
-//   4. P (bf16/f16) goes to shared memory as the B operand of Oᵀ += Vᵀ·Pᵀ (wgmma, d on M, heads on
-//      N, tokens on K); Vᵀ's A registers come from the raw nibbles by ldmatrix.trans (a register
-//      then holds two tokens' codes of the same 4 d) and the same exact dequantization, with the
-//      V block scales of masked keys (>= vis) selected to 0 so garbage never meets P.
-//   5. Reduction tree (batch- and TP-invariant): a row's `count` valid entries form 4 rounds of
-//      cpr = ceil(count / 4) consecutive entries; round j is one online softmax from a fresh
-//      state, and the 4 round states fold left to right (fold_stats / fold_o, every rounding
-//      explicit) into R. Thread x of the warpgroup always holds the same elements, so the fold is
-//      per thread; the softmax sums l stay per-thread partials (the fold is linear in l) and are
-//      summed across the warpgroup in a fixed order at the end: out = O / l · v_scale.
+//      0 <= block_table[r, b] < P, layer in [0, L)) before anything is loaded, and the valid
+//      slots are compacted in shared memory (warp ballots), kept in top-k order.
+//      Meanwhile warp 3 loads Q.
+//   2. The row's `count` valid entries form 4 rounds of cpr = ceil(count / 4) consecutive entries
+//      (round j: [j·cpr, (j+1)·cpr) ∩ [0, count); a fact of the row alone). A leaf (j, q) is the
+//      online softmax of warp q over keys [32q, 32q+32) of round j's blocks: fresh state, the same
+//      code in every launch shape.
+//   3. The K tile and the V tile of a (page, head) are adjacent in the cache (slots 2h, 2h+1):
+//      18432 contiguous bytes, streamed with 16-byte cp.async into a ring (each warp its own
+//      quarter of every tile pair). Warp q dequantizes K into mma B fragments (device_utils.cuh:
+//      exact), computes S = Q·Kᵀ (fp32), masks keys >= vis with a select, runs the base-2 online
+//      softmax, dequantizes V (block scale selected to 0 for masked keys, so NaN/garbage never
+//      meets the PV product) and accumulates P·V in fp32. The d order inside a k-step and the key
+//      order inside an n-tile are permuted (both sides agree) so every lane reads contiguous bytes.
+//   4. The 16 leaves are folded left to right in the order (0,0), (0,1), ..., (3,3) into one
+//      state R = (m, l, O) by fold_stats / fold_o (explicitly rounded fp32), then
+//      out = O / l · v_scale; rows with no attended key write exact zeros.
 // Two launch shapes compute that same tree (attention_split() picks one from the grid; neither
-// changes a bit): one CTA per row (3-stage ring, 3 CTAs per SM) folding its rounds as it goes,
-// or a cluster of 4 CTAs per row (small batches) where CTA j computes round j and rank 0 folds
-// the 4 round states through distributed shared memory.
-// No global workspace: CUDA-graph safe.
+// changes a bit):
+//   - one CTA (4 warps, 2-stage ring, 4 CTAs/SM) per row: warp q computes its leaves of rounds
+//     0..3 in turn and folds each into R in shared memory, the warps one after another in the
+//     order above (CTA barriers between the folds);
+//   - a cluster of 4 CTAs per row (small batches): CTA j computes round j's 4 leaves (4-stage
+//     ring: its blocks are all in flight at once) and keeps them in shared memory; after a cluster
+//     barrier every CTA folds a quarter of the elements of all 16 leaves, read through
+//     distributed shared memory, in the same order with the same functions.
+// No global workspace: CUDA-graph safe. The softmax is the lean one: the scale is folded into the
+// exp2 and the running max moves only when a row's maximum exceeds it by more than kLazy.
 #include <cooperative_groups.h>
 
 #include <cmath>
@@ -44,37 +48,29 @@ namespace m3sparse {
 namespace cuda {
 namespace {
 
-constexpr int kConsumers = 128;               // one warpgroup
-constexpr int kThreads = kConsumers + 32;     // + the producer warp
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
 constexpr int kTileBytes = kBlockSize * (kHeadDim / 2 + kHeadDim / 16);  // 9216
 constexpr int kScalePlane = kBlockSize * kHeadDim / 2;                     // 8192
 constexpr int kStageBytes = 2 * kTileBytes;                                // K tile, V tile
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLazy = 8.0f;
 constexpr int kRounds = 4;   // rounds of a row's entries = CTAs of the split launch
 constexpr int kSplit = kRounds;
-#ifndef M3_ROW_CTAS
-#define M3_ROW_CTAS 3
-#endif
-constexpr int kMinBlocks = M3_ROW_CTAS;  // one CTA per row: CTAs per SM
-constexpr int kStagesRow = kMinBlocks == 2 ? 4 : kMinBlocks == 3 ? 3 : 2;
-constexpr int kMtRow = kMinBlocks == 2 ? 2 : 1;
-constexpr int kStagesSplit = 4;   // a round's 4 blocks in flight at once
-// shared operands of the wgmmas (no swizzle; core matrix = 8 rows x 16 bytes)
-constexpr int kQtStep = 512;      // Qᵀ per k-step: 2 K-groups (lbo 256) x 2 N-groups (sbo 128)
-constexpr int kPtLbo = 272;       // Pᵀ: K-group stride padded by 16 bytes (no bank conflicts)
-constexpr int kPtStep = 544;
-constexpr int kQtBytes = 8 * kQtStep;
-constexpr int kPtBytes = 8 * kPtStep;
-constexpr int kVmBytes = 8 * kBlockSize * 2;  // V multipliers [group][token], 16-bit
-constexpr int kRedBytes = 4 * kGroup * 4;     // float [warp][head]
-constexpr int kStateFloats = 24;              // per thread: O 16, m 4, l 4
-template <int S>
-constexpr int smem_bytes() {
-  return S * kStageBytes + kQtBytes + kPtBytes + kVmBytes + kRedBytes + 2 * S * 8;
-}
+// One fp32 state (m, l, O) of 16 rows x 128 d in the mma fragment layout: float4 [jd][lane]
+// (lane (g8, tig) of any warp: acc[jd][0..3]), then m[16], l[16].
+constexpr int kStateFloats = kGroup * kHeadDim + 2 * kGroup;
+constexpr int kStateBytes = kStateFloats * 4;  // 8320
+// one CTA per row: 4 CTAs per SM (16 warps), a 2-stage ring plus R
+constexpr int kMinBlocks = 4;
+constexpr int kStagesRow = 2;
+constexpr int kSmemRow = kStagesRow * kStageBytes + kStateBytes;
+// split: a 4-stage ring (a round's 4 blocks in flight at once); each warp's 4 leaves reuse its
+// own ring slice
+constexpr int kStagesSplit = 4;
+constexpr int kSmemSplit = kStagesSplit * kStageBytes;
+static_assert(kStagesSplit * kStageBytes / kWarps >= kStateBytes, "leaf fits a warp's slice");
+
 static_assert(kHeadDim == 128 && kBlockSize == 128 && kGroup == 16, "kernel geometry");
-static_assert(kStagesSplit * kStageBytes >= kStateFloats * 4 * kConsumers, "leaves fit the ring");
 
 // ---- steps of the kernel
 
@@ -142,6 +138,119 @@ __device__ __forceinline__ int compact_slots(const AttentionParams& p, const Tok
   return count;
 }
 
+// Q A-fragments of one lane (rows >= G are zeros): register j = 4W + k (W < kWords) holds
+// d = d0 + 8W + k (lo) and d + 4 (hi), the order of the K fragments; sq[s * 32 + lane] gets the
+// 4 registers of k-step s. kCvt: fp16 pairs in dequant8_cvt's order. `flip` is xor-ed into
+// every register (0x80008000: the sign of a negative softmax scale, folded into Q).
+template <typename T, bool kCvt, int kWords>
+__device__ __forceinline__ void build_q_frags(const uint16_t* qbase, int G, int lane, int d0,
+                                              uint32_t flip, uint4* sq) {
+  const int g8 = lane >> 2;
+  uint32_t row[2][4 * kWords];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int h = g8 + 8 * half;
+    const uint4* src = reinterpret_cast<const uint4*>(qbase + h * kHeadDim + d0);
+#pragma unroll
+    for (int W = 0; W < kWords; ++W) {
+      const uint4 c = h < G ? src[W] : make_uint4(0, 0, 0, 0);
+      if constexpr (kCvt) {
+        // fp16 pairs in dequant8_cvt's order: (e0, e2), (e4, e6), (e1, e3), (e5, e7)
+        const uint32_t wd[4] = {c.x, c.y, c.z, c.w};
+        float e[8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          e[2 * k] = Traits<T>::to_float(uint16_t(wd[k] & 0xFFFF));
+          e[2 * k + 1] = Traits<T>::to_float(uint16_t(wd[k] >> 16));
+        }
+        row[half][4 * W + 0] = Traits<__half>::pack2(e[0], e[2]);
+        row[half][4 * W + 1] = Traits<__half>::pack2(e[4], e[6]);
+        row[half][4 * W + 2] = Traits<__half>::pack2(e[1], e[3]);
+        row[half][4 * W + 3] = Traits<__half>::pack2(e[5], e[7]);
+      } else {
+        row[half][4 * W + 0] = prmt(c.x, c.z, 0x5410);
+        row[half][4 * W + 1] = prmt(c.x, c.z, 0x7632);
+        row[half][4 * W + 2] = prmt(c.y, c.w, 0x5410);
+        row[half][4 * W + 3] = prmt(c.y, c.w, 0x7632);
+      }
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < 2 * kWords; ++s)
+    sq[s * 32 + lane] = make_uint4(row[0][2 * s] ^ flip, row[1][2 * s] ^ flip,
+                                   row[0][2 * s + 1] ^ flip, row[1][2 * s + 1] ^ flip);
+}
+
+// The lean online softmax of one 32-key slice (sc: raw scores of 4
+// n-tiles, lane (g8, tig) holding keys kb+8v+tig (+4) of rows g8 (0, 1) and g8+8 (2, 3)):
+// masked keys (kMasked: key >= nvalid) get -inf; the row maxima of the raw scores times zc >= 0
+// move the running max only when they exceed it by more than kLazy, so the accumulator is
+// rarely rescaled and P <= 2^kLazy (out = Σ p·v / Σ p holds for any common reference); each
+// p = exp2(fma(s, zc, -m)) is one FFMA and one MUFU. sc returns P (0 for masked keys).
+constexpr float kLazy = 8.0f;
+template <bool kMasked, int kNj>
+__device__ __forceinline__ void online_softmax_lean(float (&sc)[4][4], float (&acc)[kNj][4],
+                                                    float& m0, float& m1, float& l0, float& l1,
+                                                    float zc, int kb, int nvalid, int tig) {
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    if constexpr (kMasked) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (kb + 8 * v + 4 * (e & 1) + tig >= nvalid) sc[v][e] = -INFINITY;
+    }
+    mx0 = fmaxf(mx0, fmaxf(sc[v][0], sc[v][1]));
+    mx1 = fmaxf(mx1, fmaxf(sc[v][2], sc[v][3]));
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  // -inf (a fully masked row) stays -inf also for zc == 0
+  const float ms0 = mx0 == -INFINITY ? -INFINITY : mx0 * zc;
+  const float ms1 = mx1 == -INFINITY ? -INFINITY : mx1 * zc;
+  const bool up0 = ms0 > m0 + kLazy, up1 = ms1 > m1 + kLazy;  // m = -inf: any finite max
+  if (__any_sync(0xffffffffu, up0 || up1)) {
+    const float n0 = up0 ? ms0 : m0, n1 = up1 ? ms1 : m1;
+    const float al0 = fast_exp2(m0 - (n0 == -INFINITY ? 0.f : n0));
+    const float al1 = fast_exp2(m1 - (n1 == -INFINITY ? 0.f : n1));
+    l0 *= al0;
+    l1 *= al1;
+#pragma unroll
+    for (int jd = 0; jd < kNj; ++jd) {
+      acc[jd][0] *= al0;
+      acc[jd][1] *= al0;
+      acc[jd][2] *= al1;
+      acc[jd][3] *= al1;
+    }
+    m0 = n0;
+    m1 = n1;
+  }
+  const float nu0 = m0 == -INFINITY ? 0.f : -m0;
+  const float nu1 = m1 == -INFINITY ? 0.f : -m1;
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    sc[v][0] = fast_exp2(fmaf(sc[v][0], zc, nu0));
+    sc[v][1] = fast_exp2(fmaf(sc[v][1], zc, nu0));
+    sc[v][2] = fast_exp2(fmaf(sc[v][2], zc, nu1));
+    sc[v][3] = fast_exp2(fmaf(sc[v][3], zc, nu1));
+    if constexpr (kMasked) {  // -inf · 0 would be NaN for zc == 0
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (kb + 8 * v + 4 * (e & 1) + tig >= nvalid) sc[v][e] = 0.f;
+    }
+    l0 += sc[v][0] + sc[v][1];
+    l1 += sc[v][2] + sc[v][3];
+  }
+}
+
+// A row's sum over the 4 lanes of its quad (the lanes that hold its columns).
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
 // One step of the left fold R <- R ⊕ L of two softmax states, with every rounding explicit (no
 // contraction choice left to the compiler), so both launch shapes give the same bits: the row's
 // new max, both factors, the new sum; fold_o for each O element.
@@ -157,113 +266,43 @@ __device__ __forceinline__ float fold_o(float oR, float oL, float fR, float fL) 
   return __fmaf_rn(oL, fL, __fmul_rn(oR, fR));
 }
 
+// Output element k (0..2047) of a state in fragment layout (float4 [jd][lane], element e):
+// its row h and d (kCvt: the V fragments' d permutation).
+template <bool kCvt>
+__device__ __forceinline__ void state_elem(int k, int& h, int& d) {
+  const int jd = k >> 7, lane = (k >> 2) & 31, e = k & 3;
+  h = (lane >> 2) + 8 * (e >> 1);
+  const int dj = kCvt ? 8 * (jd / 8) + cvt_elem(jd % 8) : jd;
+  d = 16 * (2 * (lane & 3) + (e & 1)) + dj;
+}
+
 // out = O / l · vsc (vsc: v_scale times the dequantization power of two); 0 where l == 0.
 template <typename T>
 __device__ __forceinline__ uint16_t final_value(float O, float L, float vsc) {
   return Traits<T>::from_float(L == 0.f ? 0.f : __fmul_rn(__fdiv_rn(O, L), vsc));
 }
 
-// Byte offset in Qᵀ (wgmma B, K-major) of element (d, head n). The K A-registers of lane
-// (g8, c) hold the codes of bytes [16c, 16c + 16) of a token's row (d 32c .. 32c + 31): k-step s
-// takes word W = s / 2, dequant8 pair 2(s & 1) as columns 2c, 2c + 1 and pair 2(s & 1) + 1 as
-// columns 2c + 8, 2c + 9; pair k of a word holds elements k (lo) and k + 4 (hi). So column kk of
-// k-step s is d = 32c + 8W + 2(s & 1) + kk / 8 + 4 (kk & 1) with c = (kk & 7) / 2.
-__device__ __forceinline__ int qt_offset(int d, int n) {
-  const int c = d >> 5, W = (d >> 3) & 3, r = d & 7, e = r >> 2, rem = r & 3;
-  const int s = 2 * W + (rem >> 1), kk = 8 * (rem & 1) + 2 * c + e;
-  return s * kQtStep + (kk >> 3) * 256 + (n >> 3) * 128 + (n & 7) * 16 + (kk & 7) * 2;
-}
-
-// The consumer warpgroup's state of one row: thread (w, g8, c) holds Oᵀ[d][n] for d = 32w + 4g8 + k
-// (k = 0..3) and heads n = 8j + 2c + e (q = 2j + e = 0..3) at o[8 (k / 2) + 4j + 2 (k & 1) + e],
-// the wgmma accumulator layout of two m-tiles (d 0..63 is not m-tile 0: the d order follows the
-// ldmatrix.trans registers), the running max m[q] (the same in every thread) and the thread's
-// partial softmax sum l[q].
-struct RowState {
-  float o[16];
-  float m[4];
-  float l[4];
-  __device__ __forceinline__ void clear() {
-#pragma unroll
-    for (int k = 0; k < 16; ++k) o[k] = 0.f;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) m[q] = -INFINITY, l[q] = 0.f;
-  }
-  // this <- this ⊕ L (the left fold of the reduction tree)
-  __device__ __forceinline__ void fold(const float* Lo, const float* Lm, const float* Ll) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      float nm, nl, fR, fL;
-      fold_stats(m[q], l[q], Lm[q], Ll[q], nm, nl, fR, fL);
-      m[q] = nm;
-      l[q] = nl;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int i = 8 * (k >> 1) + 4 * (q >> 1) + 2 * (k & 1) + (q & 1);
-        o[i] = fold_o(o[i], Lo[i], fR, fL);
-      }
-    }
-  }
-};
-
-// out = O / l · vsc for the warpgroup's row (consumer threads only; s_red: scratch, named barrier
-// 1): l summed over the 32 threads of a head in a fixed order.
-template <typename T>
-__device__ __forceinline__ void store_row(const RowState& R, float vsc, int G, uint16_t* out,
-                                          float* s_red) {
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g8 = lane >> 2, c = lane & 3;
-  bar_sync(1, kConsumers);  // s_red is free
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    float x = R.l[q];
-    x += __shfl_xor_sync(0xffffffffu, x, 4);
-    x += __shfl_xor_sync(0xffffffffu, x, 8);
-    x += __shfl_xor_sync(0xffffffffu, x, 16);
-    if (g8 == 0) s_red[w * kGroup + 8 * (q >> 1) + 2 * c + (q & 1)] = x;
-  }
-  bar_sync(1, kConsumers);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int n = 8 * (q >> 1) + 2 * c + (q & 1);
-    if (n >= G) continue;
-    const float L = __fadd_rn(__fadd_rn(__fadd_rn(s_red[n], s_red[kGroup + n]),
-                                        s_red[2 * kGroup + n]), s_red[3 * kGroup + n]);
-    uint16_t v[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      v[k] = final_value<T>(R.o[8 * (k >> 1) + 4 * (q >> 1) + 2 * (k & 1) + (q & 1)], L, vsc);
-    *reinterpret_cast<uint2*>(out + n * kHeadDim + 32 * w + 4 * g8) =
-        make_uint2(v[0] | (uint32_t(v[1]) << 16), v[2] | (uint32_t(v[3]) << 16));
-  }
-}
-
-// T: q/out dtype (the wgmma and P dtype). kSplitted: the cluster launch (4 CTAs per row, CTA j
-// computes round j); else one CTA per row.
-template <typename T, bool kSplitted>
+// T: q/out dtype. kCvt: dequantize through the fp8 conversion (fp16 mma, Q converted to fp16);
+// otherwise through the bit placement of device_utils.cuh (mma in T). kSplitted: the cluster
+// launch (4 CTAs per row, CTA j computes round j); else one CTA per row.
+template <typename T, bool kCvt, bool kSplitted>
 __global__ void __launch_bounds__(kThreads, kSplitted ? 1 : kMinBlocks)
-    sparse_attention_kernel(const __grid_constant__ AttentionParams p) {
+    sparse_attention_kernel(const AttentionParams p) {
+  using C = std::conditional_t<kCvt, __half, T>;  // mma / P dtype
   constexpr int kStages = kSplitted ? kStagesSplit : kStagesRow;
-  // m-tiles per Sᵀ wgmma group: 1 keeps 32 A registers live (the 3-CTA budget), 2 overlaps both
-  constexpr int kMt = kSplitted ? 2 : kMtRow;
-  constexpr float kComp = Traits<T>::kComp;
+  constexpr float kComp = kCvt ? kCvtComp : Traits<T>::kComp;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int64_t s_off[kMaxTopk];
   __shared__ uint32_t s_mask[2];   // ballots of the valid slots 0..31, 32..63
   __shared__ int s_nvalid[kMaxTopk];
   __shared__ uint16_t s_mul[256];  // E4M3 byte -> packed multiplier (device_utils.cuh)
-  uint8_t* const ring = smem;
-  uint8_t* const s_qt = ring + kStages * kStageBytes;
-  uint8_t* const s_pt = s_qt + kQtBytes;
-  uint16_t* const s_vm = reinterpret_cast<uint16_t*>(s_pt + kPtBytes);
-  float* const s_red = reinterpret_cast<float*>(s_pt + kPtBytes + kVmBytes);
-  uint64_t* const full = reinterpret_cast<uint64_t*>(s_pt + kPtBytes + kVmBytes + kRedBytes);
-  uint64_t* const empty = full + kStages;
+  __shared__ uint4 s_q[8][32];     // Q A-fragments per k-step and lane (all warps share them)
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int g8 = lane >> 2;
-  const int c = lane & 3;
+  const int g8 = lane >> 2;   // mma groupID
+  const int tig = lane & 3;   // thread in group
 
   const int rank = kSplitted ? int(blockIdx.x % kSplit) : 0;  // = the cluster rank
   const int64_t pair = int64_t(blockIdx.x) / (kSplitted ? kSplit : 1);
@@ -272,306 +311,742 @@ __global__ void __launch_bounds__(kThreads, kSplitted ? 1 : kMinBlocks)
   const int g = int(pair % Hkv);
   const int K = p.topk;
   const int G = p.group > 0 ? p.group : kGroup;
-  const int Hq = Hkv * G;
-
-  // The selected block id does not depend on the position: load it first.
+  // The selected block id does not depend on the position: load it first (one fewer
+  // dependent round trip before the block-table read).
   const int64_t bsel =
       tid < K ? int64_t(p.topk_indices[(int64_t(g) * p.num_tokens + t) * K + tid]) : -1;
   const TokenPos tp = token_position(p, t);
-  if (tid < 128) {
+
+  if constexpr (kCvt) {
+    s_mul[tid] = Traits<__half>::from_float(e4m3_to_float(uint8_t(tid)));
+    s_mul[tid + 128] = Traits<__half>::from_float(e4m3_to_float(uint8_t(tid + 128)));
+  } else {
     s_mul[tid] = scale_multiplier<T>(tid);
     s_mul[tid + 128] = scale_multiplier<T>(tid + 128);
   }
+
+  // Q fragments (A operand), d permuted to match the K fragments below: register j = 4W + k
+  // of lane (g8, tig) holds d = 32·tig + 8W + k (lo) and d + 4 (hi). Warp 3 builds them once
+  // while warps 0, 1 check the slots; every warp reads one 16-byte vector per k-step.
   // lean softmax: zc >= 0, a negative softmax scale flips the sign of Q instead
   const float zs = p.scale * (*p.k_scale) * kComp * kLog2e;
   const float zc = fabsf(zs);
-  {
-    const uint16_t* qrow = static_cast<const uint16_t*>(p.q) + (t * Hq + int64_t(g) * G) * kHeadDim;
-    const uint16_t flip = zs < 0.f ? 0x8000u : 0u;
-    for (int i = tid; i < kGroup * kHeadDim; i += kThreads) {
-      const int n = i >> 7, d = i & (kHeadDim - 1);
-      *reinterpret_cast<uint16_t*>(s_qt + qt_offset(d, n)) =
-          n < G ? uint16_t(qrow[n * kHeadDim + d] ^ flip) : uint16_t(0);
+  const int Hq = Hkv * G;
+  if (warp == kWarps - 1)
+    build_q_frags<T, kCvt, 4>(static_cast<const uint16_t*>(p.q) + ((t * Hq + int64_t(g) * G) * kHeadDim),
+                              G, lane, 32 * tig, zs < 0.f ? 0x80008000u : 0u, &s_q[0][0]);
+
+  // one CTA per row: R (the fold's state, after the ring) starts empty
+  float* const R = reinterpret_cast<float*>(smem + kStagesRow * kStageBytes);
+  if constexpr (!kSplitted) {
+    for (int i = tid; i < kGroup * kHeadDim; i += kThreads) R[i] = 0.f;
+    if (tid < kGroup) {
+      R[kGroup * kHeadDim + tid] = -INFINITY;
+      R[kGroup * kHeadDim + kGroup + tid] = 0.f;
     }
   }
-  if (tid == 0) {
-#pragma unroll
-    for (int i = 0; i < kStages; ++i) {
-      mbar_init(&full[i], 1);
-      mbar_init(&empty[i], kConsumers / 32);
-    }
-    mbar_init_fence();
-  }
-  fence_async_smem();  // Qᵀ is read by wgmma (the async proxy)
   const int count = compact_slots(p, tp, g, bsel, s_off, s_nvalid, s_mask);  // (barriers)
   const int cpr = (count + kRounds - 1) / kRounds;  // entries per round
   const int jbeg = kSplitted ? rank : 0, jend = kSplitted ? rank + 1 : kRounds;
   const int e0 = min(count, jbeg * cpr), e1 = min(count, jend * cpr);  // this CTA's entries
 
-  RowState R;
-  R.clear();
-  if (warp == kConsumers / 32) {
-    // ---- producer: one lane streams the entries' tile pairs through the ring
-    if (lane == 0) {
-      for (int e = e0; e < e1; ++e) {
-        const int i = e - e0, st = i % kStages;
-        if (i >= kStages) mbar_wait(&empty[st], ((i / kStages) - 1) & 1);
-        const uint8_t* src = p.kv_cache + s_off[e];
-        uint8_t* dst = ring + st * kStageBytes;
-        const int nv = s_nvalid[e];
-        if (nv == kBlockSize) {
-          mbar_expect_tx(&full[st], kStageBytes);
-          bulk_copy(dst, src, kStageBytes, &full[st]);
-        } else {  // the attended tokens' rows only
-          const uint32_t db = uint32_t(nv) * 64, sb = (uint32_t(nv) * 8 + 15) & ~15u;
-          mbar_expect_tx(&full[st], 2 * (db + sb));
-          bulk_copy(dst, src, db, &full[st]);
-          bulk_copy(dst + kScalePlane, src + kScalePlane, sb, &full[st]);
-          bulk_copy(dst + kTileBytes, src + kTileBytes, db, &full[st]);
-          bulk_copy(dst + kTileBytes + kScalePlane, src + kTileBytes + kScalePlane, sb, &full[st]);
+  float acc[16][4];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+  const uint8_t* cache = p.kv_cache;
+  // Each warp streams its own quarter of every (K, V) tile pair: keys [kb, kb+32) — K data
+  // (2048 B), K scales (256 B), V data (2048 B), V scales (256 B) — into its own slice of the
+  // stage ring, so warps synchronize only with themselves (cp.async.wait_group + __syncwarp).
+  const int kb = 32 * warp;  // this warp's keys in every block
+  constexpr int kWarpStage = kStageBytes / kWarps;  // 4608
+  constexpr int kKs = 2048, kVd = 2304, kVs = 4352;  // offsets inside a warp's stage slice
+  uint8_t* wsmem = smem + warp * (kStages * kWarpStage);
+  // Lane chunks: 4 of K data, 4 of V data (keys kb + lane/4 + 8i, 16 bytes each) and one scale
+  // chunk (lanes 0..15: K scales, 16..31: V scales): two base pointers plus immediates.
+  const int src_d = kb * 64 + 16 * lane;
+  const int src_s = kScalePlane + kb * 8 + 16 * (lane & 15) + (lane >= 16 ? kTileBytes : 0);
+  const int dst_s = 16 * lane + (lane >= 16 ? kVs - 256 : kKs);
+  auto issue = [&](int e) {
+    if (kb >= s_nvalid[e]) return;  // none of this warp's keys is attended in that block
+    const uint8_t* tile = cache + s_off[e];
+    uint8_t* dst = wsmem + ((e - e0) % kStages) * kWarpStage;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      cp_async16(dst + 16 * lane + 512 * i, tile + src_d + 512 * i);
+      cp_async16(dst + kVd + 16 * lane + 512 * i, tile + src_d + kTileBytes + 512 * i);
+    }
+    cp_async16(dst + dst_s, tile + src_s);
+  };
+
+#pragma unroll
+  for (int j = 0; j < kStages - 1; ++j) {
+    if (e0 + j < e1) issue(e0 + j);
+    cp_async_commit();
+  }
+
+  int e = e0;
+  for (int jr = jbeg; jr < jend; ++jr) {
+  const int ehi = min(count, (jr + 1) * cpr);
+  for (; e < ehi; ++e) {
+    if (e + kStages - 1 < e1) issue(e + kStages - 1);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+
+    const uint8_t* Ws = wsmem + ((e - e0) % kStages) * kWarpStage;
+    const int nvalid = s_nvalid[e];
+
+    auto process = [&](auto masked_tag) {
+      constexpr bool kMasked = decltype(masked_tag)::value;
+      // ---- S = Q·Kᵀ over 4 n-tiles of 8 keys; column c of n-tile v is key kb+8v+4(c&1)+(c>>1)
+      float sc[4][4];
+      // two n-tiles at a time: independent mma chains interleave
+#pragma unroll
+      for (int vp = 0; vp < 4; vp += 2) {
+        uint32_t b[2][16];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int v = vp + u;
+          sc[v][0] = sc[v][1] = sc[v][2] = sc[v][3] = 0.f;
+          const int kl = 8 * v + 4 * (g8 & 1) + (g8 >> 1);  // key kb + kl
+          const uint4 kd = *reinterpret_cast<const uint4*>(Ws + kl * 64 + 16 * tig);
+          const uint32_t sfb = *reinterpret_cast<const uint16_t*>(Ws + kKs + kl * 8 + 2 * tig);
+          const uint32_t s0 = s_mul[sfb & 0xFF];
+          const uint32_t s1 = s_mul[sfb >> 8];
+          const uint32_t s0x2 = s0 | (s0 << 16);
+          const uint32_t s1x2 = s1 | (s1 << 16);
+          if constexpr (kCvt) {
+            dequant8_cvt(kd.x, s0x2, b[u] + 0);
+            dequant8_cvt(kd.y, s0x2, b[u] + 4);
+            dequant8_cvt(kd.z, s1x2, b[u] + 8);
+            dequant8_cvt(kd.w, s1x2, b[u] + 12);
+          } else {
+            dequant8<T>(kd.x, s0x2, b[u] + 0);
+            dequant8<T>(kd.y, s0x2, b[u] + 4);
+            dequant8<T>(kd.z, s1x2, b[u] + 8);
+            dequant8<T>(kd.w, s1x2, b[u] + 12);
+          }
+        }
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          const uint4 qv = s_q[s][lane];
+          const uint32_t qa[4] = {qv.x, qv.y, qv.z, qv.w};
+          Traits<C>::mma(sc[vp], qa, b[0][2 * s], b[0][2 * s + 1]);
+          Traits<C>::mma(sc[vp + 1], qa, b[1][2 * s], b[1][2 * s + 1]);
         }
       }
+
+      online_softmax_lean<kMasked, 16>(sc, acc, m0, m1, l0, l1, zc, kb, nvalid, tig);
+
+      // ---- O += P·V: k-step i covers n-tiles 2i, 2i+1; lane (g8, tig) supplies keys
+      // ka = kb+16i+tig, +4 (b0) and +8, +12 (b1), d = 16·g8 + jd for d-tile jd.
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        uint32_t pa[4];
+        pa[0] = Traits<C>::pack2(sc[2 * i][0], sc[2 * i][1]);
+        pa[1] = Traits<C>::pack2(sc[2 * i][2], sc[2 * i][3]);
+        pa[2] = Traits<C>::pack2(sc[2 * i + 1][0], sc[2 * i + 1][1]);
+        pa[3] = Traits<C>::pack2(sc[2 * i + 1][2], sc[2 * i + 1][3]);
+        uint2 w[4];
+        uint32_t smul[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int kl = 16 * i + tig + 4 * q;  // key kb + kl
+          const int key = kb + kl;
+          w[q] = *reinterpret_cast<const uint2*>(Ws + kVd + kl * 64 + 8 * g8);
+          const uint32_t sm = s_mul[Ws[kVs + kl * 8 + g8]];
+          // masked keys: multiplier 0 (codes are finite), so garbage never meets P·V
+          if constexpr (kMasked) smul[q] = key < nvalid ? sm : 0u;
+          else smul[q] = sm;
+        }
+        const uint32_t sab = smul[0] | (smul[1] << 16);
+        const uint32_t sce = smul[2] | (smul[3] << 16);
+        if constexpr (kCvt) {
+          // word wi of keys (a, b) and (c, e): E4M3 bytes interleaved by key, 2 per cvt;
+          // d-tile 8·wi + r holds d = 16·g8 + 8·wi + cvt_elem(r)
+#pragma unroll
+          for (int wi = 0; wi < 2; ++wi) {
+            const uint32_t wa = wi ? w[0].y : w[0].x, wb = wi ? w[1].y : w[1].x;
+            const uint32_t wc = wi ? w[2].y : w[2].x, we = wi ? w[3].y : w[3].x;
+#pragma unroll
+            for (int par = 0; par < 2; ++par) {  // 0: even elements, 1: odd
+              const uint32_t xa = par ? e4m3_odd(wa) : e4m3_even(wa);
+              const uint32_t xb = par ? e4m3_odd(wb) : e4m3_even(wb);
+              const uint32_t xc = par ? e4m3_odd(wc) : e4m3_even(wc);
+              const uint32_t xe = par ? e4m3_odd(we) : e4m3_even(we);
+#pragma unroll
+              for (int hh = 0; hh < 2; ++hh) {
+                const uint32_t sel = hh ? 0x7362 : 0x5140;
+                const uint32_t tab = prmt(xa, xb, sel), tce = prmt(xc, xe, sel);
+                const int r0 = 4 * par + 2 * hh;
+                Traits<__half>::mma(acc[8 * wi + r0], pa,
+                                    Traits<__half>::mul2(cvt_e4m3x2_lo(tab), sab),
+                                    Traits<__half>::mul2(cvt_e4m3x2_lo(tce), sce));
+                Traits<__half>::mma(acc[8 * wi + r0 + 1], pa,
+                                    Traits<__half>::mul2(cvt_e4m3x2_hi(tab), sab),
+                                    Traits<__half>::mul2(cvt_e4m3x2_hi(tce), sce));
+              }
+            }
+          }
+        } else {
+#pragma unroll
+          for (int tq = 0; tq < 4; ++tq) {
+            const uint32_t sel = (tq & 1) ? 0x7632 : 0x5410;
+            const uint32_t wa = (tq < 2) ? w[0].x : w[0].y;
+            const uint32_t wb = (tq < 2) ? w[1].x : w[1].y;
+            const uint32_t wc = (tq < 2) ? w[2].x : w[2].y;
+            const uint32_t we = (tq < 2) ? w[3].x : w[3].y;
+            uint32_t b0[4], b1[4];
+            dequant8<T>(prmt(wa, wb, sel), sab, b0);
+            dequant8<T>(prmt(wc, we, sel), sce, b1);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) Traits<T>::mma(acc[4 * tq + k], pa, b0[k], b1[k]);
+          }
+        }
+      }
+    };
+    if (kb + 32 <= nvalid) process(std::false_type{});
+    else if (kb < nvalid) process(std::true_type{});
+    __syncwarp();
+  }
+  // ---- leaf (jr, warp) is complete: fold it (one CTA) or keep it (split)
+  l0 = quad_sum(l0);
+  l1 = quad_sum(l1);
+  if constexpr (!kSplitted) {
+    // R <- R ⊕ leaf, warp after warp (CTA barriers between the folds)
+    for (int w = 0; w < kWarps; ++w) {
+    if (warp == w) {
+    float4* Ro = reinterpret_cast<float4*>(R);
+    float* Rm = R + kGroup * kHeadDim;
+    float* Rl = Rm + kGroup;
+    float n0, n1, L0, L1, fR0, fL0, fR1, fL1;
+    fold_stats(Rm[g8], Rl[g8], m0, l0, n0, L0, fR0, fL0);
+    fold_stats(Rm[g8 + 8], Rl[g8 + 8], m1, l1, n1, L1, fR1, fL1);
+#pragma unroll
+    for (int jd = 0; jd < 16; ++jd) {
+      float4 r = Ro[jd * 32 + lane];
+      r.x = fold_o(r.x, acc[jd][0], fR0, fL0);
+      r.y = fold_o(r.y, acc[jd][1], fR0, fL0);
+      r.z = fold_o(r.z, acc[jd][2], fR1, fL1);
+      r.w = fold_o(r.w, acc[jd][3], fR1, fL1);
+      Ro[jd * 32 + lane] = r;
+    }
+    __syncwarp();
+    if (tig == 0) {
+      Rm[g8] = n0;
+      Rm[g8 + 8] = n1;
+      Rl[g8] = L0;
+      Rl[g8 + 8] = L1;
+    }
+    }
+    __syncthreads();
     }
   } else {
-    // ---- consumers
-    const int w = warp;
-    // S rows g8 and g8 + 8 of a warp's 16 are tokens 2g8 and 2g8 + 1 (in an order that keeps
-    // the K row loads free of bank conflicts), so a thread's two P values of a head are adjacent
-    const int tokA = 2 * g8 + (g8 & 1), tokB = 2 * g8 + 1 - (g8 & 1);
-    const uint64_t qdesc = smem_desc(s_qt, 256, 128);
-    const uint64_t pdesc = smem_desc(s_pt, kPtLbo, 128);
-    const int vgrp = 2 * w + (g8 >> 2);  // the V scale group of this thread's 4 d
-    const uint32_t psel = (g8 & 1) ? 0x1032u : 0x3210u;  // prmt: swap the halves or not
-    float sc[2][8];
+    // the leaf into this warp's own ring slice (its copies are complete)
+    cp_async_wait<0>();
+    __syncwarp();
+    float4* Lo = reinterpret_cast<float4*>(wsmem);
+    float* Lm = reinterpret_cast<float*>(wsmem) + kGroup * kHeadDim;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) sc[0][k] = sc[1][k] = 0.f;
-    RowState S;
-    int e = e0;
-    for (int jr = jbeg; jr < jend; ++jr) {
-      S.clear();
-      const int ehi = min(count, (jr + 1) * cpr);
-      for (; e < ehi; ++e) {
-        const int i = e - e0, st = i % kStages;
-        mbar_wait(&full[st], (i / kStages) & 1);
-        const uint8_t* Ks = ring + st * kStageBytes;
-        const uint8_t* Vs = Ks + kTileBytes;
-        const int nvalid = s_nvalid[e];
-
-        // ---- Sᵀ = K·Qᵀ (tokens on M, heads on N), kMt m-tiles per wgmma group
-#pragma unroll
-        for (int m0 = 0; m0 < 2; m0 += kMt) {
-          uint32_t a[kMt][8][4];
-#pragma unroll
-          for (int mi = 0; mi < kMt; ++mi) {
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-              const int tok = 64 * (m0 + mi) + 16 * w + (hr ? tokB : tokA);
-              const uint4 kd = *reinterpret_cast<const uint4*>(Ks + tok * 64 + 16 * c);
-              const uint32_t sfb =
-                  *reinterpret_cast<const uint16_t*>(Ks + kScalePlane + tok * 8 + 2 * c);
-              const uint32_t s0 = s_mul[sfb & 0xFF], s1 = s_mul[sfb >> 8];
-              uint32_t q[4][4];
-              dequant8<T>(kd.x, s0 | (s0 << 16), q[0]);
-              dequant8<T>(kd.y, s0 | (s0 << 16), q[1]);
-              dequant8<T>(kd.z, s1 | (s1 << 16), q[2]);
-              dequant8<T>(kd.w, s1 | (s1 << 16), q[3]);
-#pragma unroll
-              for (int s = 0; s < 8; ++s) {
-                a[mi][s][hr] = q[s >> 1][2 * (s & 1)];
-                a[mi][s][2 + hr] = q[s >> 1][2 * (s & 1) + 1];
-              }
-            }
-          }
-          wgmma_fence();
-#pragma unroll
-          for (int mi = 0; mi < kMt; ++mi)
-#pragma unroll
-            for (int s = 0; s < 8; ++s)
-              wgmma_m64n16k16<T>(sc[m0 + mi], a[mi][s], qdesc + ((s * kQtStep) >> 4), s > 0);
-          wgmma_commit_wait();
-#pragma unroll
-          for (int mi = 0; mi < kMt; ++mi) {
-#pragma unroll
-            for (int s = 0; s < 8; ++s)
-#pragma unroll
-              for (int r = 0; r < 4; ++r) keep(a[mi][s][r]);
-#pragma unroll
-            for (int k = 0; k < 8; ++k) keep(sc[m0 + mi][k]);
-          }
-        }
-
-        // ---- lean online softmax over the block (kMasked: keys >= nvalid masked), then the V
-        // multipliers [group][token] (0 for masked keys) and Pᵀ (wgmma B, K-major)
-        auto softmax = [&](auto masked_tag) {
-          constexpr bool kMasked = decltype(masked_tag)::value;
-          float cm[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int x = 0; x < 8; ++x) {
-              const int hr = (x >> 1) & 1, q = 2 * (x >> 2) + (x & 1);
-              if (kMasked && 64 * mt + 16 * w + (hr ? tokB : tokA) >= nvalid) sc[mt][x] = -INFINITY;
-              cm[q] = fmaxf(cm[q], sc[mt][x]);
-            }
-          bool up = false;
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const float ms = cm[q] == -INFINITY ? -INFINITY : cm[q] * zc;
-            up = up || ms > S.m[q] + kLazy;  // m = -inf: any finite max
-          }
-          if (bar_or(1, kConsumers, up)) {  // some head's max moves: the warpgroup's maxima
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              cm[q] = fmaxf(cm[q], __shfl_xor_sync(0xffffffffu, cm[q], 4));
-              cm[q] = fmaxf(cm[q], __shfl_xor_sync(0xffffffffu, cm[q], 8));
-              cm[q] = fmaxf(cm[q], __shfl_xor_sync(0xffffffffu, cm[q], 16));
-              if (g8 == 0) s_red[w * kGroup + 8 * (q >> 1) + 2 * c + (q & 1)] = cm[q];
-            }
-            bar_sync(1, kConsumers);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              const int n = 8 * (q >> 1) + 2 * c + (q & 1);
-              const float x = fmaxf(fmaxf(s_red[n], s_red[kGroup + n]),
-                                    fmaxf(s_red[2 * kGroup + n], s_red[3 * kGroup + n]));
-              const float ms = x == -INFINITY ? -INFINITY : x * zc;
-              const float nm = ms > S.m[q] + kLazy ? ms : S.m[q];
-              const float al = fast_exp2(S.m[q] - (nm == -INFINITY ? 0.f : nm));
-              S.l[q] *= al;
-#pragma unroll
-              for (int k = 0; k < 4; ++k) S.o[8 * (k >> 1) + 4 * (q >> 1) + 2 * (k & 1) + (q & 1)] *= al;
-              S.m[q] = nm;
-            }
-          }
-          float nu[4];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) nu[q] = S.m[q] == -INFINITY ? 0.f : -S.m[q];
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int x = 0; x < 8; ++x) {
-              const int hr = (x >> 1) & 1, q = 2 * (x >> 2) + (x & 1);
-              float pv = fast_exp2(fmaf(sc[mt][x], zc, nu[q]));
-              if (kMasked && 64 * mt + 16 * w + (hr ? tokB : tokA) >= nvalid) pv = 0.f;  // -inf·0
-              sc[mt][x] = pv;
-              S.l[q] += pv;
-            }
-
-          // ---- V multipliers [group][token] (0 for masked keys), Pᵀ (wgmma B, K-major)
-          {
-            const uint2 vb = *reinterpret_cast<const uint2*>(Vs + kScalePlane + tid * 8);
-#pragma unroll
-            for (int gr = 0; gr < 8; ++gr) {
-              const uint32_t byte = ((gr < 4 ? vb.x : vb.y) >> (8 * (gr & 3))) & 0xFFu;
-              s_vm[gr * kBlockSize + tid] = !kMasked || tid < nvalid ? s_mul[byte] : uint16_t(0);
-            }
-          }
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-              for (int ee = 0; ee < 2; ++ee) {
-                const int n = 8 * j + 2 * c + ee, kk = 2 * g8;
-                // rows g8, g8 + 8 are tokens (2g8, 2g8 + 1), swapped for odd g8
-                *reinterpret_cast<uint32_t*>(s_pt + (4 * mt + w) * kPtStep + (kk >> 3) * kPtLbo +
-                                             (n >> 3) * 128 + (n & 7) * 16 + (kk & 7) * 2) =
-                    prmt(Traits<T>::pack2(sc[mt][4 * j + ee], sc[mt][4 * j + 2 + ee]), 0u, psel);
-              }
-        };
-        if (nvalid < kBlockSize) softmax(std::true_type{});
-        else softmax(std::false_type{});
-        fence_async_smem();
-        bar_sync(1, kConsumers);
-
-        // ---- Oᵀ += Vᵀ·Pᵀ (d on M, heads on N, tokens on K), 8 / (2 / kMt) k-steps per group
-        constexpr int kKs = 4 * kMt;
-#pragma unroll
-        for (int s0 = 0; s0 < 8; s0 += kKs) {
-          uint32_t av[2][kKs][4];
-#pragma unroll
-          for (int sp = 0; sp < kKs / 2; ++sp) {
-            const int mi = lane >> 3;
-            const int tok = 16 * (s0 + 2 * sp + (mi >> 1)) + 8 * (mi & 1) + (lane & 7);
-            uint32_t v[4];
-            ldsm_x4_trans(Vs + tok * 64 + 16 * w, v);
-#pragma unroll
-            for (int ss = 0; ss < 2; ++ss)
-#pragma unroll
-              for (int hl = 0; hl < 2; ++hl) {
-                const int s = 2 * sp + ss;
-                const uint32_t mul = *reinterpret_cast<const uint32_t*>(
-                    s_vm + vgrp * kBlockSize + 16 * (s0 + s) + 8 * hl + 2 * c);
-                uint32_t dq[4];
-                dequant8<T>(v[2 * ss + hl], mul, dq);
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                  av[mt][s][2 * hl] = dq[2 * mt];
-                  av[mt][s][2 * hl + 1] = dq[2 * mt + 1];
-                }
-              }
-          }
-          wgmma_fence();
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int s = 0; s < kKs; ++s)
-              wgmma_m64n16k16<T>(S.o + 8 * mt, av[mt][s], pdesc + (((s0 + s) * kPtStep) >> 4),
-                                 true);
-          wgmma_commit_wait();
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int s = 0; s < kKs; ++s)
-#pragma unroll
-              for (int r = 0; r < 4; ++r) keep(av[mt][s][r]);
-#pragma unroll
-          for (int k = 0; k < 16; ++k) keep(S.o[k]);
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[st]);
-      }
-      R.fold(S.o, S.m, S.l);  // round jr's state into R
+    for (int jd = 0; jd < 16; ++jd)
+      Lo[jd * 32 + lane] = make_float4(acc[jd][0], acc[jd][1], acc[jd][2], acc[jd][3]);
+    if (tig == 0) {
+      Lm[g8] = m0;
+      Lm[g8 + 8] = m1;
+      Lm[kGroup + g8] = l0;
+      Lm[kGroup + g8 + 8] = l1;
     }
   }
+#pragma unroll
+  for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  m0 = m1 = -INFINITY;
+  l0 = l1 = 0.f;
+  }  // rounds
+  cp_async_wait<0>();
 
   const float vsc = (*p.v_scale) * kComp;
   uint16_t* out = static_cast<uint16_t*>(p.out) + ((t * Hq + int64_t(g) * G) * kHeadDim);
   if constexpr (!kSplitted) {
-    if (warp < kConsumers / 32) store_row<T>(R, vsc, G, out, s_red);
+    // R holds all 16 leaves (the last fold ended with a barrier)
+    const float* Rl = R + kGroup * kHeadDim + kGroup;
+    for (int k = tid; k < kGroup * kHeadDim; k += kThreads) {
+      int h, d;
+      state_elem<kCvt>(k, h, d);
+      if (h < G) out[h * kHeadDim + d] = final_value<T>(R[k], Rl[h], vsc);
+    }
   } else {
-    // the 4 round states through distributed shared memory; rank 0 folds them in order
+    // ---- the fold of the cluster's 16 leaves: CTA `rank` takes elements [512·rank, +512),
+    // thread tid one float4 of them (rows g8 = lane/4 and g8 + 8 of that fragment lane)
     cg::cluster_group cluster = cg::this_cluster();
-    float* leaf = reinterpret_cast<float*>(ring);
-    if (warp < kConsumers / 32) {
-      bar_sync(1, kConsumers);  // every warp is done with the ring
-#pragma unroll
-      for (int k = 0; k < 16; ++k) leaf[k * kConsumers + tid] = R.o[k];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        leaf[(16 + q) * kConsumers + tid] = R.m[q];
-        leaf[(20 + q) * kConsumers + tid] = R.l[q];
-      }
-    }
     cluster.sync();
-    if (rank == 0 && warp < kConsumers / 32) {
-      RowState F;
-      F.clear();
-#pragma unroll 1
-      for (int j = 0; j < kSplit; ++j) {
-        const float* lf = cluster.map_shared_rank(leaf, j);
-        float Lo[16], Lm[4], Ll[4];
-#pragma unroll
-        for (int k = 0; k < 16; ++k) Lo[k] = lf[k * kConsumers + tid];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          Lm[q] = lf[(16 + q) * kConsumers + tid];
-          Ll[q] = lf[(20 + q) * kConsumers + tid];
-        }
-        F.fold(Lo, Lm, Ll);
-      }
-      store_row<T>(F, vsc, G, out, s_red);
+    const int f4 = rank * (kThreads) + tid;  // float4 index [jd][lane]
+    const int ln = f4 & 31, ra = ln >> 2, rb = ra + 8;
+    float mA = -INFINITY, lA = 0.f, mB = -INFINITY, lB = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int leaf = 0; leaf < kRounds * kWarps; ++leaf) {
+      const int j = leaf / kWarps, q = leaf % kWarps;
+      const float* base = reinterpret_cast<const float*>(
+          cluster.map_shared_rank(smem + q * (kStages * kWarpStage), j));
+      const float4 L = reinterpret_cast<const float4*>(base)[f4];
+      const float* Lm = base + kGroup * kHeadDim;
+      float fRA, fLA, fRB, fLB;
+      fold_stats(mA, lA, Lm[ra], Lm[kGroup + ra], mA, lA, fRA, fLA);
+      fold_stats(mB, lB, Lm[rb], Lm[kGroup + rb], mB, lB, fRB, fLB);
+      o.x = fold_o(o.x, L.x, fRA, fLA);
+      o.y = fold_o(o.y, L.y, fRA, fLA);
+      o.z = fold_o(o.z, L.z, fRB, fLB);
+      o.w = fold_o(o.w, L.w, fRB, fLB);
     }
-    cluster.sync();  // no CTA leaves while rank 0 reads its leaf
+    const float ov[4] = {o.x, o.y, o.z, o.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int h, d;
+      state_elem<kCvt>(4 * f4 + e, h, d);
+      if (h < G) out[h * kHeadDim + d] = final_value<T>(ov[e], e < 2 ? lA : lB, vsc);
+    }
+    cluster.sync();  // no CTA leaves while the others read its leaves
+  }
+}
+
+// ---- sparse_prefill: union tiles (issue 22 item 3)
+//
+// One CTA per (tile of kTileRows consecutive query tokens, KV head): the tile attends the union
+// of its rows' valid selections once. Keys are (request, block id), de-duplicated and sorted
+// ascending, so each row meets its own blocks in ascending id whatever its tile-mates select;
+// a block a row did not select, or a key past its causal limit, gets P = 0 in that row's
+// columns, which adds exact zeros: a row's bits depend on its own selection alone.
+//   - Producer warp: one bulk copy per union entry (the K and V tiles of a (page, head) are
+//     adjacent) into a 4-stage mbarrier ring.
+//   - Two consumer warpgroups; warpgroup h owns tokens [64h, 64h + 64) of every block:
+//     Sᵀ = K·Qᵀ by wgmma m64n64k16 (its 64 tokens on M, the tile's 4 rows x 16 heads on N,
+//     K dequantized once into the A registers), the lazy base-2 online softmax (a head's running
+//     max, shared by both warpgroups, moves only when a block's max exceeds it by more than
+//     kLazy: one bar.red.or over both), Pᵀ of its tokens into shared memory, and a partial
+//     Oᵀ += Vᵀ·Pᵀ over its tokens (d on M, two m-tiles). The two partials and the softmax sums
+//     are added in a fixed order at the end.
+//   - Multiplicity: a row that selects a block twice weighs it twice (P · 2).
+//   - NaN: a V block scale that is NaN is set to 0 in the shared operand (so it cannot reach the
+//     columns of rows that do not attend it); every row that attends that key gets NaN in that
+//     scale group's outputs, as if the NaN had been multiplied in.
+constexpr int kTileRows = 4;
+constexpr int kUN = kTileRows * kGroup;            // N of the wgmmas: 64
+constexpr int kUConsumers = 256;                   // two warpgroups
+constexpr int kUThreads = kUConsumers;  // thread 0 also issues the copies (no register cap of a 9th warp)
+constexpr int kUStages = 4;
+constexpr int kUMaxEntries = kTileRows * kMaxTopk;  // 256
+constexpr int kUQtStep = 2048;                     // Qᵀ per k-step: 2 K-groups (lbo 1024) x 8 N-groups
+constexpr int kUPtLbo = 1040;                      // Pᵀ K-group stride, padded 16 bytes (banks)
+constexpr int kUPtStep = kUPtLbo + 1024;
+constexpr int kUPtBytes = 4 * kUPtStep;            // per warpgroup: its 64 tokens = 4 k-steps
+constexpr int kUSmem = kUStages * kStageBytes + 8 * kUQtStep + 2 * kUPtBytes +
+                       8 * kBlockSize * 2 /* V multipliers */ + 8 * kUN * 4 /* red */ +
+                       2 * kUStages * 8;
+static_assert(kUStages * kStageBytes >= kUN * 128 * 4, "partial O fits the ring");
+
+__device__ __forceinline__ int uqt_offset(int d, int n) {
+  const int c = d >> 5, W = (d >> 3) & 3, r = d & 7, e = r >> 2, rem = r & 3;
+  const int s = 2 * W + (rem >> 1), kk = 8 * (rem & 1) + 2 * c + e;  // the K A-register order
+  return s * kUQtStep + (kk >> 3) * 1024 + (n >> 3) * 128 + (n & 7) * 16 + (kk & 7) * 2;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kUThreads, 1)
+    union_prefill_kernel(const __grid_constant__ AttentionParams p) {
+  constexpr float kComp = Traits<T>::kComp;
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ uint64_t s_ckey[kUMaxEntries];   // compacted valid slots: key, tile offset, ...
+  __shared__ int64_t s_coff[kUMaxEntries];
+  __shared__ int16_t s_cnv[kUMaxEntries];
+  __shared__ uint8_t s_crow[kUMaxEntries];
+  __shared__ uint8_t s_cfirst[kUMaxEntries];
+  __shared__ int64_t s_uoff[kUMaxEntries];     // union entry u: tile offset,
+  __shared__ __align__(16) int16_t s_unv[kUMaxEntries][kTileRows];   // attended keys per row (0: not selected)
+  __shared__ __align__(16) int32_t s_umult[kUMaxEntries][kTileRows]; // times each row selected it
+  __shared__ uint32_t s_wcount[kUThreads / 32];
+  __shared__ uint32_t s_nan[kTileRows];        // per row: V scale groups that met a NaN
+  __shared__ uint16_t s_mul[256];
+  uint8_t* const ring = smem;
+  uint8_t* const s_qt = ring + kUStages * kStageBytes;
+  uint8_t* const s_pt = s_qt + 8 * kUQtStep;
+  uint16_t* const s_vm = reinterpret_cast<uint16_t*>(s_pt + 2 * kUPtBytes);
+  float* const s_red = reinterpret_cast<float*>(s_vm + 8 * kBlockSize);
+  uint64_t* const full = reinterpret_cast<uint64_t*>(s_red + 8 * kUN);
+  uint64_t* const empty = full + kUStages;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g8 = lane >> 2, c = lane & 3;
+  const int Hkv = p.num_kv_heads;
+  const int64_t tile = int64_t(blockIdx.x) / Hkv;
+  const int g = int(blockIdx.x % Hkv);
+  const int64_t t0 = tile * kTileRows;
+  const int K = p.topk;
+  const int G = p.group > 0 ? p.group : kGroup;
+  const int Hq = Hkv * G;
+  const int64_t nt = p.num_tokens;
+
+  // ---- 1. validity of every (row, slot) before any load (SPEC §5.2), compacted
+  bool ok = false;
+  uint64_t key = 0;
+  int64_t off = 0;
+  int nv = 0, row = 0;
+  if (tid < kTileRows * K) {
+    row = tid / K;
+    const int64_t t = t0 + row;
+    if (t < nt) {
+      const TokenPos tp = token_position(p, t);
+      const int64_t b = p.topk_indices[(int64_t(g) * nt + t) * K + (tid - row * K)];
+      if (tp.vis > 0 && b >= 0 && b < p.max_blocks && b * kBlockSize < tp.vis) {
+        const int64_t page = p.block_table[tp.r * p.max_blocks + b];
+        if (p.geom.valid_page(page)) {
+          const int64_t rest = tp.vis - b * kBlockSize;
+          nv = int(rest < kBlockSize ? rest : kBlockSize);
+          off = p.geom.tile_offset(tp.layer, page, 2 * g);
+          key = (uint64_t(tp.r) << 32) | uint64_t(b);
+          ok = true;
+        }
+      }
+    }
+  }
+  const uint32_t ballot = __ballot_sync(0xffffffffu, ok);
+  if (lane == 0) s_wcount[warp] = __popc(ballot);
+  if (tid < 256) {
+    s_mul[tid] = scale_multiplier<T>(tid);
+    reinterpret_cast<int32_t*>(s_umult)[tid] = 0;
+    reinterpret_cast<int32_t*>(s_umult)[tid + 256] = 0;
+    reinterpret_cast<int32_t*>(s_umult)[tid + 512] = 0;
+    reinterpret_cast<int32_t*>(s_umult)[tid + 768] = 0;
+    reinterpret_cast<int64_t*>(s_unv)[tid] = 0;
+  }
+  if (tid < kTileRows) s_nan[tid] = 0;
+  // Qᵀ of the tile's rows (zeros for rows past T and heads >= G); a negative softmax scale
+  // flips Q's sign so that zc >= 0
+  const float zs = p.scale * (*p.k_scale) * kComp * kLog2e;
+  const float zc = fabsf(zs);
+  {
+    const uint16_t flip = zs < 0.f ? 0x8000u : 0u;
+    const uint16_t* q = static_cast<const uint16_t*>(p.q);
+    for (int i = tid; i < kUN * kHeadDim; i += kUThreads) {
+      const int n = i >> 7, d = i & (kHeadDim - 1), r = n >> 4, h = n & 15;
+      const int64_t t = t0 + r;
+      uint16_t v = 0;
+      if (t < nt && h < G) v = uint16_t(q[((t * Hq) + int64_t(g) * G + h) * kHeadDim + d] ^ flip);
+      *reinterpret_cast<uint16_t*>(s_qt + uqt_offset(d, n)) = v;
+    }
+  }
+  if (tid == 0) {
+    for (int i = 0; i < kUStages; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], kUConsumers / 32);
+    }
+    mbar_init_fence();
+  }
+  fence_async_smem();
+  __syncthreads();
+  int idx = __popc(ballot & ((1u << lane) - 1u)), n_valid = 0;
+  for (int w = 0; w < kUThreads / 32; ++w) {
+    if (w < warp) idx += s_wcount[w];
+    n_valid += s_wcount[w];
+  }
+  if (ok) {
+    s_ckey[idx] = key;
+    s_coff[idx] = off;
+    s_cnv[idx] = int16_t(nv);
+    s_crow[idx] = uint8_t(row);
+  }
+  __syncthreads();
+  // ---- 2. the union: first occurrences, then each key's rank among the distinct keys; thread
+  // i now takes compacted slot i
+  if (tid < n_valid) {
+    key = s_ckey[tid];
+    off = s_coff[tid];
+    nv = s_cnv[tid];
+    row = s_crow[tid];
+    bool first = true;
+    for (int j = 0; j < tid; ++j) first = first && s_ckey[j] != key;
+    s_cfirst[tid] = first;
+  }
+  __syncthreads();
+  int U = 0, rank = 0;
+  for (int j = 0; j < n_valid; ++j) {
+    const bool f = s_cfirst[j];
+    U += f;
+    rank += f && s_ckey[j] < key;
+  }
+  if (tid < n_valid) {
+    if (s_cfirst[tid]) s_uoff[rank] = off;
+    atomicAdd(&s_umult[rank][row], 1);
+    s_unv[rank][row] = int16_t(nv);
+  }
+  __syncthreads();
+
+  // the copy of union entry u into its stage (thread 0), once every warp has freed the stage
+  auto issue = [&](int u) {
+    const int st = u % kUStages;
+    if (u >= kUStages) mbar_wait(&empty[st], ((u / kUStages) - 1) & 1);
+    int mx = 0;
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) mx = max(mx, int(s_unv[u][r]));
+    const uint8_t* src = p.kv_cache + s_uoff[u];
+    uint8_t* dst = ring + st * kStageBytes;
+    if (mx == kBlockSize) {
+      mbar_expect_tx(&full[st], kStageBytes);
+      bulk_copy(dst, src, kStageBytes, &full[st]);
+    } else {  // the attended tokens' rows only
+      const uint32_t db = uint32_t(mx) * 64, sb = (uint32_t(mx) * 8 + 15) & ~15u;
+      mbar_expect_tx(&full[st], 2 * (db + sb));
+      bulk_copy(dst, src, db, &full[st]);
+      bulk_copy(dst + kScalePlane, src + kScalePlane, sb, &full[st]);
+      bulk_copy(dst + kTileBytes, src + kTileBytes, db, &full[st]);
+      bulk_copy(dst + kTileBytes + kScalePlane, src + kTileBytes + kScalePlane, sb, &full[st]);
+    }
+  };
+  if (tid == 0)
+    for (int u = 0; u < min(U, kUStages - 1); ++u) issue(u);
+
+  // ---- 3. consumers: warpgroup h, warp w; thread (g8, c) holds Sᵀ columns n = 8j + 2c + e
+  // (row n / 16, head n % 16) of tokens 64h + 16w + {tokA, tokB}
+  const int h = warp >> 2, w = warp & 3, wtid = tid & 127;
+  const int tokA = 2 * g8 + (g8 & 1), tokB = 2 * g8 + 1 - (g8 & 1);
+  const uint64_t qdesc = smem_desc(s_qt, 1024, 128);
+  uint8_t* const pt = s_pt + h * kUPtBytes;
+  const uint64_t pdesc = smem_desc(pt, kUPtLbo, 128);
+  const int vgrp = 2 * w + (g8 >> 2);
+  const uint32_t psel = (g8 & 1) ? 0x1032u : 0x3210u;
+  float sc[32], o[2][32], m[16], l[16];
+#pragma unroll
+  for (int k = 0; k < 32; ++k) sc[k] = o[0][k] = o[1][k] = 0.f;
+#pragma unroll
+  for (int q = 0; q < 16; ++q) m[q] = -INFINITY, l[q] = 0.f;
+
+  for (int u = 0; u < U; ++u) {
+    const int st = u % kUStages;
+    if (tid == 0 && u + kUStages - 1 < U) issue(u + kUStages - 1);
+    mbar_wait(&full[st], (u / kUStages) & 1);
+    const uint8_t* Ks = ring + st * kStageBytes;
+    const uint8_t* Vs = Ks + kTileBytes;
+    const int2 nvp = *reinterpret_cast<const int2*>(&s_unv[u][0]);  // 4 x int16
+    int nvr[kTileRows] = {int16_t(nvp.x & 0xFFFF), int16_t(nvp.x >> 16), int16_t(nvp.y & 0xFFFF),
+                          int16_t(nvp.y >> 16)};
+    const int4 mu = *reinterpret_cast<const int4*>(&s_umult[u][0]);
+    const int mult[kTileRows] = {mu.x, mu.y, mu.z, mu.w};
+
+    // ---- Sᵀ = K·Qᵀ over this warpgroup's 64 tokens
+    {
+      uint32_t a[8][4];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int tok = 64 * h + 16 * w + (hr ? tokB : tokA);
+        const uint4 kd = *reinterpret_cast<const uint4*>(Ks + tok * 64 + 16 * c);
+        const uint32_t sfb = *reinterpret_cast<const uint16_t*>(Ks + kScalePlane + tok * 8 + 2 * c);
+        const uint32_t s0 = s_mul[sfb & 0xFF], s1 = s_mul[sfb >> 8];
+        uint32_t qd[4][4];
+        dequant8<T>(kd.x, s0 | (s0 << 16), qd[0]);
+        dequant8<T>(kd.y, s0 | (s0 << 16), qd[1]);
+        dequant8<T>(kd.z, s1 | (s1 << 16), qd[2]);
+        dequant8<T>(kd.w, s1 | (s1 << 16), qd[3]);
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          a[s][hr] = qd[s >> 1][2 * (s & 1)];
+          a[s][2 + hr] = qd[s >> 1][2 * (s & 1) + 1];
+        }
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < 8; ++s)
+        wgmma_m64n64k16<T>(sc, a[s], qdesc + ((s * kUQtStep) >> 4), s > 0);
+      wgmma_commit_wait();
+#pragma unroll
+      for (int s = 0; s < 8; ++s)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) keep(a[s][r]);
+#pragma unroll
+      for (int k = 0; k < 32; ++k) keep(sc[k]);
+    }
+
+    // ---- lean online softmax, Pᵀ, V multipliers
+    auto softmax = [&](auto masked_tag) {
+      constexpr bool kMasked = decltype(masked_tag)::value;
+      float cm[16];
+#pragma unroll
+      for (int q = 0; q < 16; ++q) cm[q] = -INFINITY;
+#pragma unroll
+      for (int x = 0; x < 32; ++x) {
+        const int j = x >> 2, hr = (x >> 1) & 1, q = 2 * j + (x & 1);
+        const int tok = 64 * h + 16 * w + (hr ? tokB : tokA);
+        if (kMasked && tok >= nvr[j >> 1]) sc[x] = -INFINITY;
+        cm[q] = fmaxf(cm[q], sc[x]);
+      }
+      bool up = false;
+#pragma unroll
+      for (int q = 0; q < 16; ++q) {
+        const float ms = cm[q] == -INFINITY ? -INFINITY : cm[q] * zc;
+        up = up || ms > m[q] + kLazy;
+      }
+      if (bar_or(1, kUConsumers, up)) {
+#pragma unroll
+        for (int q = 0; q < 16; ++q) {
+          cm[q] = fmaxf(cm[q], __shfl_xor_sync(0xffffffffu, cm[q], 4));
+          cm[q] = fmaxf(cm[q], __shfl_xor_sync(0xffffffffu, cm[q], 8));
+          cm[q] = fmaxf(cm[q], __shfl_xor_sync(0xffffffffu, cm[q], 16));
+          if (g8 == 0) s_red[warp * kUN + 8 * (q >> 1) + 2 * c + (q & 1)] = cm[q];
+        }
+        bar_sync(1, kUConsumers);
+#pragma unroll
+        for (int q = 0; q < 16; ++q) {
+          const int n = 8 * (q >> 1) + 2 * c + (q & 1);
+          float x = s_red[n];
+#pragma unroll
+          for (int wi = 1; wi < 8; ++wi) x = fmaxf(x, s_red[wi * kUN + n]);
+          const float ms = x == -INFINITY ? -INFINITY : x * zc;
+          const float nm = ms > m[q] + kLazy ? ms : m[q];
+          const float al = fast_exp2(m[q] - (nm == -INFINITY ? 0.f : nm));
+          l[q] *= al;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) o[k >> 1][4 * (q >> 1) + 2 * (k & 1) + (q & 1)] *= al;
+          m[q] = nm;
+        }
+      }
+#pragma unroll
+      for (int x = 0; x < 32; ++x) {
+        const int j = x >> 2, hr = (x >> 1) & 1, q = 2 * j + (x & 1);
+        const int tok = 64 * h + 16 * w + (hr ? tokB : tokA);
+        float pv = fast_exp2(fmaf(sc[x], zc, m[q] == -INFINITY ? 0.f : -m[q]));
+        if constexpr (kMasked) {
+          if (tok >= nvr[j >> 1]) pv = 0.f;
+          else if (mult[j >> 1] > 1) pv *= float(mult[j >> 1]);
+        }
+        sc[x] = pv;
+        l[q] += pv;
+      }
+      // V multipliers of this warpgroup's tokens: 0 past every row's limit and for NaN scales
+      // (recorded per row that attends the key)
+      {
+        const int tok = 64 * h + (wtid & 63), g4 = 4 * (wtid >> 6);
+        const uint32_t vb = *reinterpret_cast<const uint32_t*>(Vs + kScalePlane + tok * 8 + g4);
+        int mx = nvr[0];
+#pragma unroll
+        for (int r = 1; r < kTileRows; ++r) mx = max(mx, nvr[r]);
+        uint32_t nanb = 0;
+#pragma unroll
+        for (int gi = 0; gi < 4; ++gi) {
+          const uint32_t byte = (vb >> (8 * gi)) & 0xFFu;
+          const bool nan = (byte & 0x7Fu) == 0x7Fu;
+          nanb |= uint32_t(nan) << (g4 + gi);
+          s_vm[(g4 + gi) * kBlockSize + tok] = (!kMasked || tok < mx) && !nan ? s_mul[byte] : uint16_t(0);
+        }
+        if (nanb) {
+#pragma unroll
+          for (int r = 0; r < kTileRows; ++r)
+            if (tok < nvr[r]) atomicOr(&s_nan[r], nanb);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int ee = 0; ee < 2; ++ee) {
+          const int n = 8 * j + 2 * c + ee, kk = 2 * g8;
+          *reinterpret_cast<uint32_t*>(pt + w * kUPtStep + (kk >> 3) * kUPtLbo + (n >> 3) * 128 +
+                                       (n & 7) * 16 + (kk & 7) * 2) =
+              prmt(Traits<T>::pack2(sc[4 * j + ee], sc[4 * j + 2 + ee]), 0u, psel);
+        }
+    };
+    bool plain = true;
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) plain = plain && nvr[r] == kBlockSize && mult[r] == 1;
+    if (plain) softmax(std::false_type{});
+    else softmax(std::true_type{});
+    fence_async_smem();
+    bar_sync(2 + h, 128);  // this warpgroup's Pᵀ and V multipliers
+
+    // ---- Oᵀ += Vᵀ·Pᵀ over this warpgroup's tokens (4 k-steps)
+    {
+      uint32_t av[2][4][4];
+#pragma unroll
+      for (int sp = 0; sp < 2; ++sp) {
+        const int mi = lane >> 3;
+        const int tok = 64 * h + 16 * (2 * sp + (mi >> 1)) + 8 * (mi & 1) + (lane & 7);
+        uint32_t v[4];
+        ldsm_x4_trans(Vs + tok * 64 + 16 * w, v);
+#pragma unroll
+        for (int ss = 0; ss < 2; ++ss)
+#pragma unroll
+          for (int hl = 0; hl < 2; ++hl) {
+            const int s = 2 * sp + ss;
+            const uint32_t mul = *reinterpret_cast<const uint32_t*>(
+                s_vm + vgrp * kBlockSize + 64 * h + 16 * s + 8 * hl + 2 * c);
+            uint32_t dq[4];
+            dequant8<T>(v[2 * ss + hl], mul, dq);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+              av[mt][s][2 * hl] = dq[2 * mt];
+              av[mt][s][2 * hl + 1] = dq[2 * mt + 1];
+            }
+          }
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+          wgmma_m64n64k16<T>(o[mt], av[mt][s], pdesc + ((s * kUPtStep) >> 4), true);
+      wgmma_commit_wait();
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) keep(av[mt][s][r]);
+#pragma unroll
+      for (int k = 0; k < 32; ++k) keep(o[0][k]), keep(o[1][k]);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[st]);
+  }
+
+  // ---- 4. warpgroup 1's partial O and both warpgroups' sums to warpgroup 0, out = O / l · v_scale
+  bar_sync(1, kUConsumers);  // the ring is free
+  float* po = reinterpret_cast<float*>(ring);
+  if (h == 1) {
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+      po[k * 128 + wtid] = o[0][k];
+      po[(32 + k) * 128 + wtid] = o[1][k];
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < 16; ++q) {
+    float x = l[q];
+    x += __shfl_xor_sync(0xffffffffu, x, 4);
+    x += __shfl_xor_sync(0xffffffffu, x, 8);
+    x += __shfl_xor_sync(0xffffffffu, x, 16);
+    if (g8 == 0) s_red[warp * kUN + 8 * (q >> 1) + 2 * c + (q & 1)] = x;
+  }
+  bar_sync(1, kUConsumers);
+  if (h == 1) return;
+  const float vsc = (*p.v_scale) * kComp;
+#pragma unroll
+  for (int q = 0; q < 16; ++q) {
+    const int n = 8 * (q >> 1) + 2 * c + (q & 1), r = n >> 4, hd = n & 15;
+    const int64_t t = t0 + r;
+    if (t >= nt || hd >= G) continue;
+    float L = s_red[n];
+#pragma unroll
+    for (int wi = 1; wi < 8; ++wi) L = __fadd_rn(L, s_red[wi * kUN + n]);
+    const uint32_t nanb = s_nan[r];
+    uint16_t v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int i = 4 * (q >> 1) + 2 * (k & 1) + (q & 1), mt = k >> 1;
+      const float O = __fadd_rn(o[mt][i], po[(32 * mt + i) * 128 + wtid]);
+      const int d = 32 * w + 4 * g8 + k;
+      v[k] = (nanb >> (d >> 4)) & 1u ? Traits<T>::from_float(NAN) : final_value<T>(O, L, vsc);
+    }
+    uint16_t* dst = static_cast<uint16_t*>(p.out) + ((t * Hq + int64_t(g) * G + hd) * kHeadDim) +
+                    32 * w + 4 * g8;
+    *reinterpret_cast<uint2*>(dst) =
+        make_uint2(v[0] | (uint32_t(v[1]) << 16), v[2] | (uint32_t(v[3]) << 16));
   }
 }
 
@@ -582,7 +1057,7 @@ struct DeviceInfo {
 
 // The number of SMs of the current device, and the kernels' shared-memory limits raised once per
 // device (not stream work; also fine inside graph capture).
-template <typename T>
+template <typename T, bool kCvt>
 cudaError_t configure(int* num_sms) {
   static DeviceInfo info[64];
   int dev = 0;
@@ -590,13 +1065,14 @@ cudaError_t configure(int* num_sms) {
   if (err != cudaSuccess) return err;
   if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
   if (!info[dev].configured) {
-    err = cudaFuncSetAttribute(sparse_attention_kernel<T, false>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               smem_bytes<kStagesRow>());
+    err = cudaFuncSetAttribute(sparse_attention_kernel<T, kCvt, false>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemRow);
     if (err == cudaSuccess)
-      err = cudaFuncSetAttribute(sparse_attention_kernel<T, true>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 smem_bytes<kStagesSplit>());
+      err = cudaFuncSetAttribute(sparse_attention_kernel<T, kCvt, true>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSplit);
+    if (err == cudaSuccess)
+      err = cudaFuncSetAttribute(union_prefill_kernel<T>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kUSmem);
     if (err == cudaSuccess)
       err = cudaDeviceGetAttribute(&info[dev].num_sms, cudaDevAttrMultiProcessorCount, dev);
     if (err != cudaSuccess) return err;
@@ -606,21 +1082,28 @@ cudaError_t configure(int* num_sms) {
   return cudaSuccess;
 }
 
+// Launches for q's dtype: bf16 q keeps bf16 products through the bit placement (no fp16 range
+// limit on q); f16 q takes the fp8-conversion path with fp16 products.
 template <typename T>
 cudaError_t launch_typed(const AttentionParams& p, cudaStream_t stream) {
+  constexpr bool kCvt = std::is_same_v<T, __half>;
   int num_sms = 0;
-  cudaError_t err = configure<T>(&num_sms);
+  cudaError_t err = configure<T, kCvt>(&num_sms);
   if (err != cudaSuccess) return err;
   const int64_t rows = p.num_tokens * p.num_kv_heads;
+  if (p.is_prefill) {  // union tiles
+    const int64_t tiles = (p.num_tokens + kTileRows - 1) / kTileRows;
+    union_prefill_kernel<T><<<unsigned(tiles * p.num_kv_heads), kUThreads, kUSmem, stream>>>(p);
+    return cudaGetLastError();
+  }
   if (attention_split(p, num_sms) == 1) {
-    sparse_attention_kernel<T, false>
-        <<<unsigned(rows), kThreads, smem_bytes<kStagesRow>(), stream>>>(p);
+    sparse_attention_kernel<T, kCvt, false><<<unsigned(rows), kThreads, kSmemRow, stream>>>(p);
     return cudaGetLastError();
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(rows * kSplit), 1, 1);
   cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = smem_bytes<kStagesSplit>();
+  cfg.dynamicSmemBytes = kSmemSplit;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -629,7 +1112,7 @@ cudaError_t launch_typed(const AttentionParams& p, cudaStream_t stream) {
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, sparse_attention_kernel<T, true>, p);
+  return cudaLaunchKernelEx(&cfg, sparse_attention_kernel<T, kCvt, true>, p);
 }
 
 }  // namespace

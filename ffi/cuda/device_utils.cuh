@@ -215,6 +215,26 @@ __device__ __forceinline__ void wgmma_m64n16k16(float* d, const uint32_t* a, uin
         : "memory");
   }
 }
+// D[64 x 64] (+)= A[64 x 16] (registers) x B[16 x 64] (shared memory, K-major, `desc`).
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n64k16(float* d, const uint32_t* a, uint64_t desc,
+                                                bool accumulate) {
+#define M3_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
+                 "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define M3_WGMMA64(TY)                                                                          \
+  asm volatile(                                                                                 \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"                                            \
+      " wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                              \
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23," \
+      "%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"              \
+      : M3_D8(0), M3_D8(8), M3_D8(16), M3_D8(24)                                                \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(int(accumulate))             \
+      : "memory")
+  if constexpr (std::is_same_v<T, __half>) M3_WGMMA64("f16");
+  else M3_WGMMA64("bf16");
+#undef M3_WGMMA64
+#undef M3_D8
+}
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 }
