@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <numeric>
 #include <random>
 #include <string>
@@ -959,27 +960,59 @@ static void bench_decode(std::mt19937& rng, const BenchDecode& b, double copy_tb
   for (void* d : owned) CK(cudaFree(d));
 }
 
-static void bench_prefill(std::mt19937& rng, int T, int ctx, double copy_tbs) {
+// Prefill of T tokens after ctx. Selections: independent uniform draws per token (correlated =
+// false: no two tokens need share a block), or the model of `python -m jax_m3sparse.bench
+// gfx950-traffic` (neighbouring tokens select mostly the same blocks, as an indexer's scores of
+// neighbouring queries do): block b of head g has relevance r_gb ~ N(0, 1); token t scores
+// r_gb + 0.35·n_tgb with n an AR(1) process along t (rho 0.95) and takes its local block and the
+// 15 best others.
+static void bench_prefill(std::mt19937& rng, int T, int ctx, double copy_tbs, bool correlated = false) {
   const int Hkv = 4, K = 16, R = 1;
   const int M = (ctx + T + 127) / 128;
   CacheGeometry geom{M, 1, 2 * Hkv, 128, 128, 0};
   std::vector<int32_t> bt(M), topk(size_t(Hkv) * T * K), rid(T, 0), pos(T);
   std::iota(bt.begin(), bt.end(), 0);
-  double flops = 0;
+  double flops = 0, shared = 0;
   for (int t = 0; t < T; ++t) pos[t] = ctx + t;
-  for (int g = 0; g < Hkv; ++g)
+  std::normal_distribution<float> nd0(0.f, 1.f);
+  for (int g = 0; g < Hkv; ++g) {
+    std::vector<float> rel(M), noise(M);
+    for (int b = 0; b < M; ++b) rel[b] = nd0(rng), noise[b] = nd0(rng);
+    std::vector<int> prev;
     for (int t = 0; t < T; ++t) {
       const int vb = (pos[t] + 1 + 127) / 128;
       std::vector<int> ids(vb);
       std::iota(ids.begin(), ids.end(), 0);
-      std::shuffle(ids.begin(), ids.end(), rng);
+      if (correlated) {
+        for (int b = 0; b < M; ++b) noise[b] = 0.95f * noise[b] + 0.3122499f * nd0(rng);
+        const int local = pos[t] / 128;
+        std::vector<int> others(ids.begin(), ids.begin() + local);
+        std::partial_sort(others.begin(), others.begin() + (K - 1), others.end(), [&](int a, int b) {
+          return rel[a] + 0.35f * noise[a] > rel[b] + 0.35f * noise[b];
+        });
+        ids.assign(others.begin(), others.begin() + (K - 1));
+        ids.push_back(local);
+        std::shuffle(ids.begin(), ids.end(), rng);
+      } else {
+        std::shuffle(ids.begin(), ids.end(), rng);
+      }
       for (int k = 0; k < K; ++k) {
         const int b = ids[k];
         topk[(size_t(g) * T + t) * K + k] = b;
         const int64_t keys = std::min<int64_t>(128, int64_t(pos[t]) + 1 - 128 * b);
         flops += 4.0 * 16 * 128 * keys;
       }
+      std::vector<int> cur(ids.begin(), ids.begin() + K);
+      std::sort(cur.begin(), cur.end());
+      if (t > 0) {
+        std::vector<int> both;
+        std::set_intersection(cur.begin(), cur.end(), prev.begin(), prev.end(),
+                              std::back_inserter(both));
+        shared += double(both.size()) / (double(Hkv) * (T - 1));
+      }
+      prev = cur;
     }
+  }
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<uint16_t> q(size_t(T) * Hkv * 16 * 128);
   for (auto& x : q) x = float_to_bf16(nd(rng));
@@ -1016,8 +1049,9 @@ static void bench_prefill(std::mt19937& rng, int T, int ctx, double copy_tbs) {
   p.dtype = DType::kBF16;
   auto launch = [&](int, cudaStream_t st) { CK(launch_sparse_attention(p, st)); };
   const double us = time_graph(launch, 1, 5, 5);
-  printf("TABLE prefill T=%d ctx=%d Hkv=%d K=%d: %.1f us, %.1f effective TFLOP/s (%.3g GFLOP)\n",
-         T, ctx, Hkv, K, us, flops / (us * 1e-6) / 1e12, flops / 1e9);
+  printf("TABLE prefill T=%d ctx=%d Hkv=%d K=%d %s (adjacent tokens share %.1f of 16 blocks): "
+         "%.1f us, %.1f effective TFLOP/s (%.3g GFLOP)\n", T, ctx, Hkv, K,
+         correlated ? "correlated" : "uniform", shared, us, flops / (us * 1e-6) / 1e12, flops / 1e9);
   for (void* d : owned) CK(cudaFree(d));
 }
 
@@ -1062,12 +1096,13 @@ static void bench_pack(std::mt19937& rng, int T, double copy_tbs) {
 }
 
 int main(int argc, char** argv) {
-  bool quick = false, bench = true, tests = true, profile = false;
+  bool quick = false, bench = true, tests = true, profile = false, prefill_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--quick")) quick = true;
     if (!strcmp(argv[i], "--no-bench")) bench = false;
     if (!strcmp(argv[i], "--bench-only")) tests = false;
     if (!strcmp(argv[i], "--profile")) profile = true, tests = false, quick = true;
+    if (!strcmp(argv[i], "--prefill-only")) prefill_only = true, tests = false;
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -1134,6 +1169,11 @@ int main(int argc, char** argv) {
       bench_pack(rng, 65536, copy);
       return 0;
     }
+    if (prefill_only) {  // the union-tile prefill's cases
+      bench_prefill(rng, 2048, 8192, copy);
+      bench_prefill(rng, 2048, 8192, copy, true);
+      return 0;
+    }
     for (int T : {1, 8, 32, 128, 512}) {
       if (quick && T == 512) continue;
       bench_decode(rng, BenchDecode{T, 1, 4, 16, seq}, copy, T == 128 || T == 1);
@@ -1147,6 +1187,7 @@ int main(int argc, char** argv) {
     bench_decode(rng, BenchDecode{128, 4, 4, 16, seq, 0, 12}, copy, true);
     bench_decode(rng, BenchDecode{128, 4, 4, 16, seq}, copy, false);
     bench_prefill(rng, 2048, 8192, copy);
+    bench_prefill(rng, 2048, 8192, copy, true);
     if (!quick) bench_prefill(rng, 8192, 8192, copy);
     bench_pack(rng, 4096, copy);
     bench_pack(rng, 65536, copy);
