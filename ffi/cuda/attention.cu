@@ -54,8 +54,7 @@ constexpr int kTileBytes = kBlockSize * (kHeadDim / 2 + kHeadDim / 16);  // 9216
 constexpr int kScalePlane = kBlockSize * kHeadDim / 2;                     // 8192
 constexpr int kStageBytes = 2 * kTileBytes;                                // K tile, V tile
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kRounds = 4;   // rounds of a row's entries = CTAs of the split launch
-constexpr int kSplit = kRounds;
+constexpr int kSplit = kRounds;  // (m3sparse_cuda.h) the CTAs of a row's cluster
 // One fp32 state (m, l, O) of 16 rows x 128 d in the mma fragment layout: float4 [jd][lane]
 // (lane (g8, tig) of any warp: acc[jd][0..3]), then m[16], l[16].
 constexpr int kStateFloats = kGroup * kHeadDim + 2 * kGroup;

@@ -19,6 +19,9 @@ constexpr int kHeadDim = 128;      // D
 constexpr int kBlockSize = 128;    // N
 constexpr int kGroup = 16;         // the 16 rows of an mma tile: G = Hq / Hkv may be 1..16
 constexpr int kMaxTopk = 64;       // K (topk_blocks) upper bound of the attention kernels
+// The rounds of a row's entries in the attention kernels' reduction tree = the CTAs of a row's
+// cluster in the split launch shape (8 lost to 4 at every T: BENCHMARKS.md 2026-12-02, round 4).
+constexpr int kRounds = 4;
 
 enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
@@ -46,7 +49,8 @@ struct AttentionParams {
   DType dtype;                    // of q / out
   int32_t group;                  // G = Hq / Hkv, 1..16 (0 means 16); rows >= G are padding
   int32_t split;                  // launch shape: 0 chosen from the grid (attention_split), 1 one
-                                  // CTA per row, 4 a cluster of 4 per row (the same bits)
+                                  // CTA per row, kRounds a cluster of kRounds per row (the same
+                                  // bits)
 };
 
 struct PackParams {

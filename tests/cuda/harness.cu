@@ -515,7 +515,7 @@ static void test_invariance(std::mt19937& rng, const char* name, bool prefill, i
   const size_t row = size_t(Hkv) * G * 128;  // elements of one token
   long bad_alone = 0, bad_tp = 0, units = 0, bad_shape = 0, bad_prefix = 0, nonzero = 0;
   for (uint16_t b : full) nonzero += b != 0;
-  bad_shape += run_case(c, 4) != full;
+  bad_shape += run_case(c, kRounds) != full;
   bad_shape += run_case(c, 0) != full;
   long bad_mates = 0;
   if (!prefill && dql > 1) {
@@ -892,7 +892,7 @@ static void bench_decode(std::mt19937& rng, const BenchDecode& b, double copy_tb
   p.is_prefill = 0;
   p.scale = 1.0f / std::sqrt(128.f);
   p.dtype = DType::kBF16;
-  p.split = b.split < 0 ? (attention_split(p, g_num_sms) == 1 ? 4 : 1) : b.split;
+  p.split = b.split < 0 ? (attention_split(p, g_num_sms) == 1 ? kRounds : 1) : b.split;
   const int shape = attention_split(p, g_num_sms);
   const double bytes = double(T) * Hkv * K * 128 * 72 * 2;
   auto launch = [&](int v, cudaStream_t st) {
