@@ -47,8 +47,8 @@ namespace m3sparse {
 namespace cuda {
 namespace {
 
-// Host twins so that tools can check the exact arithmetic on the CPU (each is one instruction
-// on the device).
+// Host twins, so that tests/cuda/pack_host_check.cu checks the exact arithmetic on the CPU in CI
+// (each is one instruction on the device).
 M3_HD float mul_rn(float a, float b) {
 #ifdef __CUDA_ARCH__
   return __fmul_rn(a, b);

@@ -1,7 +1,8 @@
 """CI guard for the CUDA backend (no GPU needed): every source under ffi/cuda/ and the device
 harness compile with nvcc for sm_90a, and the attention kernels keep their register budget
-(the one-CTA-per-row kernels: 128 registers for 4 CTAs per SM, at most a few spilled bytes). Skips cleanly where nvcc
-(or, for the handlers, jax's FFI headers) is absent."""
+(the one-CTA-per-row kernels: 128 registers for 4 CTAs per SM, at most a few spilled bytes), and
+pack.cu's quantizer matches nvfp4.h on the host. Skips cleanly where nvcc (or, for the handlers,
+jax's FFI headers) is absent."""
 
 from __future__ import annotations
 
@@ -72,3 +73,16 @@ def test_handlers_compile(tmp_path):
 
 def test_harness_compiles(tmp_path):
     _nvcc(ROOT / "tests" / "cuda" / "harness.cu", tmp_path / "harness.o")
+
+
+def test_pack_quantizer_matches_nvfp4_on_host(tmp_path):
+    """pack.cu's quantizer (E2M1 rounding on the FP pipe, Markstein quotients, SWAR packing) run
+    through its host twins against nvfp4.h's reference, byte for byte, on 1.8 M groups built on
+    and around every rounding threshold (no GPU needed; the harness repeats it on the device)."""
+    exe = tmp_path / "pack_host_check"
+    cmd = [NVCC, "-std=c++17", "-O2", GENCODE, f"-I{ROOT / 'ffi' / 'include'}", f"-I{CUDA}",
+           str(ROOT / "tests" / "cuda" / "pack_host_check.cu"), "-o", str(exe)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    run = subprocess.run([str(exe), "200000"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "1800000 groups, 0 mismatches" in run.stdout, run.stdout
