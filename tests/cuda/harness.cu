@@ -5,7 +5,9 @@
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda \
 //        tests/cuda/harness.cu ffi/cuda/attention.cu ffi/cuda/pack.cu -o m3sparse_harness
-//   ./m3sparse_harness [--quick] [--no-bench]
+//   ./m3sparse_harness [--quick] [--no-bench | --bench-only | --prefill-only | --profile]
+//   (--prefill-only: the prefill timings alone, uniform and correlated selections; --profile:
+//   the ncu shapes, decode T = 128 and pack 65536)
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
