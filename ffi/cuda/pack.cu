@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -234,17 +235,18 @@ M3_HD GroupBytes quantize_group_words(const float* x, const uint32_t* sw, float 
 }
 
 // 16 raw input elements (two 16-byte loads for 16-bit types, four for fp32) -> fp32 values and
-// sign words.
+// sign words. 16-bit types (bf16, f16): the raw words are the sign words.
 template <typename T>
-struct Group16;
-
-template <>
-struct Group16<__nv_bfloat16> {
+struct Group16 {
   uint4 v[2];
-  __device__ __forceinline__ void load(const __nv_bfloat16* src) {
+  __device__ __forceinline__ void load(const T* src) {
     const uint4* s = reinterpret_cast<const uint4*>(src);
     v[0] = __ldcs(s);
     v[1] = __ldcs(s + 1);
+  }
+  __device__ __forceinline__ static float widen(uint32_t h) {  // h: the 16 bits, zero-extended
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) return bits_float(h << 16);
+    else return __half2float(__ushort_as_half(uint16_t(h)));
   }
   __device__ __forceinline__ void unpack(float* x, uint32_t* sw) const {
 #pragma unroll
@@ -252,30 +254,8 @@ struct Group16<__nv_bfloat16> {
       const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        x[8 * i + 2 * k] = bits_float(w[k] << 16);
-        x[8 * i + 2 * k + 1] = bits_float(w[k] & 0xFFFF0000u);
-        sw[4 * i + k] = w[k];
-      }
-    }
-  }
-};
-
-template <>
-struct Group16<__half> {
-  uint4 v[2];
-  __device__ __forceinline__ void load(const __half* src) {
-    const uint4* s = reinterpret_cast<const uint4*>(src);
-    v[0] = __ldcs(s);
-    v[1] = __ldcs(s + 1);
-  }
-  __device__ __forceinline__ void unpack(float* x, uint32_t* sw) const {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        x[8 * i + 2 * k] = __half2float(__ushort_as_half(uint16_t(w[k] & 0xFFFFu)));
-        x[8 * i + 2 * k + 1] = __half2float(__ushort_as_half(uint16_t(w[k] >> 16)));
+        x[8 * i + 2 * k] = widen(w[k] & 0xFFFFu);
+        x[8 * i + 2 * k + 1] = widen(w[k] >> 16);
         sw[4 * i + k] = w[k];
       }
     }
