@@ -234,6 +234,14 @@ M3_HD GroupBytes quantize_group_words(const float* x, const uint32_t* sw, float 
   return g;
 }
 
+// quantize_group_words' sign words of 16 fp32 elements: word j holds the high halves of elements
+// 2j, 2j + 1 (their sign bits at 15 and 31).
+M3_HD void sign_words(const float* x, uint32_t* sw) {
+#pragma unroll
+  for (int j = 0; j < kNvfp4Group / 2; ++j)
+    sw[j] = prmt(float_bits(x[2 * j]), float_bits(x[2 * j + 1]), 0x7632u);
+}
+
 // 16 raw input elements (two 16-byte loads for 16-bit types, four for fp32) -> fp32 values and
 // sign words. 16-bit types (bf16, f16): the raw words are the sign words.
 template <typename T>
@@ -276,9 +284,8 @@ struct Group16<float> {
       const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
 #pragma unroll
       for (int k = 0; k < 4; ++k) x[4 * i + k] = bits_float(w[k]);
-      sw[2 * i] = prmt(w[0], w[1], 0x7632u);  // high halves: the sign bits at 15 and 31
-      sw[2 * i + 1] = prmt(w[2], w[3], 0x7632u);
     }
+    sign_words(x, sw);
   }
 };
 
@@ -315,9 +322,7 @@ __global__ void quantize_groups_kernel(const float* x, float r, uint8_t* data, u
   for (int k = 0; k < kNvfp4Group; ++k) v[k] = x[i * kNvfp4Group + k];
   if (mode) {
     uint32_t sw[kNvfp4Group / 2];
-#pragma unroll
-    for (int j = 0; j < kNvfp4Group / 2; ++j)
-      sw[j] = prmt(float_bits(v[2 * j]), float_bits(v[2 * j + 1]), 0x7632u);
+    sign_words(v, sw);
     const float s_max = r > kFastRMax ? -1.0f : kE4M3Max;
     const GroupBytes g = pow2_scale(r) ? quantize_group_words<true>(v, sw, r, s_max, scales)
                                        : quantize_group_words<false>(v, sw, r, s_max, scales);

@@ -59,8 +59,7 @@ int main(int argc, char** argv) {
       if (n % 4999 == 0) x[rng() % 16] = NAN;                        // nvfp4.h's path
       if (n % 7001 == 0) x[rng() % 16] = -INFINITY;
       uint32_t sw[kNvfp4Group / 2];
-      for (int j = 0; j < kNvfp4Group / 2; ++j)
-        sw[j] = prmt(float_bits(x[2 * j]), float_bits(x[2 * j + 1]), 0x7632u);
+      sign_words(x, sw);
       const GroupBytes g = pow2_scale(r) ? quantize_group_words<true>(x, sw, r, s_max, scales)
                                          : quantize_group_words<false>(x, sw, r, s_max, scales);
       uint8_t d[kNvfp4Group / 2], sf;

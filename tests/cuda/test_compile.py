@@ -21,9 +21,9 @@ GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 
 
-def _nvcc(src: pathlib.Path, out: pathlib.Path, *extra: str) -> str:
+def _nvcc(src: pathlib.Path, out: pathlib.Path, *extra: str, link: bool = False) -> str:
     cmd = [NVCC, "-std=c++17", "-O3", GENCODE, f"-I{ROOT / 'ffi' / 'include'}", f"-I{CUDA}",
-           *extra, "-c", str(src), "-o", str(out)]
+           *extra, *([] if link else ["-c"]), str(src), "-o", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout}\n{res.stderr}"
     return res.stdout + res.stderr
@@ -80,9 +80,6 @@ def test_pack_quantizer_matches_nvfp4_on_host(tmp_path):
     through its host twins against nvfp4.h's reference, byte for byte, on 1.8 M groups built on
     and around every rounding threshold (no GPU needed; the harness repeats it on the device)."""
     exe = tmp_path / "pack_host_check"
-    cmd = [NVCC, "-std=c++17", "-O2", GENCODE, f"-I{ROOT / 'ffi' / 'include'}", f"-I{CUDA}",
-           str(ROOT / "tests" / "cuda" / "pack_host_check.cu"), "-o", str(exe)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
+    _nvcc(ROOT / "tests" / "cuda" / "pack_host_check.cu", exe, link=True)
     run = subprocess.run([str(exe), "200000"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "1800000 groups, 0 mismatches" in run.stdout, run.stdout
