@@ -22,15 +22,16 @@
 //   4. The 16 leaves are folded left to right in the order (0,0), (0,1), ..., (3,3) into one
 //      state R = (m, l, O) by fold_stats / fold_o (explicitly rounded fp32), then
 //      out = O / l · v_scale; rows with no attended key write exact zeros.
-// Two launch shapes compute that same tree (attention_split() picks one from the grid; neither
+// Three launch shapes compute that same tree (attention_split() picks one from the grid; none
 // changes a bit):
 //   - one CTA (4 warps, 2-stage ring, 4 CTAs/SM) per row: warp q computes its leaves of rounds
 //     0..3 in turn and folds each into R in shared memory, the warps one after another in the
 //     order above (CTA barriers between the folds);
-//   - a cluster of 4 CTAs per row (small batches): CTA j computes round j's 4 leaves (4-stage
-//     ring: its blocks are all in flight at once) and keeps them in shared memory; after a cluster
-//     barrier every CTA folds a quarter of the elements of all 16 leaves, read through
-//     distributed shared memory, in the same order with the same functions.
+//   - a cluster of C = 4 or 2 CTAs per row (small and middle batches): CTA c computes the 4 leaves
+//     of each of rounds [c·4/C, (c+1)·4/C) (4-stage ring: a round's blocks all in flight at once)
+//     and keeps them in shared memory; after a cluster barrier every CTA folds 1/C of the
+//     elements of all 16 leaves, read through distributed shared memory, in the same order with
+//     the same functions.
 // No global workspace: CUDA-graph safe. The softmax is the lean one: the scale is folded into the
 // exp2 and the running max moves only when a row's maximum exceeds it by more than kLazy.
 #include <cooperative_groups.h>
@@ -54,7 +55,6 @@ constexpr int kTileBytes = kBlockSize * (kHeadDim / 2 + kHeadDim / 16);  // 9216
 constexpr int kScalePlane = kBlockSize * kHeadDim / 2;                     // 8192
 constexpr int kStageBytes = 2 * kTileBytes;                                // K tile, V tile
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kSplit = kRounds;  // (m3sparse_cuda.h) the CTAs of a row's cluster
 // One fp32 state (m, l, O) of 16 rows x 128 d in the mma fragment layout: float4 [jd][lane]
 // (lane (g8, tig) of any warp: acc[jd][0..3]), then m[16], l[16].
 constexpr int kStateFloats = kGroup * kHeadDim + 2 * kGroup;
@@ -63,11 +63,15 @@ constexpr int kStateBytes = kStateFloats * 4;  // 8320
 constexpr int kMinBlocks = 4;
 constexpr int kStagesRow = 2;
 constexpr int kSmemRow = kStagesRow * kStageBytes + kStateBytes;
-// split: a 4-stage ring (a round's 4 blocks in flight at once); each warp's 4 leaves reuse its
-// own ring slice
+// cluster of C: a 4-stage ring (a round's 4 blocks in flight at once); each warp's leaf of the
+// CTA's last round reuses its own ring slice, the leaves of its earlier rounds (C = 2: one) sit
+// after the ring (C = 2: 107 KB, still 2 CTAs per SM)
 constexpr int kStagesSplit = 4;
-constexpr int kSmemSplit = kStagesSplit * kStageBytes;
+constexpr int smem_split(int cluster) {
+  return kStagesSplit * kStageBytes + (kRounds / cluster - 1) * kWarps * kStateBytes;
+}
 static_assert(kStagesSplit * kStageBytes / kWarps >= kStateBytes, "leaf fits a warp's slice");
+static_assert(kRounds % 2 == 0, "clusters of 2 and kRounds");
 
 static_assert(kHeadDim == 128 && kBlockSize == 128 && kGroup == 16, "kernel geometry");
 
@@ -281,12 +285,26 @@ __device__ __forceinline__ uint16_t final_value(float O, float L, float vsc) {
   return Traits<T>::from_float(L == 0.f ? 0.f : __fmul_rn(__fdiv_rn(O, L), vsc));
 }
 
+// Where a cluster CTA keeps warp q's leaf of its round `slot` (0 .. kRounds / kCluster - 1): the
+// last round's in the warp's ring slice, earlier rounds' after the ring.
+template <int kCluster>
+__device__ __forceinline__ float* leaf_state(uint8_t* smem, int slot, int q) {
+  constexpr int kLast = kRounds / kCluster - 1;
+  uint8_t* const at = slot == kLast
+                          ? smem + q * (kStagesSplit * kStageBytes / kWarps)
+                          : smem + kStagesSplit * kStageBytes + (slot * kWarps + q) * kStateBytes;
+  return reinterpret_cast<float*>(at);
+}
+
 // T: q/out dtype. kCvt: dequantize through the fp8 conversion (fp16 mma, Q converted to fp16);
-// otherwise through the bit placement of device_utils.cuh (mma in T). kSplitted: the cluster
-// launch (4 CTAs per row, CTA j computes round j); else one CTA per row.
-template <typename T, bool kCvt, bool kSplitted>
-__global__ void __launch_bounds__(kThreads, kSplitted ? 1 : kMinBlocks)
+// otherwise through the bit placement of device_utils.cuh (mma in T). kCluster: 1, one CTA per
+// row; 2 or kRounds, a cluster of that many CTAs per row, CTA c computing kRounds / kCluster
+// consecutive rounds.
+template <typename T, bool kCvt, int kCluster>
+__global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
     sparse_attention_kernel(const AttentionParams p) {
+  constexpr bool kSplitted = kCluster > 1;
+  constexpr int kRoundsPerCta = kRounds / kCluster;
   using C = std::conditional_t<kCvt, __half, T>;  // mma / P dtype
   constexpr int kStages = kSplitted ? kStagesSplit : kStagesRow;
   constexpr float kComp = kCvt ? kCvtComp : Traits<T>::kComp;
@@ -303,8 +321,8 @@ __global__ void __launch_bounds__(kThreads, kSplitted ? 1 : kMinBlocks)
   const int g8 = lane >> 2;   // mma groupID
   const int tig = lane & 3;   // thread in group
 
-  const int rank = kSplitted ? int(blockIdx.x % kSplit) : 0;  // = the cluster rank
-  const int64_t pair = int64_t(blockIdx.x) / (kSplitted ? kSplit : 1);
+  const int rank = int(blockIdx.x % kCluster);  // = the cluster rank
+  const int64_t pair = int64_t(blockIdx.x) / kCluster;
   const int Hkv = p.num_kv_heads;
   const int64_t t = pair / Hkv;
   const int g = int(pair % Hkv);
@@ -346,7 +364,7 @@ __global__ void __launch_bounds__(kThreads, kSplitted ? 1 : kMinBlocks)
   }
   const int count = compact_slots(p, tp, g, bsel, s_off, s_nvalid, s_mask);  // (barriers)
   const int cpr = (count + kRounds - 1) / kRounds;  // entries per round
-  const int jbeg = kSplitted ? rank : 0, jend = kSplitted ? rank + 1 : kRounds;
+  const int jbeg = rank * kRoundsPerCta, jend = jbeg + kRoundsPerCta;
   const int e0 = min(count, jbeg * cpr), e1 = min(count, jend * cpr);  // this CTA's entries
 
   float acc[16][4];
@@ -543,11 +561,14 @@ __global__ void __launch_bounds__(kThreads, kSplitted ? 1 : kMinBlocks)
     __syncthreads();
     }
   } else {
-    // the leaf into this warp's own ring slice (its copies are complete)
-    cp_async_wait<0>();
+    // the leaf into its slot: the CTA's last round into this warp's own ring slice (its copies
+    // are complete), an earlier round after the ring (the next round's copies are in flight)
+    const int slot = jr - jbeg;
+    if (slot == kRoundsPerCta - 1) cp_async_wait<0>();
     __syncwarp();
-    float4* Lo = reinterpret_cast<float4*>(wsmem);
-    float* Lm = reinterpret_cast<float*>(wsmem) + kGroup * kHeadDim;
+    float* const leaf = leaf_state<kCluster>(smem, slot, warp);
+    float4* Lo = reinterpret_cast<float4*>(leaf);
+    float* Lm = leaf + kGroup * kHeadDim;
 #pragma unroll
     for (int jd = 0; jd < 16; ++jd)
       Lo[jd * 32 + lane] = make_float4(acc[jd][0], acc[jd][1], acc[jd][2], acc[jd][3]);
@@ -576,19 +597,23 @@ __global__ void __launch_bounds__(kThreads, kSplitted ? 1 : kMinBlocks)
       if (h < G) out[h * kHeadDim + d] = final_value<T>(R[k], Rl[h], vsc);
     }
   } else {
-    // ---- the fold of the cluster's 16 leaves: CTA `rank` takes elements [512·rank, +512),
-    // thread tid one float4 of them (rows g8 = lane/4 and g8 + 8 of that fragment lane)
+    // ---- the fold of the cluster's 16 leaves: CTA `rank` takes the float4s
+    // [rank·512/C, (rank+1)·512/C), thread tid every 128th of them (rows g8 = lane/4 and g8 + 8
+    // of that fragment lane)
     cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();
-    const int f4 = rank * (kThreads) + tid;  // float4 index [jd][lane]
+    constexpr int kF4 = kGroup * kHeadDim / 4 / kCluster;  // float4s per CTA
+    static_assert(kF4 % kThreads == 0, "whole float4s per thread");
+#pragma unroll 1
+    for (int f4 = rank * kF4 + tid; f4 < (rank + 1) * kF4; f4 += kThreads) {  // [jd][lane]
     const int ln = f4 & 31, ra = ln >> 2, rb = ra + 8;
     float mA = -INFINITY, lA = 0.f, mB = -INFINITY, lB = 0.f;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
     for (int leaf = 0; leaf < kRounds * kWarps; ++leaf) {
       const int j = leaf / kWarps, q = leaf % kWarps;
-      const float* base = reinterpret_cast<const float*>(
-          cluster.map_shared_rank(smem + q * (kStages * kWarpStage), j));
+      const float* base = cluster.map_shared_rank(
+          leaf_state<kCluster>(smem, j % kRoundsPerCta, q), j / kRoundsPerCta);
       const float4 L = reinterpret_cast<const float4*>(base)[f4];
       const float* Lm = base + kGroup * kHeadDim;
       float fRA, fLA, fRB, fLB;
@@ -606,6 +631,7 @@ __global__ void __launch_bounds__(kThreads, kSplitted ? 1 : kMinBlocks)
       state_elem<kCvt>(4 * f4 + e, h, d);
       if (h < G) out[h * kHeadDim + d] = final_value<T>(ov[e], e < 2 ? lA : lB, vsc);
     }
+    }  // f4
     cluster.sync();  // no CTA leaves while the others read its leaves
   }
 }
@@ -625,11 +651,14 @@ cudaError_t configure(int* num_sms) {
   if (err != cudaSuccess) return err;
   if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
   if (!info[dev].configured) {
-    err = cudaFuncSetAttribute(sparse_attention_kernel<T, kCvt, false>,
+    err = cudaFuncSetAttribute(sparse_attention_kernel<T, kCvt, 1>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemRow);
     if (err == cudaSuccess)
-      err = cudaFuncSetAttribute(sparse_attention_kernel<T, kCvt, true>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemSplit);
+      err = cudaFuncSetAttribute(sparse_attention_kernel<T, kCvt, 2>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem_split(2));
+    if (err == cudaSuccess)
+      err = cudaFuncSetAttribute(sparse_attention_kernel<T, kCvt, kRounds>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem_split(kRounds));
     if (err == cudaSuccess)
       err = cudaDeviceGetAttribute(&info[dev].num_sms, cudaDevAttrMultiProcessorCount, dev);
     if (err != cudaSuccess) return err;
@@ -648,23 +677,25 @@ cudaError_t launch_typed(const AttentionParams& p, cudaStream_t stream) {
   cudaError_t err = configure<T, kCvt>(&num_sms);
   if (err != cudaSuccess) return err;
   const int64_t rows = p.num_tokens * p.num_kv_heads;
-  if (attention_split(p, num_sms) == 1) {
-    sparse_attention_kernel<T, kCvt, false><<<unsigned(rows), kThreads, kSmemRow, stream>>>(p);
+  const int cluster = attention_split(p, num_sms);
+  if (cluster == 1) {
+    sparse_attention_kernel<T, kCvt, 1><<<unsigned(rows), kThreads, kSmemRow, stream>>>(p);
     return cudaGetLastError();
   }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(rows * kSplit), 1, 1);
+  cfg.gridDim = dim3(unsigned(rows * cluster), 1, 1);
   cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = kSmemSplit;
+  cfg.dynamicSmemBytes = smem_split(cluster);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = kSplit;
+  attr[0].val.clusterDim.x = unsigned(cluster);
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, sparse_attention_kernel<T, kCvt, true>, p);
+  return cluster == 2 ? cudaLaunchKernelEx(&cfg, sparse_attention_kernel<T, kCvt, 2>, p)
+                      : cudaLaunchKernelEx(&cfg, sparse_attention_kernel<T, kCvt, kRounds>, p);
 }
 
 }  // namespace
@@ -681,17 +712,21 @@ const char* attention_unsupported(int64_t num_heads, int64_t num_kv_heads, int64
 }
 
 int attention_split(const AttentionParams& p, int num_sms) {
-  if (p.split == 1 || p.split == kSplit) return p.split;
-  // the cluster launch while its 4 CTAs per row fit at 2 per SM (one wave; H200: T·Hkv <= 66);
-  // at T·Hkv = 128 one CTA per row was faster (29.4 vs 37.9 µs, BENCHMARKS 2026-12-02)
-  return p.num_tokens * p.num_kv_heads * kSplit <= 2 * int64_t(num_sms) ? kSplit : 1;
+  if (p.split == 1 || p.split == 2 || p.split == kRounds) return p.split;
+  // the widest cluster whose CTAs fit one wave at 2 per SM (H200: 4 while T·Hkv <= 66, 2 while
+  // T·Hkv <= 132); past that one CTA per row, at up to 4 per SM
+  const int64_t rows = p.num_tokens * p.num_kv_heads;
+  for (int c : {kRounds, 2})
+    if (rows * c <= 2 * int64_t(num_sms)) return c;
+  return 1;
 }
 
 cudaError_t launch_sparse_attention(const AttentionParams& p, cudaStream_t stream) {
   if (p.num_tokens <= 0 || p.num_kv_heads <= 0) return cudaSuccess;
   if (p.topk < 0 || p.topk > kMaxTopk) return cudaErrorInvalidValue;
-  if (p.num_tokens * p.num_kv_heads > int64_t(0x7FFFFFFF) / kSplit) return cudaErrorInvalidValue;
-  if (p.split != 0 && p.split != 1 && p.split != kSplit) return cudaErrorInvalidValue;
+  if (p.num_tokens * p.num_kv_heads > int64_t(0x7FFFFFFF) / kRounds) return cudaErrorInvalidValue;
+  if (p.split != 0 && p.split != 1 && p.split != 2 && p.split != kRounds)
+    return cudaErrorInvalidValue;
   switch (p.dtype) {
     case DType::kBF16: return launch_typed<__nv_bfloat16>(p, stream);
     case DType::kF16: return launch_typed<__half>(p, stream);

@@ -49,8 +49,8 @@ struct AttentionParams {
   DType dtype;                    // of q / out
   int32_t group;                  // G = Hq / Hkv, 1..16 (0 means 16); rows >= G are padding
   int32_t split;                  // launch shape: 0 chosen from the grid (attention_split), 1 one
-                                  // CTA per row, kRounds a cluster of kRounds per row (the same
-                                  // bits)
+                                  // CTA per row, 2 or kRounds a cluster of that many CTAs per row
+                                  // (the same bits)
 };
 
 struct PackParams {
@@ -73,7 +73,8 @@ const char* attention_unsupported(int64_t num_heads, int64_t num_kv_heads, int64
                                   int64_t topk_blocks, int64_t block_size);
 
 // The launch shape the attention kernels take for p on a device of num_sms SMs: 1 (one CTA per
-// row) or 4 (a cluster of 4 CTAs per row). Either computes a row's bits the same way.
+// row), 2 or 4 (a cluster of that many CTAs per row, each computing 4 / C rounds). Every shape
+// computes a row's bits the same way.
 int attention_split(const AttentionParams& p, int num_sms);
 
 // Launches (asynchronously on `stream`); returns the launch's error code.

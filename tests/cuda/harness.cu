@@ -264,7 +264,8 @@ static Metrics compare(const HostCase& c, const std::vector<uint16_t>& got,
   return m;
 }
 
-// split: the launch shape (0: chosen from the grid, 1: one CTA per row, 4: a cluster per row)
+// split: the launch shape (0: chosen from the grid, 1: one CTA per row, 2 or 4: a cluster of
+// that many CTAs per row)
 static std::vector<uint16_t> run_case(const HostCase& c, int split = 0) {
   std::vector<void*> owned;
   AttentionParams p = upload_case(c, owned);
@@ -507,7 +508,7 @@ static HostCase sub_batch(const HostCase& c, int u0, int n) {
 }
 
 // The reference bits are the whole batch with one CTA per row (the large-T shape); the batch
-// with a cluster per row, every unit alone, the batches of the first 1, 2, 8 units (the launch
+// with a cluster of 2 and of 4 per row, every unit alone, the batches of the first 1, 2, 8 units (the launch
 // shape chosen from their grid: the cluster at small T) and the head slices must equal them.
 static void test_invariance(std::mt19937& rng, const char* name, bool prefill, int Hkv, int R,
                             int dql, bool f16, int G = 16) {
@@ -517,6 +518,7 @@ static void test_invariance(std::mt19937& rng, const char* name, bool prefill, i
   const size_t row = size_t(Hkv) * G * 128;  // elements of one token
   long bad_alone = 0, bad_tp = 0, units = 0, bad_shape = 0, bad_prefix = 0, nonzero = 0;
   for (uint16_t b : full) nonzero += b != 0;
+  bad_shape += run_case(c, 2) != full;
   bad_shape += run_case(c, kRounds) != full;
   bad_shape += run_case(c, 0) != full;
   long bad_mates = 0;
@@ -569,7 +571,7 @@ static void test_invariance(std::mt19937& rng, const char* name, bool prefill, i
   char msg[400];
   snprintf(msg, sizeof msg,
            "invariance %s T=%d Hkv=%d G=%d (auto shape: batch %d, unit alone %d CTAs/row): "
-           "cluster vs one-CTA batch %ld differ, %ld first rows differ with other tile-mates, "
+           "clusters of 2, 4 and auto vs one-CTA batch %ld differ, %ld first rows differ with other tile-mates, "
            "%ld of %ld units alone differ, %ld prefix "
            "batches differ, %ld head-sliced rows differ (bit for bit; %ld nonzero)",
            name, c.T, Hkv, G, attention_split(pc, g_num_sms), attention_split(p1, g_num_sms),
@@ -829,7 +831,7 @@ static double time_graph(F launch, int nvariants, int n = 20, int reps = 9) {
 struct BenchDecode {
   int T, dql, Hkv, K;
   int64_t seq;
-  int split = 0;  // launch shape (0: chosen from the grid; -1: the other one)
+  int split = 0;  // launch shape (0: chosen from the grid; 1, 2, 4 forced)
   int shared = -1;  // dql > 1: blocks every row of a request selects (the rest distinct per row);
                     // -1: every row draws its own
 };
@@ -894,7 +896,7 @@ static void bench_decode(std::mt19937& rng, const BenchDecode& b, double copy_tb
   p.is_prefill = 0;
   p.scale = 1.0f / std::sqrt(128.f);
   p.dtype = DType::kBF16;
-  p.split = b.split < 0 ? (attention_split(p, g_num_sms) == 1 ? kRounds : 1) : b.split;
+  p.split = b.split;
   const int shape = attention_split(p, g_num_sms);
   const double bytes = double(T) * Hkv * K * 128 * 72 * 2;
   auto launch = [&](int v, cudaStream_t st) {
@@ -1176,12 +1178,18 @@ int main(int argc, char** argv) {
       bench_prefill(rng, 2048, 8192, copy, true);
       return 0;
     }
-    for (int T : {1, 8, 32, 128, 512}) {
+    for (int T : {1, 8, 32, 64, 128, 512}) {
       if (quick && T == 512) continue;
-      bench_decode(rng, BenchDecode{T, 1, 4, 16, seq}, copy, T == 128 || T == 1);
+      bench_decode(rng, BenchDecode{T, 1, 4, 16, seq}, copy, T == 128 || T == 32 || T == 1);
     }
-    for (int T : {1, 8, 32})  // the other launch shape at the same T (the same bits)
-      bench_decode(rng, BenchDecode{T, 1, 4, 16, seq, -1}, copy, false);
+    for (int T : {1, 8, 32, 64})  // the other launch shapes at the same T (the same bits)
+      for (int shape : {1, 2, kRounds}) {
+        AttentionParams pc = {};
+        pc.num_tokens = T;
+        pc.num_kv_heads = 4;
+        if (attention_split(pc, g_num_sms) != shape)
+          bench_decode(rng, BenchDecode{T, 1, 4, 16, seq, shape}, copy, false);
+      }
     // MTP (issue 22 item 2): dql 4 with the rows of a request sharing 12 of their 16 blocks
     // beside dql 1 at the same T (the union kernel that read them once left the build)
     bench_decode(rng, BenchDecode{4, 4, 4, 16, seq, 0, 12}, copy, false);

@@ -54,16 +54,19 @@ def test_kernels_compile(tmp_path, name):
 def test_attention_resources(tmp_path):
     res = _resources(_nvcc(CUDA / "attention.cu", tmp_path / "attention.o", "-Xptxas", "-v"))
     kernels = {k: v for k, v in res.items() if "sparse_attention_kernel" in k}
-    # per q dtype (bf16: bit placement; f16: fp8 conversion) the two launch shapes of one
-    # reduction tree: one CTA per row (4 CTAs per SM: 128 registers) and the cluster of 4 per
-    # row (template flag true, `Lb1EE` in the mangled name; no register cap, no spills)
-    assert len(kernels) == 4, res
+    # per q dtype (bf16: bit placement; f16: fp8 conversion) the three launch shapes of one
+    # reduction tree, the template's cluster size last in the mangled name: one CTA per row
+    # (`Li1EE`; 4 CTAs per SM: 128 registers) and the clusters of 2 and 4 per row (`Li2EE`,
+    # `Li4EE`; no register cap, no spills)
+    assert len(kernels) == 6, res
     assert len(res) == len(kernels), res  # no other kernel in the file
+    shapes = sorted(re.search(r"Li(\d)EEEv", name).group(1) for name in kernels)
+    assert shapes == ["1", "1", "2", "2", "4", "4"], kernels
     for name, r in kernels.items():
-        if "Lb1EE" in name:
-            assert r["spill_stores"] == 0, (name, r)
-        else:
+        if "Li1EEEv" in name:
             assert r["registers"] <= 128 and r["spill_stores"] <= 192, (name, r)
+        else:
+            assert r["spill_stores"] == 0, (name, r)
 
 
 def test_handlers_compile(tmp_path):

@@ -275,8 +275,9 @@ def test_decode_batch_and_tp_invariant(rng, dql):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_decode_small_batches_match_large_batch(rng, dtype):
     """Issue 22: a batch of T = 128 decode rows over 4 KV heads (512 rows: more than any GPU's
-    SMs, so one CTA per row) and its first 1, 2 and 8 requests alone (the cluster of 4 CTAs per
-    row) give the same bits: the two launch shapes compute one reduction tree."""
+    SMs, so one CTA per row) and its first 1, 2, 8 requests (a cluster of 4 CTAs per row) and
+    32 requests (128 rows: a cluster of 2 on a GPU of 128 to 255 SMs, such as the H200's 132)
+    give the same bits: the launch shapes compute one reduction tree."""
     Hkv, K, G = 4, 16, 16
     seq_lens = rng.integers(1, 1300, 128)
     seq_lens[3] = 0
@@ -295,7 +296,7 @@ def test_decode_small_batches_match_large_batch(rng, dtype):
 
     full = run(T)
     assert (full != 0).any()
-    for n in (1, 2, 8):
+    for n in (1, 2, 8, 32):
         np.testing.assert_array_equal(run(n), full[:n])
 
 
