@@ -403,70 +403,58 @@ __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
     cp_async_commit();
   }
 
-  // S = Q·Kᵀ of this warp's 32 keys of the stage at Ws (independent of the softmax state)
-  auto scores = [&](const uint8_t* Ws, float (&sc)[4][4]) {
-    // ---- S = Q·Kᵀ over 4 n-tiles of 8 keys; column c of n-tile v is key kb+8v+4(c&1)+(c>>1)
-    // two n-tiles at a time: independent mma chains interleave
-#pragma unroll
-    for (int vp = 0; vp < 4; vp += 2) {
-      uint32_t b[2][16];
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int v = vp + u;
-        sc[v][0] = sc[v][1] = sc[v][2] = sc[v][3] = 0.f;
-        const int kl = 8 * v + 4 * (g8 & 1) + (g8 >> 1);  // key kb + kl
-        const uint4 kd = *reinterpret_cast<const uint4*>(Ws + kl * 64 + 16 * tig);
-        const uint32_t sfb = *reinterpret_cast<const uint16_t*>(Ws + kKs + kl * 8 + 2 * tig);
-        const uint32_t s0 = s_mul[sfb & 0xFF];
-        const uint32_t s1 = s_mul[sfb >> 8];
-        const uint32_t s0x2 = s0 | (s0 << 16);
-        const uint32_t s1x2 = s1 | (s1 << 16);
-        if constexpr (kCvt) {
-          dequant8_cvt(kd.x, s0x2, b[u] + 0);
-          dequant8_cvt(kd.y, s0x2, b[u] + 4);
-          dequant8_cvt(kd.z, s1x2, b[u] + 8);
-          dequant8_cvt(kd.w, s1x2, b[u] + 12);
-        } else {
-          dequant8<T>(kd.x, s0x2, b[u] + 0);
-          dequant8<T>(kd.y, s0x2, b[u] + 4);
-          dequant8<T>(kd.z, s1x2, b[u] + 8);
-          dequant8<T>(kd.w, s1x2, b[u] + 12);
-        }
-      }
-#pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        const uint4 qv = s_q[s][lane];
-        const uint32_t qa[4] = {qv.x, qv.y, qv.z, qv.w};
-        Traits<C>::mma(sc[vp], qa, b[0][2 * s], b[0][2 * s + 1]);
-        Traits<C>::mma(sc[vp + 1], qa, b[1][2 * s], b[1][2 * s + 1]);
-      }
-    }
-  };
-  // The cluster shapes (no register cap) compute S of the next block of the round before the
-  // softmax and P·V of this one: the two are independent, so the mma chains of one overlap the
-  // other's latency (the same operations on the same values: the same bits).
-  constexpr bool kAhead = kSplitted;
-  float sc[4][4], sn[4][4];
   int e = e0;
   for (int jr = jbeg; jr < jend; ++jr) {
   const int ehi = min(count, (jr + 1) * cpr);
   for (; e < ehi; ++e) {
     if (e + kStages - 1 < e1) issue(e + kStages - 1);
     cp_async_commit();
-    if constexpr (kAhead) cp_async_wait<kStages - 2>();  // stages e and e + 1
-    else cp_async_wait<kStages - 1>();
+    cp_async_wait<kStages - 1>();
     __syncwarp();
 
     const uint8_t* Ws = wsmem + ((e - e0) % kStages) * kWarpStage;
     const int nvalid = s_nvalid[e];
-    if (kb < nvalid && (!kAhead || e == jr * cpr)) scores(Ws, sc);  // (ahead: a round's first)
-    if constexpr (kAhead) {
-      if (e + 1 < ehi && kb < s_nvalid[e + 1])
-        scores(wsmem + ((e + 1 - e0) % kStages) * kWarpStage, sn);
-    }
 
     auto process = [&](auto masked_tag) {
       constexpr bool kMasked = decltype(masked_tag)::value;
+      // ---- S = Q·Kᵀ over 4 n-tiles of 8 keys; column c of n-tile v is key kb+8v+4(c&1)+(c>>1)
+      float sc[4][4];
+      // two n-tiles at a time: independent mma chains interleave
+#pragma unroll
+      for (int vp = 0; vp < 4; vp += 2) {
+        uint32_t b[2][16];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int v = vp + u;
+          sc[v][0] = sc[v][1] = sc[v][2] = sc[v][3] = 0.f;
+          const int kl = 8 * v + 4 * (g8 & 1) + (g8 >> 1);  // key kb + kl
+          const uint4 kd = *reinterpret_cast<const uint4*>(Ws + kl * 64 + 16 * tig);
+          const uint32_t sfb = *reinterpret_cast<const uint16_t*>(Ws + kKs + kl * 8 + 2 * tig);
+          const uint32_t s0 = s_mul[sfb & 0xFF];
+          const uint32_t s1 = s_mul[sfb >> 8];
+          const uint32_t s0x2 = s0 | (s0 << 16);
+          const uint32_t s1x2 = s1 | (s1 << 16);
+          if constexpr (kCvt) {
+            dequant8_cvt(kd.x, s0x2, b[u] + 0);
+            dequant8_cvt(kd.y, s0x2, b[u] + 4);
+            dequant8_cvt(kd.z, s1x2, b[u] + 8);
+            dequant8_cvt(kd.w, s1x2, b[u] + 12);
+          } else {
+            dequant8<T>(kd.x, s0x2, b[u] + 0);
+            dequant8<T>(kd.y, s0x2, b[u] + 4);
+            dequant8<T>(kd.z, s1x2, b[u] + 8);
+            dequant8<T>(kd.w, s1x2, b[u] + 12);
+          }
+        }
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          const uint4 qv = s_q[s][lane];
+          const uint32_t qa[4] = {qv.x, qv.y, qv.z, qv.w};
+          Traits<C>::mma(sc[vp], qa, b[0][2 * s], b[0][2 * s + 1]);
+          Traits<C>::mma(sc[vp + 1], qa, b[1][2 * s], b[1][2 * s + 1]);
+        }
+      }
+
       online_softmax_lean<kMasked, 16>(sc, acc, m0, m1, l0, l1, zc, kb, nvalid, tig);
 
       // ---- O += P·V: k-step i covers n-tiles 2i, 2i+1; lane (g8, tig) supplies keys
@@ -538,12 +526,6 @@ __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
     };
     if (kb + 32 <= nvalid) process(std::false_type{});
     else if (kb < nvalid) process(std::true_type{});
-    if constexpr (kAhead) {
-#pragma unroll
-      for (int v = 0; v < 4; ++v)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) sc[v][c] = sn[v][c];
-    }
     __syncwarp();
   }
   // ---- leaf (jr, warp) is complete: fold it (one CTA) or keep it (split)
