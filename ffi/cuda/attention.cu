@@ -598,40 +598,59 @@ __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
     }
   } else {
     // ---- the fold of the cluster's 16 leaves: CTA `rank` takes the float4s
-    // [rank·512/C, (rank+1)·512/C), thread tid every 128th of them (rows g8 = lane/4 and g8 + 8
-    // of that fragment lane)
+    // [rank·512/C, (rank+1)·512/C), thread tid every 128th of them: all of one fragment lane
+    // (rows ra = lane/4 and rb = ra + 8). Every leaf's values are loaded (DSMEM) before the
+    // fold's dependent chain starts, and the row statistics' chain (max, factors, sum) runs once
+    // for all of a thread's float4s: the same operations on the same values as one chain per
+    // element, so the same bits.
     cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();
+    constexpr int kLeaves = kRounds * kWarps;
     constexpr int kF4 = kGroup * kHeadDim / 4 / kCluster;  // float4s per CTA
     static_assert(kF4 % kThreads == 0, "whole float4s per thread");
+    const float* leaf[kLeaves];
+#pragma unroll
+    for (int i = 0; i < kLeaves; ++i)  // leaf (j, q) = i: round j, warp q
+      leaf[i] = cluster.map_shared_rank(
+          leaf_state<kCluster>(smem, (i / kWarps) % kRoundsPerCta, i % kWarps),
+          (i / kWarps) / kRoundsPerCta);
+    const int ra = (tid & 31) >> 2, rb = ra + 8;
+    float st[kLeaves][4];  // (m, l) of rows ra, rb
+#pragma unroll
+    for (int i = 0; i < kLeaves; ++i) {
+      const float* Lm = leaf[i] + kGroup * kHeadDim;
+      st[i][0] = Lm[ra];
+      st[i][1] = Lm[kGroup + ra];
+      st[i][2] = Lm[rb];
+      st[i][3] = Lm[kGroup + rb];
+    }
+    float fac[kLeaves][4];  // fR, fL of row ra, then of row rb, at each step
+    float mA = -INFINITY, lA = 0.f, mB = -INFINITY, lB = 0.f;
+#pragma unroll
+    for (int i = 0; i < kLeaves; ++i) {
+      fold_stats(mA, lA, st[i][0], st[i][1], mA, lA, fac[i][0], fac[i][1]);
+      fold_stats(mB, lB, st[i][2], st[i][3], mB, lB, fac[i][2], fac[i][3]);
+    }
 #pragma unroll 1
     for (int f4 = rank * kF4 + tid; f4 < (rank + 1) * kF4; f4 += kThreads) {  // [jd][lane]
-    const int ln = f4 & 31, ra = ln >> 2, rb = ra + 8;
-    float mA = -INFINITY, lA = 0.f, mB = -INFINITY, lB = 0.f;
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-    for (int leaf = 0; leaf < kRounds * kWarps; ++leaf) {
-      const int j = leaf / kWarps, q = leaf % kWarps;
-      const float* base = cluster.map_shared_rank(
-          leaf_state<kCluster>(smem, j % kRoundsPerCta, q), j / kRoundsPerCta);
-      const float4 L = reinterpret_cast<const float4*>(base)[f4];
-      const float* Lm = base + kGroup * kHeadDim;
-      float fRA, fLA, fRB, fLB;
-      fold_stats(mA, lA, Lm[ra], Lm[kGroup + ra], mA, lA, fRA, fLA);
-      fold_stats(mB, lB, Lm[rb], Lm[kGroup + rb], mB, lB, fRB, fLB);
-      o.x = fold_o(o.x, L.x, fRA, fLA);
-      o.y = fold_o(o.y, L.y, fRA, fLA);
-      o.z = fold_o(o.z, L.z, fRB, fLB);
-      o.w = fold_o(o.w, L.w, fRB, fLB);
-    }
-    const float ov[4] = {o.x, o.y, o.z, o.w};
+      float4 L[kLeaves];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      int h, d;
-      state_elem<kCvt>(4 * f4 + e, h, d);
-      if (h < G) out[h * kHeadDim + d] = final_value<T>(ov[e], e < 2 ? lA : lB, vsc);
+      for (int i = 0; i < kLeaves; ++i) L[i] = reinterpret_cast<const float4*>(leaf[i])[f4];
+      float ov[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int i = 0; i < kLeaves; ++i) {
+        ov[0] = fold_o(ov[0], L[i].x, fac[i][0], fac[i][1]);
+        ov[1] = fold_o(ov[1], L[i].y, fac[i][0], fac[i][1]);
+        ov[2] = fold_o(ov[2], L[i].z, fac[i][2], fac[i][3]);
+        ov[3] = fold_o(ov[3], L[i].w, fac[i][2], fac[i][3]);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int h, d;
+        state_elem<kCvt>(4 * f4 + e, h, d);
+        if (h < G) out[h * kHeadDim + d] = final_value<T>(ov[e], e < 2 ? lA : lB, vsc);
+      }
     }
-    }  // f4
     cluster.sync();  // no CTA leaves while the others read its leaves
   }
 }
