@@ -286,9 +286,9 @@ cuobjdump -sass "$B/attention.o" > "$OUT/attention.sass" 2>/dev/null &&
   sort | uniq -c | sort -rn | head -24 | tr '\n' ' '; echo
 
 if [ "$MODE" = final ]; then  # one call: correctness, kernel and through-JAX tables, sanitizers
-  # BENCH_ARGS=--quick: bench.cuda on decode T in {1, 128} and dql 4 sharing 12 of 16 blocks;
+  # BENCH_ARGS=--quick: bench.cuda on decode T in {1, 32, 128} and dql 4 sharing 12 of 16 blocks;
   # SKIP_GAP=1: no scan gap analysis; SKIP_PYSAN=1: no memcheck of the pytest run; RACE_S /
-  # MEM_S: the harness sanitizers' time limits. The measurements come first, the sanitizers last.
+  # MEM_S: the harness sanitizers' time limits; FINAL_SAN: which of them run (default both). The measurements come first, the sanitizers last.
   echo "=== harness correctness (oracle, invariance, pack)"
   timeout 60 "$B/harness" --no-bench >"$OUT/harness_tests.log" 2>&1
   echo "rc=$? PASS $(grep -c '^PASS' "$OUT/harness_tests.log")"
@@ -318,7 +318,7 @@ if [ "$MODE" = final ]; then  # one call: correctness, kernel and through-JAX ta
     M3SPARSE_BENCH_TRACE=1 timeout 100 python3 -m jax_m3sparse.bench.cuda --gap 2>&1 |
       tee "$OUT/gap.log" | grep -v "^  trace"
   fi
-  for tool in racecheck memcheck; do
+  for tool in ${FINAL_SAN:-racecheck memcheck}; do
     echo "=== compute-sanitizer $tool: harness --no-bench"
     timeout $([ $tool = racecheck ] && echo ${RACE_S:-200} || echo ${MEM_S:-120}) compute-sanitizer --tool $tool --error-exitcode 9 "$B/harness" --no-bench \
       >"$OUT/sanitize_$tool.log" 2>&1

@@ -435,7 +435,7 @@ def tp_bench(tp, platform="cuda", T=128, seq=32768, prefill_T=2048, context=8192
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m jax_m3sparse.bench.cuda", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="decode T in {1, 128} only")
+    parser.add_argument("--quick", action="store_true", help="decode T in {1, 32, 128} only")
     parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
     parser.add_argument("--gap", action="store_true",
                         help="only the kernel vs through-JAX gap analysis (variants of the scan)")
@@ -470,7 +470,8 @@ def main(argv=None):
     print("Hkv G | T (dql) | ours (scan) | ours (scan, unroll=8) | XLA ref (scan) | ref/ours | "
           "kernel | % copy (kernel) | % copy (ours, unrolled) | other | idle")
     # (T, dql, Hkv, G, shared): dql 4 "s12": the rows of a request share 12 of their 16 blocks
-    shapes = [(1, 1, 4, 16, None), (128, 1, 4, 16, None), (128, 4, 4, 16, 12)] if args.quick else [
+    shapes = [(1, 1, 4, 16, None), (32, 1, 4, 16, None), (128, 1, 4, 16, None),
+              (128, 4, 4, 16, 12)] if args.quick else [
         (1, 1, 4, 16, None), (32, 1, 4, 16, None), (128, 1, 4, 16, None), (128, 4, 4, 16, None),
         (128, 4, 4, 16, 12), (32, 4, 4, 16, 12), (128, 1, 4, 8, None), (128, 1, 4, 4, None)]
     for T, dql, Hkv, G, shared in shapes:
