@@ -730,8 +730,11 @@ const char* attention_unsupported(int64_t num_heads, int64_t num_kv_heads, int64
               "head_dim == 128, block_size == 128 and 1 <= topk_blocks <= 64";
 }
 
+// The launch shapes a caller may force through AttentionParams::split (CTAs per row).
+static bool forced_shape(int split) { return split == 1 || split == 2 || split == kRounds; }
+
 int attention_split(const AttentionParams& p, int num_sms) {
-  if (p.split == 1 || p.split == 2 || p.split == kRounds) return p.split;
+  if (forced_shape(p.split)) return p.split;
   // the widest cluster whose CTAs fit one wave at 2 per SM (H200: 4 while T·Hkv <= 66, 2 while
   // T·Hkv <= 132); past that one CTA per row, at up to 4 per SM
   const int64_t rows = p.num_tokens * p.num_kv_heads;
@@ -744,8 +747,7 @@ cudaError_t launch_sparse_attention(const AttentionParams& p, cudaStream_t strea
   if (p.num_tokens <= 0 || p.num_kv_heads <= 0) return cudaSuccess;
   if (p.topk < 0 || p.topk > kMaxTopk) return cudaErrorInvalidValue;
   if (p.num_tokens * p.num_kv_heads > int64_t(0x7FFFFFFF) / kRounds) return cudaErrorInvalidValue;
-  if (p.split != 0 && p.split != 1 && p.split != 2 && p.split != kRounds)
-    return cudaErrorInvalidValue;
+  if (p.split != 0 && !forced_shape(p.split)) return cudaErrorInvalidValue;
   switch (p.dtype) {
     case DType::kBF16: return launch_typed<__nv_bfloat16>(p, stream);
     case DType::kF16: return launch_typed<__half>(p, stream);

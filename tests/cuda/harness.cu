@@ -508,8 +508,9 @@ static HostCase sub_batch(const HostCase& c, int u0, int n) {
 }
 
 // The reference bits are the whole batch with one CTA per row (the large-T shape); the batch
-// with a cluster of 2 and of 4 per row, every unit alone, the batches of the first 1, 2, 8 units (the launch
-// shape chosen from their grid: the cluster at small T) and the head slices must equal them.
+// with a cluster of 2 and of 4 per row, every unit alone, the batches of the first 1, 2, 8 units
+// (the launch shape chosen from their grid: a cluster at small T) and the head slices must equal
+// them.
 static void test_invariance(std::mt19937& rng, const char* name, bool prefill, int Hkv, int R,
                             int dql, bool f16, int G = 16) {
   const int K = 16;
@@ -571,7 +572,8 @@ static void test_invariance(std::mt19937& rng, const char* name, bool prefill, i
   char msg[400];
   snprintf(msg, sizeof msg,
            "invariance %s T=%d Hkv=%d G=%d (auto shape: batch %d, unit alone %d CTAs/row): "
-           "clusters of 2, 4 and auto vs one-CTA batch %ld differ, %ld first rows differ with other tile-mates, "
+           "clusters of 2, 4 and auto vs one-CTA batch %ld differ, "
+           "%ld first rows differ with other tile-mates, "
            "%ld of %ld units alone differ, %ld prefix "
            "batches differ, %ld head-sliced rows differ (bit for bit; %ld nonzero)",
            name, c.T, Hkv, G, attention_split(pc, g_num_sms), attention_split(p1, g_num_sms),
