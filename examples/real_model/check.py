@@ -14,15 +14,32 @@ import numpy as np
 from . import gguf_model, quality
 
 
-def transformers_logits(token_ids) -> np.ndarray:
-    """``float32[T, V]`` logits of transformers' LlamaForCausalLM on one prompt."""
+def transformers_logits(token_ids, kv_dtype=None) -> np.ndarray:
+    """``float32[T, V]`` logits of transformers' LlamaForCausalLM on one prompt.
+
+    kv_dtype ``"bf16"``: the RoPE'd keys and the values are rounded to bf16 before attention
+    (through a registered attention function), as our bf16 paged cache stores them; None keeps
+    them in float32.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch  # noqa: PLC0415
-    from transformers import LlamaForCausalLM  # noqa: PLC0415
+    from transformers import AttentionInterface, LlamaForCausalLM  # noqa: PLC0415
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
 
+    impl = "sdpa"
+    if kv_dtype == "bf16":
+        def bf16_kv_attention(module, query, key, value, *args, **kwargs):
+            def r(x):
+                return x.to(torch.bfloat16).to(x.dtype)
+            return sdpa_attention_forward(module, query, r(key), r(value), *args, **kwargs)
+
+        AttentionInterface.register("bf16_kv_sdpa", bf16_kv_attention)
+        impl = "bf16_kv_sdpa"
+    elif kv_dtype is not None:
+        raise ValueError(f"kv_dtype must be None or 'bf16' (got {kv_dtype!r})")
     path = gguf_model.gguf_path()
     m = LlamaForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                         dtype=torch.float32)
+                                         dtype=torch.float32, attn_implementation=impl)
     with torch.no_grad():
         return m(torch.tensor([list(token_ids)])).logits[0].numpy()
 
