@@ -190,13 +190,8 @@ __device__ __forceinline__ void build_q_frags(const uint16_t* qbase, int G, int 
 // move the running max only when they exceed it by more than kLazy, so the accumulator is
 // rarely rescaled and P <= 2^kLazy (out = Σ p·v / Σ p holds for any common reference); each
 // p = exp2(fma(s, zc, -m)) is one FFMA and one MUFU. sc returns P (0 for masked keys).
-// kNatural: column c of n-tile v is key kb+8v+c (the prefill kernel's ldmatrix order) instead.
 constexpr float kLazy = 8.0f;
-template <bool kNatural>
-__device__ __forceinline__ int score_key(int kb, int v, int e, int tig) {
-  return kNatural ? kb + 8 * v + 2 * tig + (e & 1) : kb + 8 * v + 4 * (e & 1) + tig;
-}
-template <bool kMasked, int kNj, bool kNatural = false>
+template <bool kMasked, int kNj>
 __device__ __forceinline__ void online_softmax_lean(float (&sc)[4][4], float (&acc)[kNj][4],
                                                     float& m0, float& m1, float& l0, float& l1,
                                                     float zc, int kb, int nvalid, int tig) {
@@ -206,7 +201,7 @@ __device__ __forceinline__ void online_softmax_lean(float (&sc)[4][4], float (&a
     if constexpr (kMasked) {
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (score_key<kNatural>(kb, v, e, tig) >= nvalid) sc[v][e] = -INFINITY;
+        if (kb + 8 * v + 4 * (e & 1) + tig >= nvalid) sc[v][e] = -INFINITY;
     }
     mx0 = fmaxf(mx0, fmaxf(sc[v][0], sc[v][1]));
     mx1 = fmaxf(mx1, fmaxf(sc[v][2], sc[v][3]));
@@ -246,7 +241,7 @@ __device__ __forceinline__ void online_softmax_lean(float (&sc)[4][4], float (&a
     if constexpr (kMasked) {  // -inf · 0 would be NaN for zc == 0
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (score_key<kNatural>(kb, v, e, tig) >= nvalid) sc[v][e] = 0.f;
+        if (kb + 8 * v + 4 * (e & 1) + tig >= nvalid) sc[v][e] = 0.f;
     }
     l0 += sc[v][0] + sc[v][1];
     l1 += sc[v][2] + sc[v][3];
@@ -660,317 +655,6 @@ __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
   }
 }
 
-// ---- sparse_prefill: union tiles (issue 22 item 3)
-//
-// A CTA takes kUTokens consecutive tokens of one KV head (warp w: token t0 + w, its 16 query
-// heads on the mma rows) and walks the sorted union of their valid entries (distinct tile
-// offsets): each union block is streamed once (cp.async, two stages), dequantized once per
-// 32-key chunk into 16-bit K and V buffers by all 256 threads, and every token that selected it
-// runs S = Q·Kᵀ and P·V from those buffers with ldmatrix. A token's own entries are taken in
-// ascending (offset, attended keys) order, each chunk with the same online softmax as the
-// decode kernel, so its bits depend on its own selection only (not on its tile-mates, T or
-// Hkv). A V group whose block scale is NaN is dequantized as zeros and recorded; a token that
-// attends a key of it gets NaN in that group's 16 d (as the product would give), the others
-// never meet it.
-constexpr int kUTokens = 8;
-constexpr int kUThreads = 32 * kUTokens;
-constexpr int kChunk = 32;                                  // keys per dequantized chunk
-constexpr int kURow = kHeadDim * 2;                         // 256 B: one key's 16-bit row
-constexpr int kUQBytes = kUTokens * 8 * 32 * 16;            // Q fragments [token][step][lane]
-constexpr int kUBufBytes = 2 * kChunk * kURow;              // a chunk's K and V rows: 16 KB
-constexpr int kUSort = kUTokens * kMaxTopk;                 // 512 entries at most
-constexpr int kSmemUnion = kUQBytes + 2 * kUBufBytes + 2 * kStageBytes + kUSort * 8;
-
-// Q A-fragments of one token in the union kernel's d order: position 8S + 2j (+1) of a 16-bit
-// row holds d = 8S + j (+4), the pair order of dequant8, so k-step s, lane (g8, tig) holds
-// (d, d + 4) for d = 16s + tig (a0, a1) and 16s + 8 + tig (a2, a3).
-template <typename T>
-__device__ __forceinline__ void build_q_union(const uint16_t* qbase, int G, int lane,
-                                              uint32_t flip, uint4* sq) {
-  const int g8 = lane >> 2, tig = lane & 3;
-  auto pair = [&](int h, int d) -> uint32_t {
-    if (h >= G) return 0u;
-    const uint16_t* r = qbase + h * kHeadDim;
-    return (uint32_t(r[d]) | (uint32_t(r[d + 4]) << 16)) ^ flip;
-  };
-#pragma unroll
-  for (int s = 0; s < 8; ++s)
-    sq[s * 32 + lane] = make_uint4(pair(g8, 16 * s + tig), pair(g8 + 8, 16 * s + tig),
-                                   pair(g8, 16 * s + 8 + tig), pair(g8 + 8, 16 * s + 8 + tig));
-}
-
-// Chunk c of a streamed tile pair -> 16-bit rows (key-major, 16-byte columns swizzled by key):
-// thread (side, key kk, quarter dq) dequantizes 32 d of one key. V groups with a NaN scale
-// become zeros and set their bit in nan[8] (word 2·(warp-4)+f, lane bit: key 8·(warp-4)+lane/4,
-// group 2·(lane%4)+f).
-template <typename T>
-__device__ __forceinline__ void dequant_chunk(const uint8_t* raw, int c, uint8_t* buf,
-                                              const uint16_t* s_mul, uint32_t* nan, int tid) {
-  const int side = tid >> 7, kk = (tid >> 2) & 31, dq = tid & 3, key = kChunk * c + kk;
-  const uint8_t* tile = raw + side * kTileBytes;
-  const uint4 cw = *reinterpret_cast<const uint4*>(tile + key * 64 + dq * 16);
-  const uint32_t sf = *reinterpret_cast<const uint16_t*>(tile + kScalePlane + key * 8 + 2 * dq);
-  uint32_t m0 = s_mul[sf & 0xFF], m1 = s_mul[sf >> 8];
-  if (side) {  // warps 4..7
-    const bool n0 = (sf & 0x7Fu) == 0x7Fu, n1 = (sf & 0x7F00u) == 0x7F00u;
-    m0 = n0 ? 0u : m0;
-    m1 = n1 ? 0u : m1;
-    const uint32_t b0 = __ballot_sync(0xffffffffu, n0), b1 = __ballot_sync(0xffffffffu, n1);
-    if ((tid & 31) == 0) {
-      nan[2 * ((tid >> 5) - 4)] = b0;
-      nan[2 * ((tid >> 5) - 4) + 1] = b1;
-    }
-  }
-  uint32_t o[16];
-  dequant8<T>(cw.x, m0 | (m0 << 16), o);
-  dequant8<T>(cw.y, m0 | (m0 << 16), o + 4);
-  dequant8<T>(cw.z, m1 | (m1 << 16), o + 8);
-  dequant8<T>(cw.w, m1 | (m1 << 16), o + 12);
-  uint8_t* row = buf + side * (kChunk * kURow) + kk * kURow;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    *reinterpret_cast<uint4*>(row + (((4 * dq + i) ^ (kk & 7)) << 4)) =
-        make_uint4(o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]);
-}
-
-// The groups (bit f: d 16f..16f+15) of the chunk's NaN V scales among keys [0, kv).
-__device__ __forceinline__ uint32_t nan_groups(const uint32_t* nan, int kv) {
-  uint32_t gmask = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int n = min(max(4 * (kv - 8 * (i >> 1)), 0), 32);
-    uint32_t x = nan[i] & (n >= 32 ? 0xffffffffu : ((1u << n) - 1u));
-    x |= x >> 16;
-    x |= x >> 8;
-    x |= x >> 4;
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      if (x & (1u << j)) gmask |= 1u << (2 * j + (i & 1));
-  }
-  return gmask;
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kUThreads, 2) sparse_prefill_union_kernel(const AttentionParams p) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ uint16_t s_mul[256];
-  __shared__ int16_t s_own_u[kUTokens][kMaxTopk];  // union index of each own entry, ascending
-  __shared__ uint8_t s_own_nv[kUTokens][kMaxTopk]; // its attended keys (1..128)
-  __shared__ int s_maxnv[kUSort];                  // per union entry: the most attended keys
-  __shared__ uint32_t s_nan[2][8];
-  __shared__ unsigned long long s_wtok[kUTokens];
-  __shared__ int s_whead[kUTokens];
-  uint4* const sq = reinterpret_cast<uint4*>(smem);
-  uint8_t* const dbuf = smem + kUQBytes;
-  uint8_t* const raw = dbuf + 2 * kUBufBytes;
-  unsigned long long* const keys = reinterpret_cast<unsigned long long*>(raw + 2 * kStageBytes);
-  int64_t* const uoff = reinterpret_cast<int64_t*>(keys);  // after the scan: union offsets
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g8 = lane >> 2, tig = lane & 3;
-  const int Hkv = p.num_kv_heads, K = p.topk;
-  const int g = int(blockIdx.x % Hkv);
-  const int64_t t = int64_t(blockIdx.x / Hkv) * kUTokens + warp;  // this warp's token
-  const bool live = t < p.num_tokens;
-  const int G = p.group > 0 ? p.group : kGroup;
-  const int Hq = Hkv * G;
-
-  s_mul[tid] = scale_multiplier<T>(tid);
-  for (int i = tid; i < kUSort; i += kUThreads) s_maxnv[i] = 0;
-  // ---- the token's valid entries as sort keys: offset << 11 | attended keys << 3 | warp
-  int n = 2;
-  while (n < kUTokens * K) n <<= 1;
-  for (int i = tid; i < n; i += kUThreads) keys[i] = ~0ull;
-  __syncthreads();
-  if (live) {
-    const TokenPos tp = token_position(p, t);
-    for (int k = lane; k < K; k += 32) {
-      const int64_t b = p.topk_indices[(int64_t(g) * p.num_tokens + t) * K + k];
-      if (tp.vis > 0 && b >= 0 && b < p.max_blocks && b * kBlockSize < tp.vis) {
-        const int64_t page = p.block_table[tp.r * p.max_blocks + b];
-        if (p.geom.valid_page(page)) {
-          const int64_t rest = tp.vis - b * kBlockSize;
-          const uint64_t nv = uint64_t(rest < kBlockSize ? rest : kBlockSize);
-          keys[warp * K + k] =
-              (uint64_t(p.geom.tile_offset(tp.layer, page, 2 * g)) << 11) | (nv << 3) | warp;
-        }
-      }
-    }
-    const float zs = p.scale * (*p.k_scale) * Traits<T>::kComp * kLog2e;
-    build_q_union<T>(static_cast<const uint16_t*>(p.q) + ((t * Hq + int64_t(g) * G) * kHeadDim),
-                     G, lane, zs < 0.f ? 0x80008000u : 0u, sq + warp * 256);
-  }
-  __syncthreads();
-  // ---- bitonic sort of the n keys (ascending)
-  for (int k = 2; k <= n; k <<= 1)
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      if (tid < n / 2) {
-        const int i = 2 * tid - (tid & (j - 1)), l = i + j;
-        const unsigned long long a = keys[i], b = keys[l];
-        if ((a > b) == ((i & k) == 0)) keys[i] = b, keys[l] = a;
-      }
-      __syncthreads();
-    }
-  // ---- union index (distinct offsets) and own rank of every entry: one scan of (heads,
-  // per-token counts packed one byte per token) over elements 2·tid, 2·tid + 1
-  unsigned long long e[2] = {~0ull, ~0ull};
-  bool head[2] = {false, false};
-  if (2 * tid < n) {
-    const unsigned long long prev = tid > 0 ? keys[2 * tid - 1] : ~0ull;
-    e[0] = keys[2 * tid];
-    e[1] = keys[2 * tid + 1];
-    head[0] = e[0] != ~0ull && (tid == 0 || (e[0] >> 11) != (prev >> 11));
-    head[1] = e[1] != ~0ull && (e[1] >> 11) != (e[0] >> 11);
-  }
-  auto tokbit = [](unsigned long long x) {
-    return x == ~0ull ? 0ull : 1ull << (8 * (x & 7));
-  };
-  unsigned long long ctok = tokbit(e[0]) + tokbit(e[1]);
-  int chead = int(head[0]) + int(head[1]);
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const unsigned long long ut = __shfl_up_sync(0xffffffffu, ctok, o);
-    const int uh = __shfl_up_sync(0xffffffffu, chead, o);
-    if (lane >= o) ctok += ut, chead += uh;
-  }
-  if (lane == 31) s_wtok[warp] = ctok, s_whead[warp] = chead;
-  __syncthreads();  // (also: every key is in registers before uoff overwrites them)
-  unsigned long long btok = 0, ntok = 0;
-  int bhead = 0, nu = 0;
-#pragma unroll
-  for (int w = 0; w < kUTokens; ++w) {
-    if (w < warp) btok += s_wtok[w], bhead += s_whead[w];
-    ntok += s_wtok[w];
-    nu += s_whead[w];
-  }
-  ctok += btok;  // inclusive
-  chead += bhead;
-#pragma unroll
-  for (int i = 1; i >= 0; --i) {  // element 2·tid + i: undo the inclusive counts back to it
-    if (e[i] == ~0ull) continue;
-    const int w = int(e[i] & 7);
-    const int rank = int((ctok >> (8 * w)) & 0xFF) - 1;
-    const int u = chead - 1;
-    s_own_u[w][rank] = int16_t(u);
-    s_own_nv[w][rank] = uint8_t((e[i] >> 3) & 0xFF);
-    if (head[i]) uoff[u] = int64_t(e[i] >> 11);
-    atomicMax(&s_maxnv[u], int((e[i] >> 3) & 0xFF));
-    ctok -= tokbit(e[i]);
-    chead -= int(head[i]);
-  }
-  const int nown = int((ntok >> (8 * warp)) & 0xFF);
-  __syncthreads();
-
-  // ---- walk the union: stage u & 1 holds union block u's tile pair
-  const uint8_t* cache = p.kv_cache;
-  auto issue = [&](int u) {
-    const uint8_t* src = cache + uoff[u];
-    uint8_t* dst = raw + (u & 1) * kStageBytes;
-    for (int i = tid; i < kStageBytes / 16; i += kUThreads) cp_async16(dst + 16 * i, src + 16 * i);
-  };
-  const float zc = fabsf(p.scale * (*p.k_scale) * Traits<T>::kComp * kLog2e);
-  float acc[16][4];
-#pragma unroll
-  for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-  uint32_t poison = 0;
-  const uint4* const sqw = sq + warp * 256;
-  // ldmatrix row addresses of lane (j = lane / 8, r = lane % 8) inside a chunk buffer: the
-  // column swizzle c ^ r depends on c's low 3 bits only, so 2 (K) and 4 (V) offsets serve every
-  // k-step and d-tile (the rest are immediates)
-  const int lj = lane >> 3, lr = lane & 7;
-  const int kofs[2] = {lr * kURow + ((lj ^ lr) << 4), lr * kURow + (((4 + lj) ^ lr) << 4)};
-  int vofs[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q)
-    vofs[q] = (8 * (lj & 1) + lr) * kURow + (((2 * q + (lj >> 1)) ^ lr) << 4);
-  int own = 0, step = 0;
-  if (nu > 0) issue(0);
-  cp_async_commit();
-  for (int u = 0; u < nu; ++u) {
-    cp_async_wait<0>();
-    __syncthreads();
-    if (u + 1 < nu) issue(u + 1);
-    cp_async_commit();
-    int own_end = own;
-    while (own_end < nown && s_own_u[warp][own_end] == u) ++own_end;
-    const uint8_t* stage = raw + (u & 1) * kStageBytes;
-    const int maxnv = s_maxnv[u];
-    for (int c = 0; kChunk * c < maxnv; ++c, ++step) {
-      uint8_t* const kbuf = dbuf + (step & 1) * kUBufBytes;
-      const uint8_t* const vbuf = kbuf + kChunk * kURow;
-      uint32_t* const nan = s_nan[step & 1];
-      dequant_chunk<T>(stage, c, kbuf, s_mul, nan, tid);
-      __syncthreads();
-      for (int o = own; o < own_end; ++o) {
-        const int kv = int(s_own_nv[warp][o]) - kChunk * c;  // this chunk's attended keys
-        if (kv <= 0) continue;
-        {
-          const uint4 na = reinterpret_cast<const uint4*>(nan)[0];
-          const uint4 nb = reinterpret_cast<const uint4*>(nan)[1];
-          if ((na.x | na.y | na.z | na.w | nb.x | nb.y | nb.z | nb.w) != 0u)
-            poison |= nan_groups(nan, kv);
-        }
-        auto process = [&](auto masked_tag) {
-          constexpr bool kMasked = decltype(masked_tag)::value;
-          float sc[4][4];
-#pragma unroll
-          for (int v = 0; v < 4; ++v) sc[v][0] = sc[v][1] = sc[v][2] = sc[v][3] = 0.f;
-#pragma unroll
-          for (int s2 = 0; s2 < 4; ++s2) {  // two k-steps; the 4 n-tiles' chains interleave
-            const uint4 qa = sqw[(2 * s2) * 32 + lane], qb = sqw[(2 * s2 + 1) * 32 + lane];
-            const uint32_t A[4] = {qa.x, qa.y, qa.z, qa.w}, B[4] = {qb.x, qb.y, qb.z, qb.w};
-            uint32_t b[4][4];
-#pragma unroll
-            for (int v = 0; v < 4; ++v)  // keys 8v + r, columns 4·s2 + j (swizzled)
-              ldmatrix_x4(b[v], kbuf + kofs[s2 & 1] + (s2 >> 1) * 128 + v * 8 * kURow);
-#pragma unroll
-            for (int v = 0; v < 4; ++v) Traits<T>::mma(sc[v], A, b[v][0], b[v][1]);
-#pragma unroll
-            for (int v = 0; v < 4; ++v) Traits<T>::mma(sc[v], B, b[v][2], b[v][3]);
-          }
-          online_softmax_lean<kMasked, 16, true>(sc, acc, m0, m1, l0, l1, zc, 0, kv, tig);
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            uint32_t pa[4];
-            pa[0] = Traits<T>::pack2(sc[2 * i][0], sc[2 * i][1]);
-            pa[1] = Traits<T>::pack2(sc[2 * i][2], sc[2 * i][3]);
-            pa[2] = Traits<T>::pack2(sc[2 * i + 1][0], sc[2 * i + 1][1]);
-            pa[3] = Traits<T>::pack2(sc[2 * i + 1][2], sc[2 * i + 1][3]);
-#pragma unroll
-            for (int jp = 0; jp < 8; ++jp) {  // keys 16i + 8(j&1) + r, columns 2·jp + j/2
-              uint32_t b[4];
-              ldmatrix_x4_trans(b, vbuf + vofs[jp & 3] + (jp >> 2) * 128 + i * 16 * kURow);
-              Traits<T>::mma(acc[2 * jp], pa, b[0], b[1]);
-              Traits<T>::mma(acc[2 * jp + 1], pa, b[2], b[3]);
-            }
-          }
-        };
-        if (kv >= kChunk) process(std::false_type{});
-        else process(std::true_type{});
-      }
-    }
-    own = own_end;
-  }
-  cp_async_wait<0>();
-  if (!live) return;
-  l0 = quad_sum(l0);
-  l1 = quad_sum(l1);
-  const float vsc = (*p.v_scale) * Traits<T>::kComp;
-  uint16_t* out = static_cast<uint16_t*>(p.out) + ((t * Hq + int64_t(g) * G) * kHeadDim);
-  const uint16_t qnan = Traits<T>::from_float(NAN);
-#pragma unroll
-  for (int jd = 0; jd < 16; ++jd)
-#pragma unroll
-    for (int e2 = 0; e2 < 4; ++e2) {
-      const int h = g8 + 8 * (e2 >> 1), d = 8 * jd + tig + 4 * (e2 & 1);
-      if (h < G)
-        out[h * kHeadDim + d] = ((poison >> (jd >> 1)) & 1u)
-                                    ? qnan
-                                    : final_value<T>(acc[jd][e2], e2 < 2 ? l0 : l1, vsc);
-    }
-}
-
 struct DeviceInfo {
   bool configured = false;
   int num_sms = 0;
@@ -995,9 +679,6 @@ cudaError_t configure(int* num_sms) {
       err = cudaFuncSetAttribute(sparse_attention_kernel<T, kCvt, kRounds>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem_split(kRounds));
     if (err == cudaSuccess)
-      err = cudaFuncSetAttribute(sparse_prefill_union_kernel<T>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemUnion);
-    if (err == cudaSuccess)
       err = cudaDeviceGetAttribute(&info[dev].num_sms, cudaDevAttrMultiProcessorCount, dev);
     if (err != cudaSuccess) return err;
     info[dev].configured = true;
@@ -1014,12 +695,6 @@ cudaError_t launch_typed(const AttentionParams& p, cudaStream_t stream) {
   int num_sms = 0;
   cudaError_t err = configure<T, kCvt>(&num_sms);
   if (err != cudaSuccess) return err;
-  if (p.is_prefill) {  // union tiles of kUTokens consecutive tokens
-    const int64_t tiles = (p.num_tokens + kUTokens - 1) / kUTokens;
-    sparse_prefill_union_kernel<T>
-        <<<unsigned(tiles * p.num_kv_heads), kUThreads, kSmemUnion, stream>>>(p);
-    return cudaGetLastError();
-  }
   const int64_t rows = p.num_tokens * p.num_kv_heads;
   const int cluster = attention_split(p, num_sms);
   if (cluster == 1) {

@@ -176,21 +176,6 @@ __device__ __forceinline__ constexpr int cvt_elem(int r) {
   return r < 4 ? 2 * (r & 3) : 2 * (r & 3) + 1;
 }
 
-// ldmatrix of four 8x8 16-bit matrices from shared memory (lanes 8j..8j+7 give matrix j's row
-// addresses; r[j] is matrix j's fragment), plain or transposed.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem_row) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem_row) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-
 __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
   uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gmem_src));

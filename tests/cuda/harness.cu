@@ -459,9 +459,9 @@ static void test_shared_block_nan_tail(std::mt19937& rng, int dql, bool f16) {
 
 // Prefill: token t's own key gets a NaN V scale in group 3 (d 48..63) of KV head 0, and t and
 // the token before it (same request, same block) both select that block. t attends the key: NaN
-// exactly in those 16 d of its 16 heads (and so every later token of its request that selects the
-// block), as the oracle; the token before it shares the block
-// (the union kernel dequantizes it once for both) but stops before the key: finite, within
+// exactly in those 16 d of its 16 heads (and so every later token of its request that selects
+// the block), as the oracle. The token before it shares the block but stops before the key
+// (the guard a kernel that dequantizes a block once for several tokens needs): finite, within
 // tolerance, like every other token.
 static void test_prefill_nan_key(std::mt19937& rng, bool f16) {
   HostCase c = make_case(rng, true, 2, 4, 1, 16, 1, 0, 0, f16);
