@@ -296,13 +296,21 @@ if [ "$MODE" = final ]; then  # one call: correctness, kernel and through-JAX ta
   echo "=== harness --bench-only --quick"
   timeout 100 "$B/harness" --bench-only --quick >"$OUT/harness_bench.log" 2>&1
   grep -E "TABLE" "$OUT/harness_bench.log"
-  # what binds: ncu of decode T = 128 and pack T = 65536 (harness --profile shapes)
+  # what binds: ncu of each measured shape (harness --profile-shape; NCU_SHAPES picks some):
+  # decode T = 1 (cluster of 4), T = 32 (cluster of 2), T = 128 and dql 4 (one CTA per row),
+  # prefill 2048 @ 8192 (correlated selections), pack T = 65536
   M="smsp__inst_executed.sum,smsp__cycles_active.avg,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__warps_active.avg.per_cycle_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio"
-  for kn in sparse_attention_kernelI13__nv_bfloat16 pack_kernel; do
-    echo "--- ncu $kn"
+  for shape in ${NCU_SHAPES:-decode1 decode32 decode128 dql4 prefill pack}; do
+    kn=sparse_attention_kernelI13__nv_bfloat16
+    case $shape in
+      decode1) kn="${kn}Lb0ELi4E" ;; decode32) kn="${kn}Lb0ELi2E" ;; pack) kn=pack_kernel ;;
+      *) kn="${kn}Lb0ELi1E" ;;
+    esac
+    echo "--- ncu $shape ($kn)"
     timeout 90 ncu --clock-control none --kernel-name-base mangled -k regex:"$kn" \
-      --launch-skip 2 --launch-count 1 --metrics "$M" "$B/harness" --profile >"$OUT/ncu_$kn.txt" 2>&1
-    grep -E "^\s+(smsp|sm__|dram|gpu__|l1tex)" "$OUT/ncu_$kn.txt" | awk '{print $1, $NF}'
+      --launch-skip 2 --launch-count 1 --metrics "$M" "$B/harness" --profile \
+      --profile-shape $shape >"$OUT/ncu_$shape.txt" 2>&1
+    grep -E "^\s+(smsp|sm__|dram|gpu__|l1tex)" "$OUT/ncu_$shape.txt" | awk '{print $1, $NF}'
   done
   date -u
   wait $CMAKE_PID; tail -1 "$OUT/cmake.log"

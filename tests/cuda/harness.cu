@@ -5,9 +5,11 @@
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda \
 //        tests/cuda/harness.cu ffi/cuda/attention.cu ffi/cuda/pack.cu -o m3sparse_harness
-//   ./m3sparse_harness [--quick] [--no-bench | --bench-only | --prefill-only | --profile]
+//   ./m3sparse_harness [--quick] [--no-bench | --bench-only | --prefill-only [--correlated] |
+//                       --profile [--profile-shape NAME]]
 //   (--prefill-only: the prefill timings alone, uniform and correlated selections; --profile:
-//   the ncu shapes, decode T = 128 and pack 65536)
+//   the ncu shapes, decode T = 128 and pack 65536, or the one NAME of decode1, decode32,
+//   decode128, dql4 (T = 128 sharing 12 of 16 blocks), prefill (correlated), pack)
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -1141,6 +1143,7 @@ static void bench_pack(std::mt19937& rng, int T, double copy_tbs) {
 int main(int argc, char** argv) {
   bool quick = false, bench = true, tests = true, profile = false, prefill_only = false,
        correlated_only = false;
+  const char* profile_shape = "";
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--quick")) quick = true;
     if (!strcmp(argv[i], "--no-bench")) bench = false;
@@ -1148,6 +1151,7 @@ int main(int argc, char** argv) {
     if (!strcmp(argv[i], "--profile")) profile = true, tests = false, quick = true;
     if (!strcmp(argv[i], "--prefill-only")) prefill_only = true, tests = false;
     if (!strcmp(argv[i], "--correlated")) correlated_only = true;
+    if (!strcmp(argv[i], "--profile-shape") && i + 1 < argc) profile_shape = argv[++i];
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -1211,9 +1215,14 @@ int main(int argc, char** argv) {
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
     const int64_t seq = 32768;
-    if (profile) {  // the shapes for ncu: decode T=128, pack 65536
-      bench_decode(rng, BenchDecode{128, 1, 4, 16, seq}, copy, false);
-      bench_pack(rng, 65536, copy);
+    if (profile) {  // the shapes for ncu: decode T=128, pack 65536; or the one named
+      const std::string sh = profile_shape;
+      if (sh.empty() || sh == "decode128") bench_decode(rng, BenchDecode{128, 1, 4, 16, seq}, copy, false);
+      if (sh.empty() || sh == "pack") bench_pack(rng, 65536, copy);
+      if (sh == "decode1") bench_decode(rng, BenchDecode{1, 1, 4, 16, seq}, copy, false);
+      if (sh == "decode32") bench_decode(rng, BenchDecode{32, 1, 4, 16, seq}, copy, false);
+      if (sh == "dql4") bench_decode(rng, BenchDecode{128, 4, 4, 16, seq, 0, 12}, copy, false);
+      if (sh == "prefill") bench_prefill(rng, 2048, 8192, copy, true);
       return 0;
     }
     if (prefill_only) {  // the prefill cases (--correlated: that one alone, e.g. for ncu)
