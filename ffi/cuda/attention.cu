@@ -26,7 +26,7 @@
 // changes a bit):
 //   - one CTA (4 warps, 2-stage ring, 4 CTAs/SM) per row: warp q computes its leaves of rounds
 //     0..3 in turn and folds each into R in shared memory, the warps one after another in the
-//     order above (named barriers pass R from each warp to the next, half of it at a time);
+//     order above (CTA barriers between the folds);
 //   - a cluster of C = 4 or 2 CTAs per row (small and middle batches): CTA c computes the 4 leaves
 //     of each of rounds [c·4/C, (c+1)·4/C) (4-stage ring: a round's blocks all in flight at once)
 //     and keeps them in shared memory; after a cluster barrier every CTA folds 1/C of the
@@ -532,13 +532,9 @@ __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
   l0 = quad_sum(l0);
   l1 = quad_sum(l1);
   if constexpr (!kSplitted) {
-    // R <- R ⊕ leaf, warp after warp: named barrier 1 + q means "warp q's fold of this round is
-    // in R" (bar.arrive by q, bar.sync by the next warp: q + 1, or warp 0 in the next round), so
-    // a warp waits only for its predecessor, never for the whole CTA, and goes on to its next
-    // leaf while the others fold. The token passes in a ring, so no warp arrives twice at a
-    // barrier before its successor consumed the first arrival.
-    const int prev = (warp + kWarps - 1) % kWarps;
-    if (warp > 0 || jr > jbeg) named_bar_sync_1to4(1 + prev, 64);  // round 0's warp 0: empty R
+    // R <- R ⊕ leaf, warp after warp (CTA barriers between the folds)
+    for (int w = 0; w < kWarps; ++w) {
+    if (warp == w) {
     float4* Ro = reinterpret_cast<float4*>(R);
     float* Rm = R + kGroup * kHeadDim;
     float* Rl = Rm + kGroup;
@@ -561,7 +557,9 @@ __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
       Rl[g8] = L0;
       Rl[g8 + 8] = L1;
     }
-    if (warp < kWarps - 1 || jr + 1 < jend) named_bar_arrive_1to4(1 + warp, 64);
+    }
+    __syncthreads();
+    }
   } else {
     // the leaf into its slot: the CTA's last round into this warp's own ring slice (its copies
     // are complete), an earlier round after the ring (the next round's copies are in flight)
@@ -591,7 +589,7 @@ __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
   const float vsc = (*p.v_scale) * kComp;
   uint16_t* out = static_cast<uint16_t*>(p.out) + ((t * Hq + int64_t(g) * G) * kHeadDim);
   if constexpr (!kSplitted) {
-    __syncthreads();  // R holds all 16 leaves
+    // R holds all 16 leaves (the last fold ended with a barrier)
     const float* Rl = R + kGroup * kHeadDim + kGroup;
     for (int k = tid; k < kGroup * kHeadDim; k += kThreads) {
       int h, d;

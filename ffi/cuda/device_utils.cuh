@@ -176,26 +176,6 @@ __device__ __forceinline__ constexpr int cvt_elem(int r) {
   return r < 4 ? 2 * (r & 3) : 2 * (r & 3) + 1;
 }
 
-// Named barrier `id` (1..4, spelled as constants so that ptxas reserves 5 barriers, not 16) of
-// n threads: sync waits, arrive does not (the arriving threads' earlier shared-memory writes are
-// visible to the threads that sync on it).
-__device__ __forceinline__ void named_bar_sync_1to4(int id, int n) {
-  switch (id) {
-    case 1: asm volatile("bar.sync 1, %0;" ::"r"(n) : "memory"); break;
-    case 2: asm volatile("bar.sync 2, %0;" ::"r"(n) : "memory"); break;
-    case 3: asm volatile("bar.sync 3, %0;" ::"r"(n) : "memory"); break;
-    default: asm volatile("bar.sync 4, %0;" ::"r"(n) : "memory"); break;
-  }
-}
-__device__ __forceinline__ void named_bar_arrive_1to4(int id, int n) {
-  switch (id) {
-    case 1: asm volatile("bar.arrive 1, %0;" ::"r"(n) : "memory"); break;
-    case 2: asm volatile("bar.arrive 2, %0;" ::"r"(n) : "memory"); break;
-    case 3: asm volatile("bar.arrive 3, %0;" ::"r"(n) : "memory"); break;
-    default: asm volatile("bar.arrive 4, %0;" ::"r"(n) : "memory"); break;
-  }
-}
-
 __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
   uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gmem_src));
