@@ -631,11 +631,17 @@ __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
       fold_stats(mA, lA, st[i][0], st[i][1], mA, lA, fac[i][0], fac[i][1]);
       fold_stats(mB, lB, st[i][2], st[i][3], mB, lB, fac[i][2], fac[i][3]);
     }
+    // No CTA may leave while the others read its leaves: every thread arrives at the cluster
+    // barrier right after its last DSMEM read and waits for the others only before it exits,
+    // so the barrier's latency overlaps the fold's arithmetic and the stores.
+    constexpr int kIters = kF4 / kThreads;
 #pragma unroll 1
-    for (int f4 = rank * kF4 + tid; f4 < (rank + 1) * kF4; f4 += kThreads) {  // [jd][lane]
+    for (int it = 0; it < kIters; ++it) {
+      const int f4 = rank * kF4 + tid + it * kThreads;  // [jd][lane]
       float4 L[kLeaves];
 #pragma unroll
       for (int i = 0; i < kLeaves; ++i) L[i] = reinterpret_cast<const float4*>(leaf[i])[f4];
+      if (it == kIters - 1) cluster.barrier_arrive();
       float ov[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int i = 0; i < kLeaves; ++i) {
@@ -651,7 +657,7 @@ __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
         if (h < G) out[h * kHeadDim + d] = final_value<T>(ov[e], e < 2 ? lA : lB, vsc);
       }
     }
-    cluster.sync();  // no CTA leaves while the others read its leaves
+    cluster.barrier_wait();
   }
 }
 
