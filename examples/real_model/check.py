@@ -7,11 +7,24 @@ float32. Nothing is fetched: the file is local and ``HF_HUB_OFFLINE=1`` is set.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
 
 from . import gguf_model, quality
+
+
+@functools.cache
+def _transformers_model():
+    """transformers' LlamaForCausalLM of the GGUF file, loaded once (CPU torch, float32)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch  # noqa: PLC0415
+    from transformers import LlamaForCausalLM  # noqa: PLC0415
+
+    path = gguf_model.gguf_path()
+    return LlamaForCausalLM.from_pretrained(os.path.dirname(path),
+                                            gguf_file=os.path.basename(path), dtype=torch.float32)
 
 
 def transformers_logits(token_ids, kv_dtype=None) -> np.ndarray:
@@ -21,9 +34,8 @@ def transformers_logits(token_ids, kv_dtype=None) -> np.ndarray:
     (through a registered attention function), as our bf16 paged cache stores them; None keeps
     them in float32.
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch  # noqa: PLC0415
-    from transformers import AttentionInterface, LlamaForCausalLM  # noqa: PLC0415
+    from transformers import AttentionInterface  # noqa: PLC0415
     from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
 
     impl = "sdpa"
@@ -37,9 +49,8 @@ def transformers_logits(token_ids, kv_dtype=None) -> np.ndarray:
         impl = "bf16_kv_sdpa"
     elif kv_dtype is not None:
         raise ValueError(f"kv_dtype must be None or 'bf16' (got {kv_dtype!r})")
-    path = gguf_model.gguf_path()
-    m = LlamaForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                         dtype=torch.float32, attn_implementation=impl)
+    m = _transformers_model()
+    m.set_attn_implementation(impl)
     with torch.no_grad():
         return m(torch.tensor([list(token_ids)])).logits[0].numpy()
 
