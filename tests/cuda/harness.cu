@@ -1216,20 +1216,20 @@ int main(int argc, char** argv) {
     CK(cudaDeviceSynchronize());
     const int64_t seq = 32768;
     if (profile) {  // the shapes for ncu: decode T=128, pack 65536; or the one named
-      const std::string sh = profile_shape;
-      const BenchDecode decodes[] = {{1, 1, 4, 16, seq}, {32, 1, 4, 16, seq},
-                                     {128, 1, 4, 16, seq}, {128, 4, 4, 16, seq, 0, 12}};
-      const char* names[] = {"decode1", "decode32", "decode128", "dql4"};
-      bool known = sh.empty() || sh == "prefill" || sh == "pack";
-      for (int i = 0; i < 4; ++i)
-        if (sh == names[i] || (sh.empty() && i == 2)) {
-          bench_decode(rng, decodes[i], copy, false);
-          known = true;
-        }
-      if (sh == "prefill") bench_prefill(rng, 2048, 8192, copy, true);
-      if (sh.empty() || sh == "pack") bench_pack(rng, 65536, copy);
-      if (!known) fprintf(stderr, "--profile-shape: unknown shape %s\n", profile_shape);
-      return known ? 0 : 2;
+      const std::vector<std::string> shapes =
+          *profile_shape ? std::vector<std::string>{profile_shape}
+                         : std::vector<std::string>{"decode128", "pack"};
+      for (const std::string& sh : shapes) {
+        if (sh == "decode1") bench_decode(rng, BenchDecode{1, 1, 4, 16, seq}, copy, false);
+        else if (sh == "decode32") bench_decode(rng, BenchDecode{32, 1, 4, 16, seq}, copy, false);
+        else if (sh == "decode128") bench_decode(rng, BenchDecode{128, 1, 4, 16, seq}, copy, false);
+        else if (sh == "dql4")
+          bench_decode(rng, BenchDecode{128, 4, 4, 16, seq, 0, 12}, copy, false);
+        else if (sh == "prefill") bench_prefill(rng, 2048, 8192, copy, true);
+        else if (sh == "pack") bench_pack(rng, 65536, copy);
+        else return fprintf(stderr, "--profile-shape: unknown shape %s\n", sh.c_str()), 2;
+      }
+      return 0;
     }
     if (prefill_only) {  // the prefill cases (--correlated: that one alone, e.g. for ncu)
       if (!correlated_only) bench_prefill(rng, 2048, 8192, copy);
