@@ -28,9 +28,11 @@ k = jnp.asarray(rng.standard_normal((len(slot_mapping), HKV, D)), jnp.bfloat16)
 v = jnp.asarray(rng.standard_normal((len(slot_mapping), HKV, D)), jnp.bfloat16)
 
 
-# Write K/V into layer 2 in place: the cache is donated, so no copy of it is made.
+# Write K/V into layer 2 in place: the cache is donated, so no copy of it is made. A 5-D cache
+# names its layout in every call (the shape cannot say whether it is [L, P, ...] or [P, L, ...]).
 def write(cache, k, v, slot_mapping, layer):
-    return m3.pack_kv_pages(cache, k, v, slot_mapping, k_scale=1.0, v_scale=1.0, layer=layer)
+    return m3.pack_kv_pages(cache, k, v, slot_mapping, k_scale=1.0, v_scale=1.0, layer=layer,
+                            layout="LBHNC")
 
 
 write = jax.jit(write, donate_argnums=0)
@@ -43,10 +45,11 @@ q = jnp.asarray(rng.standard_normal((2, HQ, D)), jnp.bfloat16)
 topk_indices = np.full((HKV, 2, K), -1, np.int32)
 topk_indices[0, 0, :3] = [2, 0, 1]
 topk_indices[0, 1, :4] = [7, 0, 3, 5]          # sparse: blocks 1, 2, 4, 6 are skipped
-decode = jax.jit(lambda *a: m3.sparse_decode(*a, 1.0, 1.0, decode_query_len=1, layer=layer))
+decode = jax.jit(lambda *a: m3.sparse_decode(*a, 1.0, 1.0, decode_query_len=1, layer=layer,
+                                                  layout="LBHNC"))
 out = decode(q, cache, topk_indices, block_table, seq_lens)
 ref = m3.reference.sparse_decode(q, cache, topk_indices, block_table, seq_lens, 1.0, 1.0,
-                                 layer=layer)
+                                 layer=layer, layout="LBHNC")
 print("decode", out.shape, out.dtype, "max |out - reference| =",
       float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)))))
 
@@ -57,7 +60,7 @@ req_id, abs_pos = m3.query_token_positions(cu_seqlens_q, context_lens, num_token
 q_pre = jnp.asarray(rng.standard_normal((8, HQ, D)), jnp.bfloat16)
 topk_pre = np.tile(topk_indices[:, 1:2], (1, 8, 1))
 out_pre = m3.sparse_prefill(q_pre, cache, topk_pre, block_table, req_id, abs_pos, 1.0, 1.0,
-                            layer=layer)
+                            layer=layer, layout="LBHNC")
 print("prefill rows:", np.asarray(req_id), np.asarray(abs_pos),
       "padding rows are zeros:", bool(jnp.all(out_pre[5:] == 0)))
 
@@ -66,12 +69,13 @@ meta = m3.build_attention_metadata(np.array([1, 5], np.int32), np.array([299, 99
                                    block_table, num_decode_requests=1, num_tokens=8)
 q_mix = jnp.concatenate([q[:1], q_pre[:7]])
 topk_mix = np.concatenate([topk_indices[:, :1], topk_pre[:, :7]], axis=1)
-out_mix = m3.sparse_attention(q_mix, cache, topk_mix, meta, 1.0, 1.0, layer=layer)
+out_mix = m3.sparse_attention(q_mix, cache, topk_mix, meta, 1.0, 1.0, layer=layer, layout="LBHNC")
 print("mixed batch", out_mix.shape, "decode row equals sparse_decode:",
       bool(jnp.allclose(out_mix[0], out[0])))
 
 # What a platform's kernels serve, and the pages back as floats.
 print("gfx950 serves this geometry:", m3.unsupported_reason(HQ, HKV, D, K, N, "rocm") is None)
-keys, values = m3.unpack_kv_pages(cache, jnp.array([5], jnp.int32), 1.0, 1.0, layer=layer)
+keys, values = m3.unpack_kv_pages(cache, jnp.array([5], jnp.int32), 1.0, 1.0, layer=layer,
+                               layout="LBHNC")
 print("page 5 dequantized:", keys.shape, "rel. error vs bf16 K:",
       float(jnp.linalg.norm(keys[0, 0] - k[:128, 0]) / jnp.linalg.norm(k[:128, 0].astype(jnp.float32))))

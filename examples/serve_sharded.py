@@ -33,9 +33,10 @@ cache = shd.allocate_sharded_kv_cache(spec, PAGES, mesh, num_layers=LAYERS)
 def step(cache, layer, key, value, q, topk, slots, block_table, seq_lens):
     """key/value [T, Hkv, D], q [R, Hq, D], topk [Hkv, R, K]: the model's own head counts."""
     cache = m3.pack_kv_pages(cache, shd.replicate_kv_heads(key, r),
-                             shd.replicate_kv_heads(value, r), slots, 1.0, 1.0, layer=layer)
+                             shd.replicate_kv_heads(value, r), slots, 1.0, 1.0, layer=layer,
+                             layout="LBHNC")
     out = m3.sparse_decode(q, cache, shd.replicate_kv_heads(topk, r, axis=0), block_table,
-                           seq_lens, 1.0, 1.0, layer=layer)
+                           seq_lens, 1.0, 1.0, layer=layer, layout="LBHNC")
     return cache, out
 
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_m3sparse.spec import LAYOUTS, check_layout
+from jax_m3sparse.spec import LAYOUTS, layout_code
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -64,14 +64,14 @@ def static_values(x):
     return None
 
 
-def static_layer(layer, num_layers, shape):
+def static_layer(layer, num_layers, shape, cache_name="kv_cache"):
     """A static layer outside [0, L) is the caller's bug: ValueError naming it (issue 21); a
     jax.Array layer keeps SPEC §3.3's defined result (read nothing / write nothing)."""
     value = static_values(layer)
     if value is None or value.ndim or not np.issubdtype(value.dtype, np.integer):
         return
     if not 0 <= int(value) < num_layers:
-        raise ValueError(f"layer must be in [0, {num_layers}) for a kv_cache of {num_layers} "
+        raise ValueError(f"layer must be in [0, {num_layers}) for a {cache_name} of {num_layers} "
                          f"layers (shape {tuple(shape)}), got {int(value)}")
 
 
@@ -83,10 +83,10 @@ def cache_geometry(kv_cache, layer, layout):
     if kv_cache.ndim not in (4, 5):
         raise ValueError(f"kv_cache must be 4-D [P, 2Hkv, N, C] or 5-D ({' / '.join(LAYOUTS)}), "
                          f"got shape {kv_cache.shape}")
-    code = check_layout(layout)
     if kv_cache.ndim == 5 and layer is None:
         raise ValueError(f"layer is required for a 5-D kv_cache (shape {kv_cache.shape}); "
                          "pass the layer index (int32 scalar, may be traced)")
+    code = layout_code(layout, kv_cache.ndim)
     if kv_cache.ndim == 4 and layer is not None:
         raise ValueError(f"layer must be None for a 4-D kv_cache (shape {kv_cache.shape})")
     if kv_cache.ndim == 4:

@@ -14,7 +14,7 @@ import numpy as np
 
 from jax_m3sparse import nvfp4
 from jax_m3sparse.nvfp4 import nvfp4_dequantize, nvfp4_quantize  # noqa: F401  (re-exported)
-from jax_m3sparse.spec import check_layout
+from jax_m3sparse.spec import layout_code
 
 _TOKEN_CHUNK = 16  # tokens per step of the attention reference: bounds its memory
 
@@ -75,20 +75,20 @@ def pack_impl(kv_cache, key, value, slot_mapping, k_scale, v_scale, layer, *, la
 
 
 def pack_kv_pages(kv_cache, key, value, slot_mapping, k_scale, v_scale, *, layer=None,
-                  layout="LBHNC"):
+                  layout=None):
     """Reference of :func:`jax_m3sparse.pack_kv_pages` (SPEC §2.2, §3)."""
     layer = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
     kv_cache, key, value, slot_mapping = map(jnp.asarray, (kv_cache, key, value, slot_mapping))
     return pack_impl(kv_cache, key, value, slot_mapping, jnp.float32(k_scale),
-                     jnp.float32(v_scale), layer, layout=check_layout(layout))
+                     jnp.float32(v_scale), layer, layout=layout_code(layout, kv_cache.ndim))
 
 
-def unpack_kv_pages(kv_cache, page_ids, k_scale, v_scale, *, layer=None, layout="LBHNC"):
+def unpack_kv_pages(kv_cache, page_ids, k_scale, v_scale, *, layer=None, layout=None):
     """Dequantizes whole pages: (key, value) float32 ``[n, Hkv, N, D]`` each.
 
     Page ids outside ``[0, P)`` and a layer outside ``[0, L)`` give zeros.
     """
-    tiles = tile_view(kv_cache, check_layout(layout))
+    tiles = tile_view(kv_cache, layout_code(layout, kv_cache.ndim))
     num_layers, num_pages, num_slots = tiles.shape[:3]
     head_dim = kv_cache.shape[-1] * 16 // 9
     layer = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
@@ -220,29 +220,29 @@ def prefill_impl(q, kv_cache, topk, block_table, query_req_id, query_abs_pos, k_
 
 
 def sparse_decode(q, kv_cache, topk_indices, block_table, seq_lens, k_scale, v_scale, *,
-                  scale=None, decode_query_len=1, layer=None, layout="LBHNC"):
+                  scale=None, decode_query_len=1, layer=None, layout=None):
     """Reference of :func:`jax_m3sparse.sparse_decode` (SPEC §5.3)."""
     q, kv_cache, topk_indices, block_table, seq_lens = map(
         jnp.asarray, (q, kv_cache, topk_indices, block_table, seq_lens))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return decode_impl(q, kv_cache, topk_indices, block_table, seq_lens, jnp.float32(k_scale),
                        jnp.float32(v_scale), 0 if layer is None else layer, scale=scale,
-                       decode_query_len=decode_query_len, layout=check_layout(layout))
+                       decode_query_len=decode_query_len, layout=layout_code(layout, kv_cache.ndim))
 
 
 def sparse_prefill(q, kv_cache, topk_indices, block_table, query_req_id, query_abs_pos, k_scale,
-                   v_scale, *, scale=None, layer=None, layout="LBHNC"):
+                   v_scale, *, scale=None, layer=None, layout=None):
     """Reference of :func:`jax_m3sparse.sparse_prefill` (SPEC §5.4)."""
     q, kv_cache, topk_indices, block_table, query_req_id, query_abs_pos = map(
         jnp.asarray, (q, kv_cache, topk_indices, block_table, query_req_id, query_abs_pos))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return prefill_impl(q, kv_cache, topk_indices, block_table, query_req_id, query_abs_pos,
                         jnp.float32(k_scale), jnp.float32(v_scale), 0 if layer is None else layer,
-                        scale=scale, layout=check_layout(layout))
+                        scale=scale, layout=layout_code(layout, kv_cache.ndim))
 
 
 def sparse_attention(q, kv_cache, topk_indices, metadata, k_scale, v_scale, *, scale=None,
-                     layer=None, layout="LBHNC"):
+                     layer=None, layout=None):
     """Reference of :func:`jax_m3sparse.sparse_attention` (SPEC §5.6)."""
     return run_mixed_batch(sparse_decode, sparse_prefill, q, kv_cache, topk_indices, metadata,
                            k_scale, v_scale, scale=scale, layer=layer, layout=layout)
@@ -268,3 +268,110 @@ def run_mixed_batch(decode_fn, prefill_fn, q, kv_cache, topk_indices, metadata, 
                                 metadata.query_req_id, metadata.query_abs_pos, k_scale, v_scale,
                                 **kw))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+
+
+# ----------------------------------------------------------------------------- select_blocks
+# Elements of gathered keys per lax.map step of the selection reference (tokens × M·N·Di): at
+# 2²⁴ fp32 elements (64 MB) a step holds 1 token at 128k context, 32 at 4k.
+_SELECT_ELEMENTS = 1 << 24
+
+
+def indexer_block_scores(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, layer=0):
+    """SPEC §8 step 3 per (KV head, token, logical block): the max over the block's visible keys
+    of ``idx_q · idx_k`` (fp32, ``precision="highest"``; a NaN dot product counts as −inf).
+
+    Each token gathers its own request's pages (``block_table`` row), tokens in chunks through
+    ``lax.map``: O(T · M · N · Di) work and bounded memory, whatever the pool size P.
+
+    Args:
+      idx_q: ``[T, Hkv, Di]`` float32/bf16. idx_k_cache: ``[P, N, Di]`` or ``[L, P, N, Di]``
+        (bf16, float8_e4m3fn, or any float). block_table: ``int32[R, M]``. query_req_id,
+        query_abs_pos: ``int32[T]``. layer: int32 scalar (the 4-D cache's layer; 0 for 3-D).
+
+    Returns:
+      ``float32[Hkv, T, M]``: −inf where the block has no key p ≤ pos, its page is outside
+      ``[0, P)``, the row is padding (SPEC §8 step 1) or every dot product is NaN.
+    """
+    idx_q, keys = jnp.asarray(idx_q), jnp.asarray(idx_k_cache)
+    block_table = jnp.asarray(block_table, jnp.int32)
+    req = jnp.asarray(query_req_id, jnp.int32)
+    pos = jnp.asarray(query_abs_pos, jnp.int32)
+    keys = keys[None] if keys.ndim == 3 else keys
+    L, P, N, Di = keys.shape
+    T, Hkv, _ = idx_q.shape
+    R, M = block_table.shape
+    layer = jnp.asarray(layer, jnp.int32)
+    if L == 0 or P == 0 or M == 0:                                      # nothing to score
+        return jnp.full((Hkv, T, M), -jnp.inf, jnp.float32)
+    live = (req >= 0) & (req < R) & (pos >= 0) & (layer >= 0) & (layer < L)   # SPEC §8 step 1
+    chunk = max(1, min(T, _SELECT_ELEMENTS // max(1, M * N * Di)))
+    n = -(-T // chunk)
+    pad = n * chunk - T
+    q = jnp.pad(idx_q.astype(jnp.float32), ((0, pad), (0, 0), (0, 0))).reshape(n, chunk, Hkv, Di)
+    rq = jnp.pad(jnp.where(live, req, 0), (0, pad)).reshape(n, chunk)
+    pc = jnp.pad(jnp.where(live, pos, -1), (0, pad), constant_values=-1).reshape(n, chunk)
+    layer_keys = keys[jnp.clip(layer, 0, L - 1)]
+    key_pos = jnp.arange(M)[:, None] * N + jnp.arange(N)                  # [M, N] logical
+
+    def score_chunk(xs):
+        qc, rc, pc = xs                                                  # [c, Hkv, Di], [c], [c]
+        pages = block_table[rc]                                          # [c, M]
+        ok_page = (pages >= 0) & (pages < P)
+        k = layer_keys[jnp.clip(pages, 0, P - 1)].astype(jnp.float32)    # [c, M, N, Di]
+        s = jnp.einsum("chd,cmnd->hcmn", qc, k, precision="highest")
+        visible = ok_page[:, :, None] & (key_pos[None] <= pc[:, None, None])
+        s = jnp.where(visible[None] & ~jnp.isnan(s), s, -jnp.inf)
+        return jnp.max(s, axis=-1)                                       # [Hkv, c, M]
+
+    out = jax.lax.map(score_chunk, (q, rq, pc))                          # [n, Hkv, c, M]
+    return jnp.moveaxis(out, 0, 1).reshape(Hkv, n * chunk, M)[:, :T]
+
+
+def top_blocks(block_scores, query_abs_pos, *, topk_blocks=16, block_size=128, local_blocks=1):
+    """SPEC §8 steps 2 and 4 from block scores: the local blocks first in ascending id, then
+    the other candidates with a finite score, descending (ties to the lower id), −1 after.
+
+    Args:
+      block_scores: ``float32[Hkv, T, M]`` (from :func:`indexer_block_scores`).
+      query_abs_pos: ``int32[T]``; a negative position (padding) selects nothing.
+      topk_blocks: static K. block_size: static N. local_blocks: static, ≥ 1.
+
+    Returns:
+      ``int32[Hkv, T, K]``.
+    """
+    Hkv, T, M = block_scores.shape
+    pos = jnp.asarray(query_abs_pos, jnp.int32)
+    own = jnp.where(pos >= 0, pos // block_size, -1)                     # [T]
+    b = jnp.arange(M)
+    candidate = b[None, :] <= own[:, None]                              # b <= min(own, M - 1)
+    local = candidate & (b[None, :] > own[:, None] - local_blocks)
+    s = block_scores + 0.0                                               # −0 ranks as +0
+    s = jnp.where(candidate[None] & jnp.isfinite(s), s, -jnp.inf)
+    s = jnp.where(local[None], jnp.inf, s)     # lax.top_k puts equal values lower index first
+    k = min(topk_blocks, M)
+    vals, ids = jax.lax.top_k(s, k)
+    ids = jnp.where(vals > -jnp.inf, ids, -1).astype(jnp.int32)
+    return jnp.pad(ids, ((0, 0), (0, 0), (0, topk_blocks - k)), constant_values=-1)
+
+
+def select_impl(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, layer, *,
+                topk_blocks, local_blocks):
+    """Primitive-level reference of select_blocks (SPEC §8; ``layer`` an int32 operand)."""
+    scores = indexer_block_scores(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos,
+                                  layer)
+    R = block_table.shape[0]
+    L = idx_k_cache.shape[0] if idx_k_cache.ndim == 4 else 1
+    live = ((query_req_id >= 0) & (query_req_id < R) & (layer >= 0) & (layer < L))
+    return top_blocks(scores, jnp.where(live, query_abs_pos, -1), topk_blocks=topk_blocks,
+                      block_size=idx_k_cache.shape[-2], local_blocks=local_blocks)
+
+
+def select_blocks(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, *,
+                  topk_blocks=16, local_blocks=1, layer=None):
+    """Reference of :func:`jax_m3sparse.select_blocks` (SPEC §8)."""
+    idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos = map(
+        jnp.asarray, (idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos))
+    return select_impl(idx_q, idx_k_cache, block_table.astype(jnp.int32),
+                       query_req_id.astype(jnp.int32), query_abs_pos.astype(jnp.int32),
+                       jnp.asarray(0 if layer is None else layer, jnp.int32),
+                       topk_blocks=int(topk_blocks), local_blocks=int(local_blocks))

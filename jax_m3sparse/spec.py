@@ -68,6 +68,10 @@ class KVCacheSpec:
     def cache_shape(self, num_pages: int, num_layers: int | None = None,
                     layout: str = "LBHNC") -> tuple[int, ...]:
         """Shape of a one-layer (``num_layers=None``) or all-layer cache (SPEC §3.3)."""
+        for name, value, low in (("num_pages", num_pages, 0), ("num_layers", num_layers, 1)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                                      or value < low):
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         tail = (self.num_head_slots, self.block_size, self.full_dim)
         if num_layers is None:
             return (num_pages, *tail)
@@ -99,6 +103,16 @@ def allocate_kv_cache(spec: KVCacheSpec, num_pages: int, num_layers: int | None 
                       layout: str = "LBHNC") -> jnp.ndarray:
     """A zeroed ``uint8`` cache of ``spec.cache_shape(num_pages, num_layers, layout)``."""
     return jnp.zeros(spec.cache_shape(num_pages, num_layers, layout), jnp.uint8)
+
+
+def layout_code(layout, ndim: int) -> int:
+    """The layout attribute for a cache of rank ``ndim``: 0 for a 4-D (one-layer) cache, else
+    :func:`check_layout`. A 5-D cache must name its layout: ``[L, P, ...]`` and ``[P, L, ...]``
+    have the same rank, and a guess reads the wrong pages without a word."""
+    if ndim == 5 and layout is None:
+        raise ValueError("a 5-D kv_cache needs layout='LBHNC' ([L, P, 2Hkv, N, C]) or 'BLHNC' "
+                         "([P, L, 2Hkv, N, C]): its shape cannot say which (SPEC §3.3)")
+    return 0 if ndim != 5 and layout is None else check_layout(layout)
 
 
 def check_layout(layout) -> int:

@@ -322,6 +322,8 @@ def test_trace_time_errors(rng):
          lambda: dec(q[:, :5], c, t, b, s, 1.0, 1.0)),
         (ValueError, "layer is required for a 5-D kv_cache",
          lambda: dec(q, c[None], t, b, s, 1.0, 1.0)),
+        (ValueError, "a 5-D kv_cache needs layout='LBHNC' .* or 'BLHNC'",   # no guessing
+         lambda: dec(q, c[None], t, b, s, 1.0, 1.0, layer=0)),
         (TypeError, "scale must be a static Python float",
          lambda: dec(q, c, t, b, s, 1.0, 1.0, scale=jnp.float32(1))),
     ]

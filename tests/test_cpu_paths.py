@@ -158,7 +158,8 @@ def test_request_alone_and_in_a_mixed_batch(rng, path, selection):
                                            np.asarray(ctx, np.int32), table,
                                            num_decode_requests=r_dec, num_tokens=num_tokens,
                                            decode_query_len=dql)
-        fn = jax.jit(lambda *a: m3.sparse_attention(*a, meta, 0.75, 0.85, layer=layer))
+        fn = jax.jit(lambda *a: m3.sparse_attention(*a, meta, 0.75, 0.85, layer=layer,
+                                                          layout="LBHNC"))
         return np.asarray(fn(q, cache, topk), np.float64), meta
 
     batch_cache, batch_table = place(rng.permutation(total + 4))
@@ -169,7 +170,7 @@ def test_request_alone_and_in_a_mixed_batch(rng, path, selection):
     pos = np.concatenate([np.repeat(np.asarray(meta.seq_lens), dql) - dql + np.tile(np.arange(dql), 2),
                           np.asarray(meta.query_abs_pos)])
     want = oracle.attention(np.asarray(q, np.float32), batch_cache, topk, batch_table, req, pos,
-                            0.75, 0.85, layer=layer)
+                            0.75, 0.85, layer=layer, layout="LBHNC")
     assert_close(out, want)
     assert (out[dql:2 * dql] == 0).all() and (out[-5:] == 0).all()
 

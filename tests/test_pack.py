@@ -99,7 +99,7 @@ def test_layer_out_of_range_writes_nothing(rng, impl):
     key, value = kv(rng, 4, 1)
     for layer in (-1, 2, 1000):  # a jax.Array (may be traced); a static int raises (test_attention)
         out = IMPLS[impl](cache, key, value, jnp.arange(4, dtype=jnp.int32), 1.0, 1.0,
-                          layer=jnp.int32(layer))
+                          layer=jnp.int32(layer), layout="LBHNC")
         np.testing.assert_array_equal(np.asarray(out), np.asarray(cache))
 
 
@@ -200,9 +200,17 @@ def test_trace_time_errors(rng):
         (ValueError, "k_scale must be a scalar \\(shape \\(\\)\\), got shape \\(1,\\)",
          lambda: m3.pack_kv_pages(c4, key, value, s, jnp.ones(1), 1.0)),
         (TypeError, "layer must be an integer, got float32",
-         lambda: m3.pack_kv_pages(c5, key, value, s, 1.0, 1.0, layer=1.7)),
+         lambda: m3.pack_kv_pages(c5, key, value, s, 1.0, 1.0, layer=1.7, layout="LBHNC")),
+        (ValueError, "a 5-D kv_cache needs layout='LBHNC'",
+         lambda: m3.pack_kv_pages(c5, key, value, s, 1.0, 1.0, layer=0)),
+        (ValueError, "a 5-D kv_cache needs layout='LBHNC'",
+         lambda: m3.unpack_kv_pages(c5, jnp.zeros(1, jnp.int32), 1.0, 1.0, layer=0)),
+        (ValueError, "num_pages must be an integer >= 0, got -1",
+         lambda: m3.allocate_kv_cache(spec, -1)),
+        (ValueError, "num_layers must be an integer >= 1, got 0",
+         lambda: m3.allocate_kv_cache(spec, 2, 0)),
         (TypeError, "layer must be an integer, got bool",
-         lambda: m3.pack_kv_pages(c5, key, value, s, 1.0, 1.0, layer=True)),
+         lambda: m3.pack_kv_pages(c5, key, value, s, 1.0, 1.0, layer=True, layout="LBHNC")),
     ]
     for exc, msg, call in cases:
         with pytest.raises(exc, match=msg):

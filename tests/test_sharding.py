@@ -106,7 +106,8 @@ def test_unservable_cache_sharding_is_rejected(rng, n, spec, match):
     cache = jax.device_put(case.cache, NamedSharding(m, spec))
     a = case.args
     f = jax.jit(lambda c: m3.sparse_decode(a["q_dec"][0], c, a["topk_dec"], a["block_table"],
-                                           a["seq_lens"], 1.0, 1.0, layer=0))
+                                           a["seq_lens"], 1.0, 1.0, layer=0,
+                                           layout="LBHNC"))
     with pytest.raises(Exception, match=match) as err:
         f.lower(cache).compile()
     assert "PartitionSpec(None, None, 'tp', None, None)" in str(err.value)
@@ -139,7 +140,8 @@ def test_data_parallel_attention_with_shard_map(rng):
     q, topk = cat("q_dec", 1)[0], cat("topk_dec", 1)
 
     def local(q, cache, topk, bt, sl):  # one DP shard: local pages, local block table
-        return m3.sparse_decode(q, cache, topk, bt, sl, 1.0, 1.0, layer=jnp.int32(0))
+        return m3.sparse_decode(q, cache, topk, bt, sl, 1.0, 1.0, layer=jnp.int32(0),
+                                layout="LBHNC")
 
     dp = jax.jit(jax.shard_map(local, mesh=m, axis_names={"dp"}, out_specs=P("dp"),
                                in_specs=(P("dp"), P(None, "dp"), P(None, "dp"), P("dp"),
@@ -187,7 +189,7 @@ def test_explicit_mesh_rejects_at_trace_time(rng, n, spec, match):
     k = case.args["key"][0]
     with pytest.raises(ValueError, match=match):
         jax.jit(lambda c: m3.pack_kv_pages(c, k, k, case.args["slots"], 1.0, 1.0,
-                                           layer=0)).trace(cache)
+                                           layer=0, layout="LBHNC")).trace(cache)
 
 
 def test_positions_in_a_sharded_program_stay_local():

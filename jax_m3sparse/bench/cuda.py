@@ -151,7 +151,7 @@ def decode_model(attend, steps, dql, unroll=1):
             def layer(carry, xs):
                 i, qi, ti = xs
                 o = attend(qi, cache, ti, bts[s], seq_lens, 1.0, 1.0, decode_query_len=dql,
-                           layer=i)
+                           layer=i, layout="LBHNC")
                 return carry, o
             _, o = jax.lax.scan(layer, 0, (jnp.arange(LAYERS, dtype=jnp.int32), q[s],
                                            topks[s]), unroll=unroll)
@@ -197,7 +197,7 @@ def gap(device, rng, T, Hkv=4, G=16, seq=32768, min_pages=8192):
     layers = jnp.arange(LAYERS, dtype=jnp.int32)
 
     def call(qi, ti, i, cache, bt, sl):
-        return m3.sparse_decode(qi, cache, ti, bt, sl, 1.0, 1.0, layer=i)
+        return m3.sparse_decode(qi, cache, ti, bt, sl, 1.0, 1.0, layer=i, layout="LBHNC")
 
     def stand_in(qi, ti, i, *_):  # same operands and result, no custom call
         return qi * (ti[0, 0, 0] + i).astype(qi.dtype)

@@ -9,7 +9,7 @@ from jax_m3sparse.reference import run_mixed_batch
 
 
 def sparse_attention(q, kv_cache, topk_indices, metadata: SparseAttentionMetadata, k_scale,
-                     v_scale, *, scale=None, layer=None, layout="LBHNC"):
+                     v_scale, *, scale=None, layer=None, layout=None):
     """Decode rows first, prefill rows after, in one call (SPEC §5.6).
 
     Args:

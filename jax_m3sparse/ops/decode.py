@@ -27,7 +27,7 @@ sparse_decode_p = define_primitive(
 
 
 def sparse_decode(q, kv_cache, topk_indices, block_table, seq_lens, k_scale, v_scale, *,
-                  scale=None, decode_query_len=1, layer=None, layout="LBHNC"):
+                  scale=None, decode_query_len=1, layer=None, layout=None):
     """Sparse attention of decode tokens over their selected 128-token blocks.
 
     Row t belongs to request ``r = t // decode_query_len`` at position
@@ -51,7 +51,8 @@ def sparse_decode(q, kv_cache, topk_indices, block_table, seq_lens, k_scale, v_s
       layer: int32 scalar, required iff the cache is 5-D. A jax.Array (may be traced)
         outside ``[0, L)`` gives zeros (SPEC §3.3); a static one (Python / NumPy int) there
         is a ValueError.
-      layout: "LBHNC" or "BLHNC".
+      layout: "LBHNC" or "BLHNC", required for a 5-D cache (ValueError without it); None
+        for a 4-D one.
 
     Returns:
       ``[T, Hq, D]`` in q's dtype (SPEC §5.5); rows with no attended key are exact zeros.

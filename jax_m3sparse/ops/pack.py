@@ -24,7 +24,7 @@ pack_kv_pages_p = define_primitive(
 
 
 def pack_kv_pages(kv_cache, key, value, slot_mapping, k_scale, v_scale, *, layer=None,
-                  layout="LBHNC"):
+                  layout=None):
     """Quantizes ``key``/``value`` to NVFP4 and writes them at ``slot_mapping``, in place.
 
     Semantics: SPEC §2.2 (bit-exact quantization), §3.2 (page map), §3.3 (layers),
@@ -42,7 +42,8 @@ def pack_kv_pages(kv_cache, key, value, slot_mapping, k_scale, v_scale, *, layer
       layer: int32 scalar (may be traced, e.g. in ``lax.scan``); required iff the cache
         is 5-D. A jax.Array layer outside ``[0, L)`` writes nothing (SPEC §3.3); a static
         one (Python / NumPy int) there is a ValueError.
-      layout: "LBHNC" or "BLHNC" (5-D caches only).
+      layout: "LBHNC" or "BLHNC", required for a 5-D cache (ValueError without it: the shape
+        cannot say which); ignored for a 4-D one.
 
     Returns:
       The cache with every written token's 64 data + 8 scale bytes per head slot updated;
@@ -71,7 +72,7 @@ def pack_kv_pages(kv_cache, key, value, slot_mapping, k_scale, v_scale, *, layer
                                 layer_op, layout=code)
 
 
-def unpack_kv_pages(kv_cache, page_ids, k_scale, v_scale, *, layer=None, layout="LBHNC"):
+def unpack_kv_pages(kv_cache, page_ids, k_scale, v_scale, *, layer=None, layout=None):
     """Dequantizes whole pages of a cache (for debugging, oracles, inspecting a cache).
 
     Args:
@@ -80,7 +81,8 @@ def unpack_kv_pages(kv_cache, page_ids, k_scale, v_scale, *, layer=None, layout=
       k_scale, v_scale: fp32 global scales g.
       layer: int32 scalar, required iff the cache is 5-D (outside ``[0, L)``: zeros for a
         jax.Array, ValueError for a static int).
-      layout: "LBHNC" or "BLHNC".
+      layout: "LBHNC" or "BLHNC", required for a 5-D cache (ValueError without it); None
+        for a 4-D one.
 
     Returns:
       ``(key, value)``, float32 ``[n, Hkv, N, D]`` each: every token slot of the pages,

@@ -26,7 +26,7 @@ sparse_prefill_p = define_primitive(
 
 
 def sparse_prefill(q, kv_cache, topk_indices, block_table, query_req_id, query_abs_pos, k_scale,
-                   v_scale, *, scale=None, layer=None, layout="LBHNC"):
+                   v_scale, *, scale=None, layer=None, layout=None):
     """Sparse attention of prefill tokens over their selected 128-token blocks (SPEC §5.4).
 
     Token t belongs to request ``query_req_id[t]`` (−1: padding, zero output) at position
@@ -43,7 +43,8 @@ def sparse_prefill(q, kv_cache, topk_indices, block_table, query_req_id, query_a
       scale: static softmax scale, default ``D ** -0.5``.
       layer: int32 scalar, required iff the cache is 5-D; outside ``[0, L)`` as
         :func:`sparse_decode` (a jax.Array: zeros; a static int: ValueError).
-      layout: "LBHNC" or "BLHNC".
+      layout: "LBHNC" or "BLHNC", required for a 5-D cache (ValueError without it); None
+        for a 4-D one.
 
     Returns:
       ``[T, Hq, D]`` in q's dtype (SPEC §5.5); rows with no attended key are exact zeros.

@@ -215,7 +215,8 @@ def test_decode_small_group_in_scan_over_layers(rng, G):
 
     def layer_step(carry, xs):
         layer, qi, ti = xs
-        return carry, m3.sparse_decode(qi, cache_d, ti, bt_d, sl_d, 0.9, 1.1, layer=layer)
+        return carry, m3.sparse_decode(qi, cache_d, ti, bt_d, sl_d, 0.9, 1.1, layer=layer,
+                                       layout="LBHNC")
 
     cache_d, bt_d, sl_d = _gpu(cache), _gpu(bt), _gpu(seq_lens.astype(np.int32))
     run = jax.jit(lambda q, t: jax.lax.scan(layer_step, 0, (jnp.arange(L, dtype=jnp.int32), q,
