@@ -11,7 +11,8 @@ counter, output copies) with the idle time between them.
 
 Prefill and pack keep the older form (one jitted function that makes several independent
 calls, wall time / calls), with the kernel's device time from the trace beside it.
-Shapes and byte/flop counts follow BENCHMARKS.md: Hkv = 4, G = 16 (and G = 8), D = N = 128,
+Shapes and byte/flop counts follow BENCHMARKS.md: Hkv = 4, G = 16 (TP 1; and G = 8, 4), and
+Hkv = 1, G = 8 (one rank of M3 at TP 8: decode T = 8, 32, 128; prefill 2048), D = N = 128,
 top-16 blocks, seq 32768, bf16; prefill 2048 / 8192 tokens after 8192 context; pack 4096 /
 65536 tokens.
 """
@@ -435,7 +436,8 @@ def tp_bench(tp, platform="cuda", T=128, seq=32768, prefill_T=2048, context=8192
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m jax_m3sparse.bench.cuda", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="decode T in {1, 32, 128} only")
+    parser.add_argument("--quick", action="store_true",
+                        help="decode T in {1, 32, 128} (+ the TP-8 rank's 8, 32, 128), prefill, no pack")
     parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
     parser.add_argument("--gap", action="store_true",
                         help="only the kernel vs through-JAX gap analysis (variants of the scan)")
@@ -470,8 +472,10 @@ def main(argv=None):
     print("Hkv G | T (dql) | ours (scan) | ours (scan, unroll=8) | XLA ref (scan) | ref/ours | "
           "kernel | % copy (kernel) | % copy (ours, unrolled) | other | idle")
     # (T, dql, Hkv, G, shared): dql 4 "s12": the rows of a request share 12 of their 16 blocks
+    # Hkv 1, G 8: what one rank of M3 at TP 8 runs (4 KV heads replicated to 8, one per device).
+    tp8 = [(8, 1, 1, 8, None), (32, 1, 1, 8, None), (128, 1, 1, 8, None)]
     shapes = [(1, 1, 4, 16, None), (32, 1, 4, 16, None), (128, 1, 4, 16, None),
-              (128, 4, 4, 16, 12)] if args.quick else [
+              (128, 4, 4, 16, 12), *tp8] if args.quick else [*tp8,
         (1, 1, 4, 16, None), (32, 1, 4, 16, None), (128, 1, 4, 16, None), (128, 4, 4, 16, None),
         (128, 4, 4, 16, 12), (32, 4, 4, 16, 12), (128, 1, 4, 8, None), (128, 1, 4, 4, None)]
     for T, dql, Hkv, G, shared in shapes:
@@ -482,13 +486,13 @@ def main(argv=None):
         print(f"{Hkv} {G:2d} | {T} ({tag}) | {t * 1e6:8.2f} | {tu * 1e6:8.2f} | {tr * 1e6:8.1f} | "
               f"{tr / t:6.1f}x | {kern * 1e6:7.2f} | {100 * nbytes / kern / copy_bw:5.1f}% | "
               f"{100 * nbytes / tu / copy_bw:5.1f}% | {other * 1e6:6.2f} | {idle * 1e6:6.2f}")
+    print("prefill (context 8192) | Hkv G | tokens | µs/call | kernel µs | "
+          "TFLOP/s (call) | TFLOP/s (kernel)")
+    for Hkv, G in ((4, 16), (1, 8)):     # TP 1 and one TP-8 rank
+        t, kern, fl = prefill(device, rng, 2048, Hkv, G)
+        print(f"prefill | {Hkv} {G:2d} | 2048 | {t * 1e6:9.1f} | {kern * 1e6:9.1f} | "
+              f"{fl / t / 1e12:7.1f} | {fl / kern / 1e12:7.1f}")
     if not args.quick:
-        print("prefill (context 8192, Hkv=4, G=16) | tokens | µs/call | kernel µs | "
-              "TFLOP/s (call) | TFLOP/s (kernel)")
-        for T in (2048,):
-            t, kern, fl = prefill(device, rng, T)
-            print(f"prefill | {T} | {t * 1e6:9.1f} | {kern * 1e6:9.1f} | {fl / t / 1e12:7.1f} | "
-                  f"{fl / kern / 1e12:7.1f}")
         print("pack (Hkv=4, bf16) | tokens | µs/call | kernel µs | % copy (call) | % copy (kernel)")
         for T in (4096, 65536):
             t, kern, nb = pack(device, rng, T)
