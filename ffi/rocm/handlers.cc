@@ -2,7 +2,7 @@
 // results and attributes of docs/ffi_targets.md. Each handler validates the buffers (shapes,
 // dtypes, the gfx950 geometry D = 128, G = 16 or 8, K = 16, N = 128, 32-bit index limits), makes sure
 // the device is a gfx950 with the kernel's module loaded (device.cc), and calls the FlyDSL
-// entry point exported by ffi/flydsl/export.py on XLA's stream. Semantics: SPEC §2–§5, §7.
+// entry point exported by ffi/flydsl/export.py on XLA's stream. Semantics: SPEC §2–§5, §7, §8.
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -277,6 +277,84 @@ ffi::Error SparsePrefill(hipStream_t stream, int32_t device, ffi::AnyBuffer q, f
   return launch_status(kPrefillTarget, v.kernel, st);
 }
 
+// ---------------------------------------------------------------------------------------------
+// m3sparse_select_blocks_rocm (SPEC §8)
+// ---------------------------------------------------------------------------------------------
+constexpr const char* kSelectTarget = "m3sparse_select_blocks_rocm";
+constexpr int64_t kIndexDim = 128;    // Di: the gfx950 kernel serves MiniMax M3's index geometry
+constexpr int64_t kRunTile = 64;      // select_blocks.py: rows whose runs one score workgroup serves
+constexpr int64_t kMaxGridYZ = 65535;
+
+// One entry point per (idx_q dtype, index-key dtype); all four have the same signature.
+using SelectCall = decltype(&select_blocks_bf16_bf16_call);
+Variant<SelectCall> select_variant(ffi::DataType q, ffi::DataType k) {
+  const bool q32 = q == ffi::DataType::F32, fp8 = k == ffi::DataType::F8E4M3FN;
+  if (q32 && fp8) return {M3SPARSE_KERNEL_MODULE(select_blocks_f32_fp8), select_blocks_f32_fp8_call};
+  if (q32) return {M3SPARSE_KERNEL_MODULE(select_blocks_f32_bf16), select_blocks_f32_bf16_call};
+  if (fp8) return {M3SPARSE_KERNEL_MODULE(select_blocks_bf16_fp8), select_blocks_bf16_fp8_call};
+  return {M3SPARSE_KERNEL_MODULE(select_blocks_bf16_bf16), select_blocks_bf16_bf16_call};
+}
+
+ffi::Error SelectBlocks(hipStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
+                        ffi::AnyBuffer idx_q, ffi::AnyBuffer idx_k_cache, ffi::Buffer<ffi::S32> block_table,
+                        ffi::Buffer<ffi::S32> query_req_id, ffi::Buffer<ffi::S32> query_abs_pos,
+                        ffi::BufferR0<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::S32>> topk_indices,
+                        int64_t topk_blocks, int64_t local_blocks) {
+  auto qd = idx_q.dimensions();
+  if (qd.size() != 3 || qd[2] != kIndexDim)
+    return refuse(kSelectTarget, "idx_q must be [T, Hkv, 128] on gfx950, got " + dims_text(qd));
+  if (idx_q.element_type() != ffi::DataType::BF16 && idx_q.element_type() != ffi::DataType::F32)
+    return refuse(kSelectTarget, "idx_q must be bfloat16 or float32");
+  auto kd = idx_k_cache.dimensions();
+  const ffi::DataType kt = idx_k_cache.element_type();
+  if ((kd.size() != 3 && kd.size() != 4) || kd[kd.size() - 2] != kBlockSize || kd[kd.size() - 1] != kIndexDim)
+    return refuse(kSelectTarget, "idx_k_cache must be [P, 128, 128] or [L, P, 128, 128] on gfx950, got " +
+                                     dims_text(kd));
+  if (kt != ffi::DataType::BF16 && kt != ffi::DataType::F8E4M3FN)
+    return refuse(kSelectTarget, "idx_k_cache must be bfloat16 or float8_e4m3fn");
+  const int64_t tokens = qd[0], hkv = qd[1];
+  const int64_t layers = kd.size() == 4 ? kd[0] : 1, pages = kd[kd.size() - 3];
+  auto bd = block_table.dimensions();
+  if (bd.size() != 2) return refuse(kSelectTarget, "block_table must be [R, M]");
+  const int64_t requests = bd[0], max_blocks = bd[1];
+  if (int64_t(query_req_id.element_count()) != tokens || int64_t(query_abs_pos.element_count()) != tokens)
+    return refuse(kSelectTarget, "query_req_id and query_abs_pos must be [T]");
+  auto od = topk_indices->dimensions();
+  if (od.size() != 3 || od[0] != hkv || od[1] != tokens || od[2] != topk_blocks)
+    return refuse(kSelectTarget, "topk_indices must be [Hkv, T, topk_blocks], got " + dims_text(od));
+  if (topk_blocks < 1 || topk_blocks > kI32Max || local_blocks < 1 || local_blocks > kI32Max)
+    return refuse(kSelectTarget, "topk_blocks and local_blocks must be in [1, 2^31)");
+  const int64_t page_stride = kBlockSize * kIndexDim * (kt == ffi::DataType::BF16 ? 2 : 1);
+  if (!fits_i32(tokens * hkv * kIndexDim * float_bytes(idx_q.element_type())) ||
+      !fits_i32(hkv * tokens * max_blocks * 8) || !fits_i32(hkv * tokens * topk_blocks * 4) ||
+      !fits_i32(requests * max_blocks * 4) || !fits_i32(max_blocks * kBlockSize) || pages > kI32Max ||
+      layers > kI32Max || (tokens + kRunTile - 1) / kRunTile > kMaxGridYZ || hkv > kMaxGridYZ)
+    return refuse(kSelectTarget, "an operand is too large for the kernels' 32-bit indexing");
+  if (tokens == 0 || hkv == 0) return ffi::Error::Success();
+  if (max_blocks == 0) {  // no candidate: every row is -1 (the score kernel has no block to launch over)
+    hipError_t err = hipMemsetAsync(topk_indices->typed_data(), 0xFF, topk_indices->size_bytes(), stream);
+    if (err != hipSuccess)
+      return ffi::Error(ffi::ErrorCode::kInternal,
+                        std::string(kSelectTarget) + ": hipMemsetAsync failed: " + hipGetErrorString(err));
+    return ffi::Error::Success();
+  }
+  // Half-block scores [Hkv, T, M, 2] f32 between the two kernels; every entry read is written first.
+  std::optional<void*> workspace = scratch.Allocate(size_t(hkv * tokens * max_blocks * 8), 16);
+  if (!workspace.has_value())
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      std::string(kSelectTarget) + ": no scratch memory for the block scores (" +
+                          std::to_string(hkv * tokens * max_blocks * 8) + " bytes)");
+  const auto v = select_variant(idx_q.element_type(), kt);
+  if (auto e = prepare_launch(kSelectTarget, v.kernel, device); e.failure()) return e;
+  int32_t st = v.call(idx_q.untyped_data(), idx_k_cache.untyped_data(), block_table.typed_data(),
+                      query_req_id.typed_data(), query_abs_pos.typed_data(), layer.typed_data(), *workspace,
+                      topk_indices->typed_data(), int32_t(tokens), int32_t(hkv), int32_t(requests),
+                      int32_t(max_blocks), int32_t(pages), int32_t(layers), page_stride, pages * page_stride,
+                      int32_t(topk_blocks), int32_t(local_blocks),
+                      int32_t((tokens + kRunTile - 1) / kRunTile), stream);
+  return launch_status(kSelectTarget, v.kernel, st);
+}
+
 }  // namespace
 }  // namespace m3sparse::rocm
 
@@ -339,3 +417,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_sparse_prefill_rocm, m3sparse::rocm::Spar
                                   .Ret<ffi::AnyBuffer>()               // out
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("layout"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_select_blocks_rocm, m3sparse::rocm::SelectBlocks,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<hipStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()               // idx_q
+                                  .Arg<ffi::AnyBuffer>()               // idx_k_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // block_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // query_req_id
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // query_abs_pos
+                                  .Arg<ffi::BufferR0<ffi::S32>>()      // layer
+                                  .Ret<ffi::Buffer<ffi::S32>>()        // topk_indices
+                                  .Attr<int64_t>("topk_blocks")
+                                  .Attr<int64_t>("local_blocks"));

@@ -38,6 +38,10 @@ extern "C" {
 #include "sparse_prefill_g8_bf16.h"
 #include "sparse_prefill_g8_f16.h"
 #include "sparse_prefill_g8_f32.h"
+#include "select_blocks_bf16_bf16.h"
+#include "select_blocks_bf16_fp8.h"
+#include "select_blocks_f32_bf16.h"
+#include "select_blocks_f32_fp8.h"
 }
 
 namespace m3sparse::rocm {

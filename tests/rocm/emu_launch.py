@@ -348,6 +348,31 @@ class Handlers:
             launch(kern, (tokens, geo.hkv, 1), (256, 1, 1), ptrs + tail)
         return out
 
+    def select_blocks(self, idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, layer=0,
+                      topk_blocks=16, local_blocks=1):
+        """m3sparse_select_blocks_rocm (SPEC §8; ffi/flydsl/select_blocks.py): the score kernel over
+        (M, ceil(T / 64), 2) waves, then the top-k kernel over (T, Hkv)."""
+        T, hkv, di = idx_q.shape
+        keys = idx_k_cache if idx_k_cache.ndim == 4 else idx_k_cache[None]
+        L, P, n, _ = keys.shape
+        R, M = block_table.shape
+        out = np.full((hkv, T, topk_blocks), 0x5A5A5A5A, np.int32)     # garbage: every slot is written
+        if T == 0:
+            return out
+        # finite garbage, ranked first if the top-k kernel ever read an entry the scores did not write
+        ws = np.full(hkv * T * M * 2, 3e38, np.float32)
+        kdt = "fp8" if keys.dtype.itemsize == 1 else "bf16"
+        scores, topk = self._kernels(f"select_blocks_{io_name(idx_q.dtype)}_{kdt}")
+        page_stride = n * di * keys.dtype.itemsize
+        args = [idx_q, idx_k_cache, block_table.astype(np.int32), query_req_id.astype(np.int32),
+                query_abs_pos.astype(np.int32), scalar(layer, np.int32), ws, out, i32(T), i32(hkv), i32(R), i32(M),
+                i32(P), i32(L), i64(page_stride), i64(P * page_stride), i32(topk_blocks), i32(local_blocks),
+                i32(-(-T // 64))]
+        launch(scores, (M, -(-T // 64), 2), (64, 1, 1), args[:7] + args[8:16])
+        launch(topk, (T, hkv, 1), (64, 1, 1), [ws, args[3], args[4], args[5], out, i32(T), i32(hkv), i32(R),
+                                               i32(M), i32(L), i32(topk_blocks), i32(local_blocks)])
+        return out
+
     def sparse_prefill(self, q, cache, topk, block_table, query_req_id, query_abs_pos, k_scale, v_scale,
                        layer, scale, layout=None, group=16):
         out = np.full(q.shape, np.nan, q.dtype)

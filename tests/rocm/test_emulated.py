@@ -303,3 +303,130 @@ def test_union_row_bits_do_not_depend_on_tile_mates(gpu, rng):
         one = gpu.sparse_decode(dq[rows], d.cache, np.ascontiguousarray(d.topk[:, rows]), d.block_table[r:r + 1],
                                 d.seq_lens[r:r + 1], d.k_scale, d.v_scale, 0, SCALE, 4, group=8)
         assert np.array_equal(one.view(np.uint16), full[rows].view(np.uint16)), f"decode request {r}"
+
+
+# ---- select_blocks (SPEC §8): the indexer's block selection --------------------------------------
+def brute_select(q, keys, bt, req, pos, layer, K, local):
+    """SPEC §8 written out row by row in float64 (exact for the small-integer data used here)."""
+    keys = keys if keys.ndim == 4 else keys[None]
+    L, P, N, _ = keys.shape
+    R, M = bt.shape
+    T, H, _ = q.shape
+    out = np.full((H, T, K), -1, np.int32)
+    qf, kf = np.asarray(q, np.float64), np.asarray(keys, np.float64)
+    for t in range(T):
+        r, p = int(req[t]), int(pos[t])
+        if not (0 <= r < R and p >= 0 and 0 <= layer < L):
+            continue
+        own = p // N
+        cands = range(min(own, M - 1) + 1)
+        loc = [b for b in cands if b > own - local]
+        for h in range(H):
+            scored = []
+            for b in cands:
+                page = int(bt[r, b])
+                if b in loc or not 0 <= page < P:
+                    continue
+                with np.errstate(invalid="ignore"):
+                    dots = kf[layer, page, :min(N, p - b * N + 1)] @ qf[t, h]
+                dots = dots[~np.isnan(dots)]
+                if dots.size and np.isfinite(dots.max()):
+                    scored.append((-dots.max(), b))
+            ids = loc + [b for _, b in sorted(scored)]
+            out[h, t, :min(K, len(ids))] = ids[:K]
+    return out
+
+
+def select_case(rng, dtype_q, dtype_k, T_req, *, P=12, M=5, L=None, hkv=2, integer=True):
+    """Requests' rows consecutive (T_req: [(rows, first pos)] per request), pages shuffled."""
+    R = len(T_req)
+    shape = (P, 128, 128) if L is None else (L, P, 128, 128)
+    if integer:     # small integers: every dot product is exact, so block scores tie often and exactly
+        keys = rng.integers(-3, 4, shape).astype(np.float32)
+        q = rng.integers(-2, 3, (sum(n for n, _ in T_req), hkv, 128)).astype(np.float32)
+    else:
+        keys = rng.standard_normal(shape).astype(np.float32)
+        q = rng.standard_normal((sum(n for n, _ in T_req), hkv, 128)).astype(np.float32)
+    bt = np.stack([rng.permutation(P)[:M] for _ in range(R)]).astype(np.int32)
+    req = np.concatenate([np.full(n, r) for r, (n, _) in enumerate(T_req)]).astype(np.int32)
+    pos = np.concatenate([p0 + np.arange(n) for n, p0 in T_req]).astype(np.int32)
+    return np.array(jnp.asarray(q, dtype_q)), np.array(jnp.asarray(keys, dtype_k)), bt, req, pos
+
+
+def check_select(kernel, case, got, q, keys, bt, req, pos, layer, K, local, sec, brute=True):
+    kw = {} if keys.ndim == 3 else {"layer": jnp.int32(layer)}
+    want = np.asarray(ref_select(q, keys, bt, req, pos, topk_blocks=K, local_blocks=local, **kw))
+    same = np.array_equal(got, want)
+    RESULTS.append((kernel, case, "identical to the reference" if same else "DIFFERENT", sec))
+    assert same, f"{kernel} {case}: rows differ at {np.argwhere(got != want)[:8].tolist()}"
+    if brute:
+        assert np.array_equal(got, brute_select(q, keys, bt, req, pos, layer, K, local))
+
+
+def ref_select(*args, **kw):
+    from jax_m3sparse import reference
+    return reference.select_blocks(*args, **kw)
+
+
+def test_select_blocks_adversarial(gpu, rng):
+    """bf16 q and keys, 3-D cache, integer data (exact ties everywhere), Hkv 2, K 5, local 1:
+    MTP rows and a prefill chunk, padding rows (req -1, R, INT32_MAX; pos -1), invalid pages
+    (-1, P, INT32_MIN: never read), a position past the table (pos // N >= M), block boundaries
+    (pos 127, 128, 255, 256), a NaN key, two blocks with identical keys (a tie whatever the order)."""
+    q, keys, bt, req, pos = select_case(rng, jnp.bfloat16, jnp.bfloat16, [(3, 254), (4, 126), (2, 700), (1, 0)])
+    P = keys.shape[0]
+    bt[0, 1], bt[1, 0], bt[2, 3] = -1, P, np.iinfo(np.int32).min
+    keys[bt[2, 1]] = keys[bt[2, 2]]                         # blocks 1 and 2 of request 2 tie exactly
+    keys[bt[0, 2], 5] = np.nan                              # one NaN key (its dot is -inf)
+    keys[bt[3, 0]] = np.nan                                 # request 3's only block: all NaN (local anyway)
+    pad = dict(req=[-1, 4, INT32_MAX, 1], pos=[10, 10, 10, -1])
+    q = np.concatenate([q, q[:4]])
+    req = np.concatenate([req, np.array(pad["req"], np.int32)])
+    pos = np.concatenate([pos, np.array(pad["pos"], np.int32)])
+    got, sec = timed(gpu.select_blocks, q, keys, bt, req, pos, 0, 5, 1)
+    check_select("select_blocks_bf16_bf16", f"T={len(req)} R=4 K=5 ties/padding/invalid pages", got,
+                 q, keys, bt, req, pos, 0, 5, 1, sec)
+    assert (got[:, -4:] == -1).all()
+    # a row alone gives the same ids as in the batch (SPEC §8 step 6)
+    for t in (1, 5, 9):
+        one = gpu.select_blocks(q[t:t + 1], keys, bt, req[t:t + 1], pos[t:t + 1], 0, 5, 1)
+        assert np.array_equal(one[:, 0], got[:, t]), f"row {t} alone"
+
+
+@pytest.mark.parametrize("dtype_q,dtype_k,layer,K,local,integer", [
+    (jnp.float32, jnp.bfloat16, 1, 8, 2, False),    # generic floats (no ties), K above the blocks so far
+    (jnp.bfloat16, jnp.float8_e4m3fn, 0, 3, 1, True),
+    (jnp.float32, jnp.float8_e4m3fn, 1, 4, 2, True),
+    (jnp.bfloat16, jnp.bfloat16, 2, 4, 1, True),       # layer out of range: every row -1
+])
+def test_select_blocks_variants(gpu, rng, dtype_q, dtype_k, layer, K, local, integer):
+    q, keys, bt, req, pos = select_case(rng, dtype_q, dtype_k, [(2, 300), (3, 500)], P=8, L=2, hkv=1,
+                                        integer=integer)
+    if integer and keys.dtype.itemsize == 1:
+        keys.view(np.uint8)[0, bt[1, 1], 7, 3] = 0x7F       # an E4M3 NaN
+    got, sec = timed(gpu.select_blocks, q, keys, bt, req, pos, layer, K, local)
+    kernel = f"select_blocks_{emu_launch.io_name(q.dtype)}_{'fp8' if keys.dtype.itemsize == 1 else 'bf16'}"
+    check_select(kernel, f"4-D layer {layer} K={K} local={local}", got, q, keys, bt, req, pos, layer, K, local,
+                 sec, brute=integer)
+    if layer >= keys.shape[0]:
+        assert (got == -1).all()
+
+
+def test_select_blocks_reads_each_run_keys_once(gpu, rng):
+    """Counted on the emulator (emu_traffic): key bytes read = for each run of consecutive rows of
+    one request, its visible blocks with a valid page once (32 KiB each), whatever its rows and KV
+    heads: MTP rows, a 66-row prefill chunk that crosses the score kernel's 64-row tile, a lone
+    row; an invalid page is never read."""
+    import emu_traffic
+    q, keys, bt, req, pos = select_case(rng, jnp.bfloat16, jnp.bfloat16, [(3, 300), (66, 130), (1, 50)],
+                                        P=10, M=4, hkv=2)
+    bt[0, 1] = -1
+    with emu_traffic.counting({"idx_k_cache": keys, "idx_q": q}) as c:
+        got = gpu.select_blocks(q, keys, bt, req, pos, 0, 4, 1)
+    blocks = 2 + 2 + 1                                  # request 0: blocks 0, 2 (1 invalid); 1: 0, 1; 2: 0
+    own_keys = blocks * 128 * 128 * 2
+    assert c.read["idx_k_cache"] == own_keys <= 1.1 * own_keys
+    RESULTS.append(("select_blocks_bf16_bf16", "traffic T=70 (3 runs)",
+                    f"keys {c.read['idx_k_cache']} B = each run's blocks once", 0.0))
+    check_select("select_blocks_bf16_bf16", "T=70 (3 runs, tile-crossing)", got, q, keys, bt, req, pos, 0, 4, 1,
+                 0.0, brute=False)

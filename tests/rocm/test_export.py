@@ -40,6 +40,12 @@ EXPECTED = {
         "s_bcnt1_i32_b32",              # how often a row selected a union entry (ballot + scalar popcount)
     ],
     "query_token_positions": ["buffer_load_dword", "buffer_store_dword"],
+    "select_blocks": [
+        "v_fmac_f32",                   # the fp32 dot, one fused multiply-add per dimension (SPEC §8 step 3)
+        "buffer_load_dwordx4",          # 16-byte key and q loads
+        "buffer_store_dword",           # half-block scores, then the ids
+        "v_readfirstlane_b32",          # uniform run / row / page values in SGPRs
+    ],
 }
 EXPECTED["sparse_decode_split"] = EXPECTED["sparse_decode"]
 EXPECTED["sparse_decode_union"] = [m for m in EXPECTED["sparse_decode"] if m != "ds_read_b64"] + \
@@ -49,6 +55,8 @@ FORBIDDEN = {
     "sparse_decode_split": ["v_mfma_f32_16x16x32_f16"],
     "sparse_decode_union": ["v_mfma_f32_16x16x32_f16"],
     "sparse_prefill": ["v_mfma_f32_16x16x32_bf16"],
+    # fp32 products of exactly widened operands: no bf16/fp16 MFMA, no LDS staging
+    "select_blocks": ["v_mfma_f32_16x16x32_bf16", "v_mfma_f32_16x16x32_f16", "ds_write_b32", "ds_read_b32"],
 }
 # 4 selected blocks per wave, each 8 QK tiles × 4 MFMAs + 4 PV steps × 8 d-tiles.
 ATTENTION_MFMAS = 4 * (8 * 4 + 4 * 8)
@@ -59,6 +67,8 @@ UNION_MFMAS = {16: 2 * (4 * 4 * 2 + 2 * 8 * 2 + 2 * 8 * 2 * 1), 8: 4 * (2 * 4 * 
 
 
 def family(name: str) -> str:
+    if name.startswith("select_blocks_"):      # select_blocks_<q dtype>_<key dtype>
+        return "select_blocks"
     return re.sub(r"(_g8)?_(bf16|f16|f32)$", "", name)
 
 
@@ -116,6 +126,24 @@ def test_attention_mfma_counts(exported):
             assert exported[name].count("v_mfma_f32_16x16x32_bf16") == ATTENTION_MFMAS // 4, name
 
 
+def test_select_blocks_dot_is_one_fma_chain(exported):
+    """SPEC §8 step 3 on gfx950: each key's dot product is 128 fp32 fused multiply-adds (d = 0 ..
+    127 from 0; the first is v_fma_f32 with a 0 addend), once per kernel; E4M3 keys are widened
+    with 64 v_cvt_pk_f32_fp8 (2 per key dword), bf16 keys by shifts (no conversion instruction)."""
+    names = [n for n in exported.names if family(n) == "select_blocks"]
+    assert sorted(names) == ["select_blocks_bf16_bf16", "select_blocks_bf16_fp8", "select_blocks_f32_bf16",
+                             "select_blocks_f32_fp8"]
+    for name in names:
+        k = exported[name]
+        assert sorted(k.resources) == ["select_blocks_scores_0", "select_blocks_topk_1"], name
+        assert k.count("v_fmac_f32") + k.count("v_fma_f32") == 128, name
+        assert k.count("v_cvt_pk_f32_fp8") == (64 if name.endswith("_fp8") else 0), name
+        # 16-byte loads: the lane's key (256 B bf16 / 128 B E4M3) and a q row (256 B bf16 / 512 B f32)
+        key_loads = 16 if name.endswith("_bf16") else 8
+        q_loads = 32 if name.startswith("select_blocks_f32") else 16
+        assert k.count("buffer_load_dwordx4") == key_loads + q_loads, name
+
+
 def test_pack_divisions_are_ieee(exported):
     """Every fp32 division of SPEC §2.2 stays a division (no reciprocal rewrite): per GPU kernel
     1/g, a/6 and the 8 element divisions x·r/sf = 10 v_div_fixup_f32."""
@@ -158,6 +186,10 @@ def test_resources(exported):
             if family(name) in ("sparse_decode", "sparse_decode_split"):
                 assert waves >= 2, f"{where}: {res} allows {waves} waves/SIMD"
                 assert res["lds_bytes"] <= 80 * 1024, where
+            elif family(name) == "select_blocks":
+                # one wave per workgroup; the score kernel holds its key as 128 fp32 registers
+                assert waves >= 3, f"{where}: {res} allows {waves} waves/SIMD"
+                assert res["lds_bytes"] == 0, where
             elif family(name) in ("sparse_prefill", "sparse_decode_union"):
                 # union tiles: one 8-wave workgroup per CU (LDS holds the staged block and the
                 # tile's Q), 2 waves per SIMD, as its 256-VGPR budget allows

@@ -80,6 +80,28 @@ def test_positions_lowers_to_rocm_target():
     assert len(calls) == 1 and "@m3sparse_query_token_positions_rocm" in calls[0]
 
 
+@pytest.mark.parametrize("key_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_select_blocks_lowers_to_rocm_target(key_dtype):
+    args = (spec((T, HKV, 128), jnp.float32), spec((L, P, 128, 128), key_dtype), spec((R, M), jnp.int32),
+            spec((T,), jnp.int32), spec((T,), jnp.int32), spec((), jnp.int32))
+
+    def fn(q, k, bt, req, pos, layer):
+        return m3.select_blocks(q, k, bt, req, pos, topk_blocks=5, local_blocks=2, layer=layer)
+
+    calls = custom_calls(lowered(fn, *args))
+    assert len(calls) == 1 and "@m3sparse_select_blocks_rocm" in calls[0]
+    assert operand_count(calls[0]) == 6
+    assert "topk_blocks = 5 : i64" in calls[0] and "local_blocks = 2 : i64" in calls[0]
+
+
+def test_select_blocks_rocm_refuses_other_geometry():
+    """The gfx950 kernel serves Di = 128, N = 128 only: anything else is refused when lowering."""
+    args = (spec((T, HKV, 64), jnp.bfloat16), spec((P, 128, 64), jnp.bfloat16), spec((R, M), jnp.int32),
+            spec((T,), jnp.int32), spec((T,), jnp.int32))
+    with pytest.raises(ValueError, match="Di = 128 and N = 128; got Di = 64"):
+        lowered(lambda *a: m3.select_blocks(*a), *args)
+
+
 def test_export_for_rocm_serializes():
     args = (spec((T, HKV * G, D), jnp.bfloat16), spec((P, 2 * HKV, 128, 72), jnp.uint8),
             spec((HKV, T, K), jnp.int32), spec((R, M), jnp.int32), spec((R,), jnp.int32),
