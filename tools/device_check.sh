@@ -2,7 +2,7 @@
 # One device call for the CUDA backend (H200, kind nvidia-h200): builds the standalone harness
 # and the Python modules, runs correctness (harness + tests/cuda through the public API), then
 # the timings. Logs go to $OUT (the device tool brings them back) or ./out.
-#   tools/device_check.sh [quick|full|sanitize|profile|final|harness|race|tp|cpu]
+#   tools/device_check.sh [quick|full|sanitize|profile|final|harness|race|tp|cpu|select]
 #     quick: smaller benchmark set; sanitize: compute-sanitizer memcheck + racecheck on the
 #     harness and memcheck on the public-API GPU tests (no timings); profile: ncu on the harness;
 #     final: the bench.cuda table, sanitizers and the scan gap analysis in one call;
@@ -10,6 +10,8 @@
 #     NCU_PIPES add steps); race: racecheck of the harness tests only;
 #     cpu: the host CPU's attention paths (CPU module only): tests, then bench peak/decode/
 #     prefill on 2 cores (CPU_STEPS picks from "test suite sanitize peak decode prefill"; CORES);
+#     select: select_blocks (issue 30): tests/cuda/select_harness.cu correctness and timings,
+#     pytest tests/cuda -k select_blocks (PYTEST=0 skips), memcheck of the harness (SANITIZE=0 skips);
 #     tp: several GPUs (kind nvidia-h200-x2 and up): bench.cuda --tp N and the M3 example at
 #     --tp 1 and N (N = TP, default every GPU; TP_STEPS picks from "bench example m3 pytest",
 #     and "repeat": the M3-heads example 3 times at each tp, run-to-run token agreement)
@@ -205,6 +207,53 @@ if [ "$MODE" = race ]; then  # harness build + racecheck of the harness tests on
     >"$OUT/sanitize_racecheck.log" 2>&1
   echo "rc=$?"; grep -E "RACECHECK SUMMARY|FAIL |failure" "$OUT/sanitize_racecheck.log" | tail -3
   grep -c "^PASS" "$OUT/sanitize_racecheck.log"
+  date -u
+  exit 0
+fi
+
+if [ "$MODE" = select ]; then  # select_blocks (issue 30): its harness, timings, pytest, memcheck
+  # PYTEST=1 (default): the CUDA module too, then pytest tests/cuda -k select_blocks;
+  # SANITIZE=1 (default): compute-sanitizer memcheck of the harness tests, last
+  if [ "${PYTEST:-1}" = 1 ]; then
+    (cmake -S ffi -B "$B/cmake" -G Ninja -DM3SPARSE_ENABLE_CUDA=ON -DM3SPARSE_NATIVE=OFF \
+      -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/cmake.log" 2>&1 &&
+      cmake --build "$B/cmake" -j 12 --target _m3sparse_cuda >>"$OUT/cmake.log" 2>&1 &&
+      cp "$B"/cmake/cuda/_m3sparse_cuda*.so jax_m3sparse/ && echo "CUDA module built" >>"$OUT/cmake.log"
+      cmake --build "$B/cmake" -j 4 --target _m3sparse_cpu >>"$OUT/cmake.log" 2>&1 &&
+      cp "$B"/cmake/_m3sparse_cpu*.so jax_m3sparse/) &
+    CMAKE_PID=$!
+  fi
+  flags="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda -lineinfo"
+  nvcc $flags -Xptxas -v -c ffi/cuda/select.cu -o "$B/select.o" >"$OUT/ptxas_select.log" 2>&1 &
+  p1=$!
+  nvcc $flags -c tests/cuda/select_harness.cu -o "$B/select_harness.o" || exit 1
+  wait $p1 || { echo "select.cu build failed"; tail -20 "$OUT/ptxas_select.log"; exit 1; }
+  nvcc $flags "$B/select.o" "$B/select_harness.o" -o "$B/select_harness" || exit 1
+  grep -E "registers|spill" "$OUT/ptxas_select.log" | sort | uniq -c
+  date -u
+  echo "=== select harness correctness"
+  timeout 120 "$B/select_harness" --no-bench >"$OUT/select_tests.log" 2>&1
+  echo "rc=$? PASS $(grep -c '^PASS' "$OUT/select_tests.log")"
+  grep -E "^FAIL|failure|error" "$OUT/select_tests.log" | cut -c1-400 | tail -12
+  date -u
+  echo "=== select harness timings"
+  timeout 120 "$B/select_harness" --bench-only ${SELECT_BENCH_ARGS:-} >"$OUT/select_bench.log" 2>&1
+  echo "rc=$?"; grep -E "TABLE|error" "$OUT/select_bench.log"
+  date -u
+  if [ "${PYTEST:-1}" = 1 ]; then
+    wait $CMAKE_PID; grep -E "CUDA module built|rror" "$OUT/cmake.log" | head -5
+    echo "=== pytest tests/cuda/test_gpu.py -k select_blocks"
+    PYTHONPATH=$ROOT timeout 150 python3 -m pytest -q tests/cuda/test_gpu.py -k select_blocks \
+      -p no:cacheprovider 2>&1 | tee "$OUT/pytest_select.log" | tail -15
+    date -u
+  fi
+  if [ "${SANITIZE:-1}" = 1 ]; then
+    echo "=== compute-sanitizer memcheck: select harness --no-bench"
+    timeout ${MEM_S:-100} compute-sanitizer --tool memcheck --error-exitcode 9 \
+      "$B/select_harness" --no-bench >"$OUT/sanitize_select.log" 2>&1
+    echo "rc=$?"; grep -E "ERROR SUMMARY|^FAIL|failure" "$OUT/sanitize_select.log" | tail -3
+    grep -m 2 -A 8 -E "^========= (Invalid|Error)" "$OUT/sanitize_select.log"
+  fi
   date -u
   exit 0
 fi

@@ -9,6 +9,7 @@ namespace nb = nanobind;
 extern "C" {
 XLA_FFI_Error* m3sparse_pack_kv_pages_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_query_token_positions_cuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* m3sparse_select_blocks_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_sparse_decode_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_sparse_prefill_cuda(XLA_FFI_CallFrame*);
 }
@@ -25,6 +26,7 @@ NB_MODULE(_m3sparse_cuda, m) {
     nb::dict d;
     d["m3sparse_pack_kv_pages_cuda"] = capsule(m3sparse_pack_kv_pages_cuda);
     d["m3sparse_query_token_positions_cuda"] = capsule(m3sparse_query_token_positions_cuda);
+    d["m3sparse_select_blocks_cuda"] = capsule(m3sparse_select_blocks_cuda);
     d["m3sparse_sparse_decode_cuda"] = capsule(m3sparse_sparse_decode_cuda);
     d["m3sparse_sparse_prefill_cuda"] = capsule(m3sparse_sparse_prefill_cuda);
     return d;

@@ -67,6 +67,35 @@ struct PackParams {
   DType dtype;
 };
 
+// select_blocks (SPEC §8; ffi/cuda/select.cu).
+struct SelectParams {
+  const void* idx_q;              // [T, Hkv, Di] f32 or bf16 (q_dtype)
+  const void* idx_k;              // [L, P, N, Di] bf16 or float8_e4m3fn (key_fp8); L = 1 for 3-D
+  const int32_t* block_table;     // [R, M]
+  const int32_t* query_req_id;    // [T]
+  const int32_t* query_abs_pos;   // [T]
+  const int32_t* layer;           // [] device scalar
+  int32_t* topk_indices;          // [Hkv, T, K]
+  int64_t num_tokens;             // T
+  int32_t num_kv_heads;           // Hkv
+  int32_t head_dim;               // Di
+  int64_t num_pages;              // P
+  int64_t num_layers;             // L
+  int64_t block_size;             // N
+  int32_t num_requests;           // R
+  int32_t max_blocks;             // M
+  int64_t topk;                   // K (topk_blocks)
+  int64_t local_blocks;           // local_blocks >= 1
+  DType q_dtype;                  // kF32 or kBF16
+  int32_t key_fp8;                // 1: float8_e4m3fn keys, 0: bf16
+};
+
+// One sentence naming the unmet requirements of the select_blocks kernel, or "".
+const char* select_unsupported(int64_t head_dim, int64_t block_size, int64_t max_blocks);
+
+// Launches select_blocks (asynchronously on `stream`); returns the launch's error code.
+cudaError_t launch_select_blocks(const SelectParams& p, cudaStream_t stream);
+
 // One sentence naming every unmet requirement of the attention kernels, or "" when supported.
 // Mirrors jax_m3sparse.spec.unsupported_reason(..., platform="cuda").
 const char* attention_unsupported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,

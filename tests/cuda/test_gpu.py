@@ -373,3 +373,105 @@ def test_decode_row_independent_of_tile_mates(rng, dql):
         tk = topk.copy()
         tk[:, ~first] = -1 if variant == "none" else topk[:, mates[~first]]
         np.testing.assert_array_equal(_bits(run(tk))[first], full[first])
+
+
+# ---------------------------------------------------------------- select_blocks (SPEC §8)
+
+def _select_native():
+    return _gpus() and _ffi.has_native("select_blocks", "cuda")
+
+
+def _select_case(rng, ctx, rows_per_req, Hkv=2, Di=128, key_dtype=jnp.bfloat16, L=None,
+                 exact=True, q_dtype=jnp.float32):
+    """Requests with contexts `ctx` (pages scattered over a pool) and their last rows; exact
+    data (small multiples of powers of two: every dot product is exact in fp32, so the CUDA
+    kernel must equal the reference bit for bit, exact ties included) or normal data."""
+    ctx = np.asarray(ctx)
+    nblk = (ctx + 127) // 128
+    R, M, P = len(ctx), int(nblk.max()) + 1, int(nblk.sum()) + 5
+    pages = rng.permutation(P)
+    bt = -np.ones((R, M), np.int32)
+    i = 0
+    for r, n in enumerate(nblk):
+        bt[r, :n] = pages[i:i + n]
+        i += n
+    shape = (P, 128, Di) if L is None else (L, P, 128, Di)
+    if exact:
+        keys = rng.integers(-4, 5, shape) / 4.0
+    else:
+        keys = rng.standard_normal(shape)
+    keys = jnp.asarray(keys, jnp.float32).astype(key_dtype)
+    req = np.repeat(np.arange(R), rows_per_req).astype(np.int32)
+    pos = np.concatenate([np.arange(n - k, n) for n, k in zip(ctx, rows_per_req)]).astype(np.int32)
+    T = len(req)
+    if exact:
+        q = rng.integers(-8, 9, (T, Hkv, Di)) / 4.0 + rng.integers(-32, 33, (T, Hkv, Di)) / 256.0
+        if q_dtype == jnp.bfloat16:
+            q = rng.integers(-8, 9, (T, Hkv, Di)) / 4.0
+    else:
+        q = rng.standard_normal((T, Hkv, Di))
+    return jnp.asarray(q, q_dtype), keys, bt, req, pos
+
+
+@pytest.mark.skipif(not _select_native(), reason="select_blocks not in the CUDA module")
+@pytest.mark.parametrize("key_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
+def test_select_blocks_matches_reference(rng, key_dtype, q_dtype):
+    """Exact data: the CUDA kernel equals the jnp reference exactly; mixed decode rows, an MTP
+    run and a prefill run, padding rows (request -1 and R, position -1), invalid pages (a local
+    block's too), ties from duplicated blocks, local_blocks 1 and 2, K above the blocks."""
+    q, keys, bt, req, pos = _select_case(rng, [3000, 129, 1100, 700], [2, 1, 4, 40],
+                                         key_dtype=key_dtype, q_dtype=q_dtype)
+    req, pos, bt = req.copy(), pos.copy(), bt.copy()
+    req[0], req[2], pos[3] = -1, len(bt), -1
+    bt[2, 1], bt[3, 5] = -1, 10 ** 6                     # request 3's local block page invalid
+    k = np.array(keys)
+    k[bt[0, 7]] = k[bt[0, 3]]                            # an exact tie: blocks 3 and 7
+    keys = jnp.asarray(k)
+    for K, local in ((8, 1), (8, 2), (40, 1)):
+        args = (q, keys, bt, req, pos)
+        got = m3.select_blocks(*map(_gpu, args), topk_blocks=K, local_blocks=local)
+        want = m3.reference.select_blocks(*args, topk_blocks=K, local_blocks=local)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.skipif(not _select_native(), reason="select_blocks not in the CUDA module")
+def test_select_blocks_4d_layer_in_scan(rng):
+    """A 4-D cache inside jit(lax.scan) over the layers (the layer a traced device scalar; XLA
+    may put the call in a command buffer): each layer equals the reference; a layer outside
+    [0, L) gives all -1."""
+    q, keys, bt, req, pos = _select_case(rng, [900, 2000, 300], [2, 1, 3], L=3)
+
+    @jax.jit
+    def per_layer(q, keys, bt, req, pos):
+        def body(c, layer):
+            return c, m3.select_blocks(q, keys, bt, req, pos, topk_blocks=6, layer=layer)
+        return jax.lax.scan(body, 0, jnp.arange(4, dtype=jnp.int32))[1]
+
+    got = np.asarray(per_layer(*map(_gpu, (q, keys, bt, req, pos))))
+    for layer in range(3):
+        want = m3.reference.select_blocks(q, keys, bt, req, pos, topk_blocks=6,
+                                          layer=jnp.int32(layer))
+        np.testing.assert_array_equal(got[layer], np.asarray(want))
+    assert (got[3] == -1).all()
+
+
+@pytest.mark.skipif(not _select_native(), reason="select_blocks not in the CUDA module")
+def test_select_blocks_batch_and_pool_invariant(rng):
+    """Normal data (rounding matters): each request's rows are bit-identical alone and in the
+    batch, and with its pages moved into a 4x pool (SPEC §8 step 6)."""
+    ctx, rows = [4000, 700, 2600, 130, 5000], [1, 3, 30, 1, 2]
+    q, keys, bt, req, pos = _select_case(rng, ctx, rows, Hkv=4, exact=False)
+    fn = jax.jit(lambda *a: m3.select_blocks(*a, topk_blocks=16))
+    full = np.asarray(fn(*map(_gpu, (q, keys, bt, req, pos))))
+    t0 = 0
+    for n in rows:
+        sl = slice(t0, t0 + n)
+        alone = fn(*map(_gpu, (q[sl], keys, bt, req[sl], pos[sl])))
+        np.testing.assert_array_equal(np.asarray(alone), full[:, sl])
+        t0 += n
+    P = keys.shape[0]
+    perm = rng.permutation(4 * P)[:P]
+    big = jnp.zeros((4 * P,) + keys.shape[1:], keys.dtype).at[perm].set(keys)
+    bt2 = np.where((bt >= 0) & (bt < P), perm[np.clip(bt, 0, P - 1)], bt).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(fn(*map(_gpu, (q, big, bt2, req, pos)))), full)
