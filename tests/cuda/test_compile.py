@@ -46,7 +46,7 @@ def _resources(log: str) -> dict[str, dict[str, int]]:
     return out
 
 
-@pytest.mark.parametrize("name", ["pack.cu", "positions.cu"])
+@pytest.mark.parametrize("name", ["pack.cu", "positions.cu", "select.cu"])
 def test_kernels_compile(tmp_path, name):
     _nvcc(CUDA / name, tmp_path / (name + ".o"))
 
@@ -74,8 +74,9 @@ def test_handlers_compile(tmp_path):
     _nvcc(CUDA / "handlers.cc", tmp_path / "handlers.o", "-isystem", jax.ffi.include_dir())
 
 
-def test_harness_compiles(tmp_path):
-    _nvcc(ROOT / "tests" / "cuda" / "harness.cu", tmp_path / "harness.o")
+@pytest.mark.parametrize("name", ["harness.cu", "select_harness.cu"])
+def test_harness_compiles(tmp_path, name):
+    _nvcc(ROOT / "tests" / "cuda" / name, tmp_path / (name + ".o"))
 
 
 def test_pack_quantizer_matches_nvfp4_on_host(tmp_path):
