@@ -8,7 +8,7 @@ Public API (SPEC.md sections in each docstring):
 * metadata: :func:`query_token_positions` (SPEC §4), :class:`SparseAttentionMetadata`,
   :func:`build_attention_metadata`
 * attention: :func:`sparse_decode`, :func:`sparse_prefill`, :func:`sparse_attention` (SPEC §5)
-* MiniMax M3's indexer selection: :func:`select_blocks` (pure JAX)
+* MiniMax M3's indexer selection: :func:`select_blocks` (SPEC §8)
 * geometry and faults: :func:`unsupported_reason` (SPEC §1), :func:`check_inputs` (SPEC §7)
 * :func:`export_disabled_checks` for ``jax.export`` of functions that call these ops
 * :mod:`jax_m3sparse.sharding`: PartitionSpecs and KV-head replication for many devices
@@ -29,7 +29,7 @@ from jax_m3sparse.ops.decode import sparse_decode
 from jax_m3sparse.ops.pack import pack_kv_pages, unpack_kv_pages
 from jax_m3sparse.ops.positions import query_token_positions
 from jax_m3sparse.ops.prefill import sparse_prefill
-from jax_m3sparse.select import select_blocks
+from jax_m3sparse.ops.select import select_blocks
 from jax_m3sparse.spec import KVCacheSpec, allocate_kv_cache, unsupported_reason
 
 __version__ = "0.1.0"

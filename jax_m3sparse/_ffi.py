@@ -152,7 +152,8 @@ def import_error(platform: str) -> str | None:
     return _import_errors.get(platform)
 
 
-OPS = ("pack_kv_pages", "query_token_positions", "sparse_decode", "sparse_prefill")
+OPS = ("pack_kv_pages", "query_token_positions", "sparse_decode", "sparse_prefill",
+       "select_blocks")
 
 
 def export_disabled_checks(platforms=("cpu", "rocm", "cuda")):

@@ -39,41 +39,61 @@ _log = logging.getLogger("jax_m3sparse.partitioning")
 
 
 @dataclasses.dataclass(frozen=True)
+class ResultAxis:
+    """A result that mirrors no operand: its KV-head axis (negative counts from the end)."""
+
+    axis: int
+
+
+@dataclasses.dataclass(frozen=True)
 class HeadAxes:
     """Where the KV-head axis is in each operand and result of a primitive.
 
     Args:
       operands: per operand, the axis holding KV heads (``h`` or ``h × k`` slots, negative
         counts from the end) or None (the operand is replicated).
-      results: per result, the index of the operand it mirrors (same shape, same factors).
-      cache: index of the operand whose sharding decides the partitioning (the KV cache).
+      results: per result, the index of the operand it mirrors (same shape, same factors), or
+        a :class:`ResultAxis` (its own shape, heads on that axis, every other axis replicated).
+      cache: index of the operand whose sharding decides the partitioning (the KV cache, or
+        ``idx_q`` for select_blocks).
+      per_head: entries per KV head on that operand's head axis: 2 for the cache (a K/V slot
+        pair, never split), 1 for an operand with one entry per KV head.
     """
 
     operands: tuple
     results: tuple
     cache: int
+    per_head: int = 2
 
     def axis(self, i: int, ndim: int) -> int | None:
         a = self.operands[i]
         return None if a is None else a % ndim
+
+    def result_axis(self, j: int, shapes, result_ndim: int) -> int | None:
+        """Head axis of result j (of rank ``result_ndim``); ``shapes`` are the operands'."""
+        r = self.results[j]
+        if isinstance(r, ResultAxis):
+            return r.axis % result_ndim
+        return self.axis(r, len(shapes[r]))
 
 
 def sharding_rule(heads: HeadAxes, in_types, out_types):
     """The ``sdy.op_sharding_rule`` attribute: factor ``h`` (KV heads) on every head axis,
     a need-replication factor on every other dimension."""
     shapes = [ir.RankedTensorType(t).shape for t in in_types]
-    num_kv_heads = shapes[heads.cache][heads.axis(heads.cache, len(shapes[heads.cache]))] // 2
+    out_shapes = [ir.RankedTensorType(t).shape for t in out_types]
+    num_kv_heads = (shapes[heads.cache][heads.axis(heads.cache, len(shapes[heads.cache]))]
+                    // heads.per_head)
     if num_kv_heads <= 1:
         return None  # nothing to split (Shardy rejects a size-1 factor in a compound; Hkv = 0)
     sizes = [num_kv_heads]  # factor 0 is h
-    mappings = []
-    for i, shape in enumerate(shapes):
-        head_axis = heads.axis(i, len(shape))
+
+    def mapping(i, shape, head_axis):
         dims = []
         for d, size in enumerate(shape):
             if d == head_axis:
                 if size % num_kv_heads:
-                    raise ValueError(f"operand {i}: head axis {size} is not a multiple of "
+                    raise ValueError(f"{i}: head axis {size} is not a multiple of "
                                      f"Hkv = {num_kv_heads}")
                 factors = [0]
                 if size != num_kv_heads:  # h × (slot pair | query heads per KV head)
@@ -83,10 +103,15 @@ def sharding_rule(heads: HeadAxes, in_types, out_types):
                 sizes.append(size)
                 factors = [len(sizes) - 1]
             dims.append(sdy.DimMappingAttr.get(factor_indices=factors))
-        mappings.append(sdy.TensorMappingAttr.get(dim_mappings=dims))
+        return sdy.TensorMappingAttr.get(dim_mappings=dims)
+
+    mappings = [mapping(f"operand {i}", shape, heads.axis(i, len(shape)))
+                for i, shape in enumerate(shapes)]
+    results = [mapping(f"result {j}", out, heads.result_axis(j, shapes, len(out)))
+               if isinstance(heads.results[j], ResultAxis) else mappings[heads.results[j]]
+               for j, out in enumerate(out_shapes)]
     return sdy.OpShardingRuleAttr.get(
-        factor_sizes=sizes, operand_mappings=mappings,
-        result_mappings=[mappings[j] for j in heads.results],
+        factor_sizes=sizes, operand_mappings=mappings, result_mappings=results,
         need_replication_factors=list(range(1, len(sizes))), is_custom=True)
 
 
@@ -149,14 +174,31 @@ def _with_head_tiling(cache_sharding, cache_rank, cache_axis, rank, axis):
     return _sharding(heads.reshape(*([1] * rank), *heads.shape), types)
 
 
-def _check_cache_sharding(sharding, shape, op):
+def _check_cache_sharding(sharding, shape, op, heads: HeadAxes):
     tiling = _tiling(sharding)
-    if tiling is not None:
-        try:
-            _checks.reject_cache_sharding(shape, tiling[0].shape[:len(shape)],
-                                          how=str(sharding))
-        except ValueError as e:
-            raise ValueError(f"{op}: {e}") from None
+    if tiling is None:
+        return
+    shards = tiling[0].shape[:len(shape)]
+    try:
+        if heads.per_head == 2:
+            _checks.reject_cache_sharding(shape, shards, how=str(sharding))
+        else:
+            _reject_head_operand_sharding(shape, shards, heads.axis(heads.cache, len(shape)),
+                                          str(sharding))
+    except ValueError as e:
+        raise ValueError(f"{op}: {e}") from None
+
+
+def _reject_head_operand_sharding(shape, shards, axis, how):
+    """The deciding operand of an op without a cache operand (select_blocks' idx_q): only its
+    KV-head axis may be split, evenly."""
+    want = ", ".join("'tp'" if d == axis else "None" for d in range(len(shape)))
+    bad = [d for d in range(len(shape)) if d != axis and shards[d] != 1]
+    if bad or shape[axis] % shards[axis]:
+        raise ValueError(f"operand {list(shape)} sharded as {how}: jax_m3sparse partitions only "
+                         f"over its KV-head axis {axis}, split evenly: shard it as "
+                         f"PartitionSpec({want}) and replicate its other axes (for more devices "
+                         f"than KV heads, replicate KV heads: jax_m3sparse.sharding)")
 
 
 def _tensor_type(shape) -> str:
@@ -197,13 +239,13 @@ def _partition(target, heads: HeadAxes, aliases, arg_shapes, arg_shardings, resu
     cache_shape = arg_shapes[heads.cache].dimensions()
     cache_axis = heads.axis(heads.cache, len(cache_shape))
     cache_sharding = arg_shardings[heads.cache]
-    _check_cache_sharding(cache_sharding, cache_shape, target)
+    _check_cache_sharding(cache_sharding, cache_shape, target, heads)
     shardings = [
         _with_head_tiling(cache_sharding, len(cache_shape), cache_axis,
                           len(s.dimensions()), heads.axis(i, len(s.dimensions())))
         for i, s in enumerate(arg_shapes)]
     results = result_shape.tuple_shapes() if result_shape.is_tuple() else [result_shape]
-    out_shardings = [shardings[j] for j in heads.results]
+    out_shardings = _result_shardings(heads, arg_shapes, arg_shardings, results)
     module = _local_module(
         target, backend_config.decode() if isinstance(backend_config, bytes) else backend_config,
         [sh.tile(s) for sh, s in zip(shardings, arg_shapes)],
@@ -217,15 +259,22 @@ def _partition(target, heads: HeadAxes, aliases, arg_shapes, arg_shardings, resu
 
 def _infer_from_operands(heads: HeadAxes, arg_shapes, arg_shardings, result_shape, _config):
     """GSPMD propagation (Shardy uses the rule instead): results follow the cache's tiling."""
-    cache_shape = arg_shapes[heads.cache].dimensions()
-    cache_axis = heads.axis(heads.cache, len(cache_shape))
-    outs = [_with_head_tiling(arg_shardings[heads.cache], len(cache_shape), cache_axis,
-                              len(arg_shapes[j].dimensions()),
-                              heads.axis(j, len(arg_shapes[j].dimensions())))
-            for j in heads.results]
+    results = result_shape.tuple_shapes() if result_shape.is_tuple() else [result_shape]
+    outs = _result_shardings(heads, arg_shapes, arg_shardings, results)
     if result_shape.is_tuple():
         return xla_client.HloSharding.tuple_sharding(result_shape, outs)
     return outs[0]
+
+
+def _result_shardings(heads: HeadAxes, arg_shapes, arg_shardings, results):
+    """Each result's sharding: the deciding operand's head tiling on the result's head axis."""
+    cache_shape = arg_shapes[heads.cache].dimensions()
+    cache_axis = heads.axis(heads.cache, len(cache_shape))
+    shapes = [s.dimensions() for s in arg_shapes]
+    return [_with_head_tiling(arg_shardings[heads.cache], len(cache_shape), cache_axis,
+                              len(r.dimensions()),
+                              heads.result_axis(j, shapes, len(r.dimensions())))
+            for j, r in enumerate(results)]
 
 
 def _keep_user_sharding(user_sharding, _shape, _config):

@@ -296,8 +296,7 @@ def indexer_block_scores(idx_q, idx_k_cache, block_table, query_req_id, query_ab
     block_table = jnp.asarray(block_table, jnp.int32)
     req = jnp.asarray(query_req_id, jnp.int32)
     pos = jnp.asarray(query_abs_pos, jnp.int32)
-    keys = keys[None] if keys.ndim == 3 else keys
-    L, P, N, Di = keys.shape
+    L, (P, N, Di) = (1 if keys.ndim == 3 else keys.shape[0]), keys.shape[-3:]
     T, Hkv, _ = idx_q.shape
     R, M = block_table.shape
     layer = jnp.asarray(layer, jnp.int32)
@@ -310,14 +309,15 @@ def indexer_block_scores(idx_q, idx_k_cache, block_table, query_req_id, query_ab
     q = jnp.pad(idx_q.astype(jnp.float32), ((0, pad), (0, 0), (0, 0))).reshape(n, chunk, Hkv, Di)
     rq = jnp.pad(jnp.where(live, req, 0), (0, pad)).reshape(n, chunk)
     pc = jnp.pad(jnp.where(live, pos, -1), (0, pad), constant_values=-1).reshape(n, chunk)
-    layer_keys = keys[jnp.clip(layer, 0, L - 1)]
+    layer_c = jnp.clip(layer, 0, L - 1)
+    gather = (lambda pages: keys[pages]) if keys.ndim == 3 else (lambda pages: keys[layer_c, pages])
     key_pos = jnp.arange(M)[:, None] * N + jnp.arange(N)                  # [M, N] logical
 
     def score_chunk(xs):
         qc, rc, pc = xs                                                  # [c, Hkv, Di], [c], [c]
         pages = block_table[rc]                                          # [c, M]
         ok_page = (pages >= 0) & (pages < P)
-        k = layer_keys[jnp.clip(pages, 0, P - 1)].astype(jnp.float32)    # [c, M, N, Di]
+        k = gather(jnp.clip(pages, 0, P - 1)).astype(jnp.float32)       # [c, M, N, Di]
         s = jnp.einsum("chd,cmnd->hcmn", qc, k, precision="highest")
         visible = ok_page[:, :, None] & (key_pos[None] <= pc[:, None, None])
         s = jnp.where(visible[None] & ~jnp.isnan(s), s, -jnp.inf)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The sanitizer job of .ci/run: the CPU module built with AddressSanitizer + UndefinedBehavior-
 # Sanitizer (+ float-cast-overflow, which GCC's `undefined` leaves out) into build/asan (not the
-# normal build dir), next to a copy of the Python package, and the fault, pack, attention and
-# fuzz tests run against it. Fails when a test fails and on any sanitizer report.
+# normal build dir), next to a copy of the Python package, and the fault, pack, attention,
+# selection and fuzz tests run against it. Fails when a test fails and on any sanitizer report.
 #   tools/sanitize.sh [pytest args]     # default: the CI selection below; paths from the repo root
 # Needs the test environment of .ci/run (jax, nanobind, pytest, hypothesis) and GCC's libasan.
 set -euo pipefail
@@ -62,6 +62,7 @@ if [ $# -eq 0 ]; then
   pytest_logged "$ROOT/tests/test_faults.py" "$ROOT/tests/test_reliability.py" "$ROOT/tests/test_fuzz.py"
   pytest_logged "$ROOT/tests/test_pack.py" "$ROOT/tests/test_attention.py" \
     -k "native and not geometry_grid and not 2gib"
+  pytest_logged "$ROOT/tests/test_select.py" -k "not sharded and not reference_gathers"
 else
   pytest_logged "$@"
 fi

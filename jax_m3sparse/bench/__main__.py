@@ -1,4 +1,4 @@
-"""``python -m jax_m3sparse.bench {peak,pack,decode,prefill,gfx950-static,gfx950-traffic,all} [--platform P] [--quick]``
+"""``python -m jax_m3sparse.bench {peak,pack,decode,prefill,select,gfx950-static,gfx950-traffic,all} [--platform P] [--quick]``
 
 Prints tables (speed is measured here, never in tests). ``peak`` measures the machine's
 ceilings (multiply-add loops per instruction set on the CPU, copy and read bandwidth); ``all``
@@ -16,7 +16,7 @@ import sys
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m jax_m3sparse.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["peak", "pack", "decode", "prefill", "gfx950-static", "gfx950-traffic", "all"])
+    parser.add_argument("what", choices=["peak", "pack", "decode", "prefill", "select", "gfx950-static", "gfx950-traffic", "all"])
     parser.add_argument("--platform", default=None, help="JAX platform (default: JAX's default)")
     parser.add_argument("--quick", action="store_true", help="smallest shapes only (a smoke run)")
     args, rest = parser.parse_known_args(argv)
@@ -36,7 +36,7 @@ def main(argv=None):
 
     from jax_m3sparse.bench import timing  # noqa: PLC0415
     device = jax.devices(args.platform)[0]
-    todo = ["peak", "pack", "decode", "prefill"] if args.what == "all" else [args.what]
+    todo = ["peak", "pack", "decode", "prefill", "select"] if args.what == "all" else [args.what]
     for what in todo:
         getattr(timing, f"bench_{what}")(device, quick=args.quick)
         print()

@@ -249,3 +249,55 @@ def bench_pack(device, quick=False, Hkv=4):
         t_ref = median_time(ref, args, iters, donate_first=True)
         nbytes = T * Hkv * 2 * (2 * D + TOKEN_BYTES)
         tqdm.write(row(str(T), t_ours, t_ref, nbytes, copy_bw))
+
+
+def select_case(rng, T, Hkv, context, pool, device, Di=128, prefill=False, key_dtype=jnp.bfloat16,
+                in_use=None):
+    """``select_blocks`` operands: T decode rows (one request each, every request at
+    ``context`` tokens) or one prefill chunk of T tokens after ``context``; each request's
+    pages drawn at random from ``in_use`` random pages of a pool of ``pool`` (default: all of
+    them; requests share pages when there are fewer than they need)."""
+    R = 1 if prefill else T
+    pos = (np.arange(context, context + T) if prefill else np.full(T, context - 1)).astype(np.int32)
+    M = int(pos.max()) // N + 1
+    used = rng.choice(pool, in_use or pool, replace=False)
+    table = np.stack([used[rng.permutation(len(used))[:M]] if len(used) >= M else
+                      rng.choice(used, M) for _ in range(R)]).astype(np.int32)
+    keys = rng.standard_normal((pool, N, Di)).astype(np.float32)
+    q = rng.standard_normal((T, Hkv, Di)).astype(np.float32)
+    req = np.zeros(T, np.int32) if prefill else np.arange(T, dtype=np.int32)
+    args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(keys, key_dtype), table, req, pos)
+    nbytes = (M if prefill else T * M) * N * Di * jnp.dtype(key_dtype).itemsize  # own keys, once
+    return [jax.device_put(a, device) for a in args], nbytes
+
+
+def bench_select(device, quick=False, Hkv=4, Di=128):
+    rng = np.random.default_rng(3)
+    copy_bw = copy_bandwidth(device)
+    print(f"select_blocks on {device_name(device)}; copy bandwidth {copy_bw / 1e9:.1f} GB/s; "
+          f"Hkv={Hkv} Di={Di} bf16 keys unless fp8, top-{K}; GB/s counts each request's own keys "
+          "once; flops = 2·Di per (token, KV head, visible key)")
+    print(header("case path", flops=True))
+    fp8 = jnp.float8_e4m3fn
+    # (name, T, context, pool, prefill, key dtype, pages in use): the first two read the same
+    # 8 MB of keys (256 pages shared by the 32 requests) from pools of 256 and 4096 pages, so
+    # they differ only in the pool size; the third reads 1024 distinct pages (33.5 MB).
+    cases = [("decode 32 @4096, pool 256", 32, 4096, 256, False, jnp.bfloat16, None),
+             ("decode 32 @4096, pool 4096 (256 in use)", 32, 4096, 4096, False, jnp.bfloat16, 256),
+             ("decode 32 @4096, pool 4096 (1024 in use)", 32, 4096, 4096, False, jnp.bfloat16,
+              1024),
+             ("decode 32 @4096, pool 4096 (1024), fp8", 32, 4096, 4096, False, fp8, 1024),
+             ("prefill 512 after 4096, pool 4096", 512, 4096, 4096, True, jnp.bfloat16, None)]
+    ours = jax.jit(lambda *a: m3.select_blocks(*a, topk_blocks=K))
+    ref = jax.jit(lambda *a: reference.select_blocks(*a, topk_blocks=K))
+    for name, T, context, pool, prefill, kd, in_use in tqdm(
+            cases[:1] if quick else cases, desc="select", leave=False, disable=None):
+        args, nbytes = select_case(rng, T, Hkv, context, pool, device, Di, prefill, kd, in_use)
+        visible = int(np.sum(np.asarray(args[4]) + 1))
+        flops = 2 * Di * Hkv * visible
+        t_ref = median_time(ref, args, 3)
+        for path in cpu_paths(device):
+            with cpu_path(path):
+                t_ours = median_time(ours, args, 20)
+            tqdm.write(row(name + (f" {path}" if path else ""), t_ours, t_ref, nbytes, copy_bw,
+                           flops))

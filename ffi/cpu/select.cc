@@ -1,0 +1,466 @@
+// select_blocks on the CPU: MiniMax M3's indexer block selection (SPEC §8).
+//
+// Work mapping, in the order a reviewer can check it:
+// 1. Pieces. Tokens are cut into maximal runs of consecutive rows with the same query_req_id
+//    (a decode request's dql rows, a prefill chunk's tokens), and long runs into pieces of at
+//    most kPieceTokens tokens, so one prefill chunk still feeds every core; pool tasks take
+//    ranges of pieces. A token's result does not depend on its piece (step 3).
+// 2. Rows. In a piece, every (token, KV head) whose token is not padding (SPEC §8 step 1:
+//    request outside [0, R), pos < 0, or a layer outside [0, L): written all −1 at once) is a
+//    row, with its last candidate block min(pos / N, M − 1) and its idx_q widened to fp32.
+// 3. Scores. Blocks b = 0 .. the piece's last candidate, in order. A block whose page is
+//    outside [0, P) is skipped (scores stay −inf, the page is never read); otherwise its keys
+//    up to the furthest any row sees there are read once per group of rows — straight from
+//    the cache when at most kFewRows rows see it (decode; the next block's page is prefetched
+//    meanwhile), else widened once into an L1 tile of kKeyTile keys shared by all rows
+//    (prefill) — and dotted with each row that sees them. Every dot product is the same sum
+//    on every path: 8 fp32 partial sums (lane l takes dims l, l + 8, ...: one explicit fma
+//    each, in increasing dim), folded ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)); the file is built
+//    with -ffp-contract=off, and bf16 / E4M3 widen exactly. So a row's scores are the same
+//    bits on the generic and avx2 paths, on every machine, in any batch, piece, pool size or
+//    page placement. The block score is the max over the row's visible keys (offsets
+//    ≤ pos − b·N); a NaN dot product never wins a `>`, so it counts as −inf.
+// 4. Top-k. Per row: the local blocks (pos/N − local_blocks < b ≤ pos/N, b < M) in ascending
+//    id, then the other candidates with a finite score by descending score, ties to the lower
+//    id (visited in ascending id, inserted with a strict `>` into a list of at most K), −1 in
+//    the rest. Scores live in a per-task [rows × blocks] buffer: no [T, P·N] or [T, M·N] array.
+// Every read is inside its buffer: page ids and the layer are checked before they address
+// the cache (64-bit offsets), block ids are bounded by M, a key group past the block's last
+// needed key re-reads that key.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "isa.h"
+#include "m3sparse/ffi_checks.h"
+#include "m3sparse/nvfp4.h"
+#include "parallel.h"
+
+namespace m3sparse {
+namespace {
+
+constexpr int64_t kLanes = 8;         // partial sums per dot product (the summation layout)
+constexpr int64_t kKeyTile = 24;      // keys widened at a time (24 × Di fp32 stay in L1)
+constexpr int64_t kPieceTokens = 32;  // most tokens of one run served by one piece
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct SelectArgs {
+  const void* q;
+  ffi::DataType q_type;
+  const void* keys;
+  ffi::DataType k_type;
+  const int32_t* table;
+  const int32_t* req;
+  const int32_t* pos;
+  int32_t* out;
+  int64_t T, Hkv, Di, Dp, L, P, N, R, M, K, local;
+  int32_t layer;
+};
+
+struct Piece {
+  int64_t t0, t1;  // tokens [t0, t1), one request id
+};
+
+// ---- rows, buffers -------------------------------------------------------------------------
+
+struct Row {
+  const float* q;  // Dp floats, zero past Di
+  float* scores;   // [blocks of the piece], −inf until a visible key scores
+  int64_t pos, last;
+};
+
+struct Buffers {
+  std::vector<float> q, tile, scores;
+  std::vector<Row> rows, seeing;
+  std::vector<int64_t> top;
+};
+
+// One block of one piece: its keys [0, n_keys) (every key a seeing row can see) at `keys`.
+struct BlockJob {
+  int64_t b, n_keys;
+  const char* keys;
+  const char* next;  // the next valid block's keys (prefetched while this one is scored)
+};
+
+int64_t key_bytes(const SelectArgs& a) { return a.Di * (a.k_type == ffi::DataType::BF16 ? 2 : 1); }
+
+// Tile offsets ≤ this are visible to the row (its last key of block b, relative to o0).
+inline int64_t visible_limit(const SelectArgs& a, const Row& r, int64_t b, int64_t o0) {
+  return std::min(r.pos - b * a.N, a.N - 1) - o0;
+}
+
+// ---- the generic path: widen a tile of keys, then the reference summation layout ---------
+
+void widen_generic(const SelectArgs& a, const void* src, int64_t n, float* dst) {
+  if (a.k_type == ffi::DataType::BF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(s[i]);
+  } else {
+    const uint8_t* s = static_cast<const uint8_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = e4m3_to_float(s[i]);
+  }
+}
+
+// q · key with kLanes partial sums (lane l: dims l, l + 8, ...; explicit fma, increasing dim),
+// folded as ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)).
+inline float dot_generic(const float* q, const float* key, int64_t Dp) {
+  float x[kLanes] = {};
+  for (int64_t d = 0; d < Dp; d += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) x[l] = std::fma(q[d + l], key[d + l], x[l]);
+  return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+}
+
+// Widens keys [o0, o0 + n) of the block into the tile (rows of Dp floats, zero past Di).
+template <typename Widen>
+void widen_tile(const SelectArgs& a, Buffers& buf, const BlockJob& job, int64_t o0, int64_t n,
+                Widen widen) {
+  buf.tile.resize(kKeyTile * a.Dp);
+  for (int64_t o = 0; o < n; ++o) {
+    float* dst = buf.tile.data() + o * a.Dp;
+    widen(a, job.keys + (o0 + o) * key_bytes(a), a.Di, dst);
+    std::fill(dst + a.Di, dst + a.Dp, 0.0f);
+  }
+}
+
+void score_block_generic(const SelectArgs& a, Buffers& buf, const BlockJob& job) {
+  for (int64_t o0 = 0; o0 < job.n_keys; o0 += kKeyTile) {
+    const int64_t n = std::min(kKeyTile, job.n_keys - o0);
+    widen_tile(a, buf, job, o0, n, widen_generic);
+    for (const Row& r : buf.seeing) {
+      const int64_t lim = std::min(visible_limit(a, r, job.b, o0), n - 1);
+      float m = r.scores[job.b];
+      for (int64_t o = 0; o <= lim; ++o) {
+        const float d = dot_generic(r.q, buf.tile.data() + o * a.Dp, a.Dp);
+        if (d > m) m = d;  // NaN never wins: it counts as −inf
+      }
+      r.scores[job.b] = m;
+    }
+  }
+}
+
+// ---- the avx2 path: the same sums, 12 dot products at a time -----------------------------
+// Keys are read straight from the cache (bf16 / E4M3 widened in registers) when few rows see
+// the block (decode), or widened once into a tile shared by many rows (prefill). Either way
+// each dot product is the generic layout: one ymm accumulator (lane l), one fma per 8 dims,
+// then dot_generic's tree by hadd, 4 dot products at a time. 12 accumulators in flight
+// (R rows × C keys) keep both FMA pipes busy through the 4-cycle fma latency.
+#if M3_X86
+#define M3_AVX2 __attribute__((target("avx2,fma")))
+
+M3_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+M3_AVX2 inline __m256 load8(const uint16_t* p) {
+  const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+}
+
+// E4M3 s.eeee.mmm: e ≥ 1 → bits (eeeemmm << 20) + (120 << 23); e = 0 → m · 2^-9 (an exact
+// int conversion, no fp32 subnormal); 0x7F → NaN; then the sign. Equal to e4m3_to_float.
+M3_AVX2 inline __m256 load8(const uint8_t* p) {
+  long long raw;
+  std::memcpy(&raw, p, 8);
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(raw));
+  const __m256i mag_mask = _mm256_set1_epi32(0x7F);
+  const __m256i mag = _mm256_and_si256(x, mag_mask);
+  const __m256 normal = _mm256_castsi256_ps(
+      _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.0f / 512.0f));
+  __m256 v = _mm256_blendv_ps(
+      normal, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag)));
+  v = _mm256_blendv_ps(v, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                       _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, mag_mask)));
+  return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(x, 7), 31)));
+}
+
+M3_AVX2 void widen_avx2(const SelectArgs& a, const void* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  const uint16_t* bf16 = static_cast<const uint16_t*>(src);
+  const uint8_t* e4m3 = static_cast<const uint8_t*>(src);
+  if (a.k_type == ffi::DataType::BF16)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(bf16 + i));
+  else
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(e4m3 + i));
+  const int64_t elem = a.k_type == ffi::DataType::BF16 ? 2 : 1;
+  widen_generic(a, static_cast<const char*>(src) + i * elem, n - i, dst + i);
+}
+
+// out[r·C + c] = q[r] · k[c] for R·C = 12 dot products over Dp dims (a multiple of 8).
+template <int R, int C, typename T>
+M3_AVX2 inline void dots(const float* const* q, const T* const* k, int64_t Dp, float* out) {
+  static_assert(R * C == 12, "three hadd trees of four");
+  __m256 x[12];
+  for (auto& v : x) v = _mm256_setzero_ps();
+#pragma GCC unroll 4  // 4 × 12 fmas between loop tests: 50 vs 35 GFLOP/s on one Zen 3 core
+  for (int64_t d = 0; d < Dp; d += kLanes) {
+    __m256 key[C];
+    for (int c = 0; c < C; ++c) key[c] = load8(k[c] + d);
+    for (int r = 0; r < R; ++r) {
+      const __m256 qr = _mm256_loadu_ps(q[r] + d);
+      for (int c = 0; c < C; ++c) x[r * C + c] = _mm256_fmadd_ps(qr, key[c], x[r * C + c]);
+    }
+  }
+  // hadd pairs (x0+x1, x2+x3 | x4+x5, x6+x7) per 128-bit half, the second hadd adds those
+  // pairs, the last add joins the halves: dot_generic's tree.
+  for (int i = 0; i < 12; i += 4) {
+    const __m256 h =
+        _mm256_hadd_ps(_mm256_hadd_ps(x[i], x[i + 1]), _mm256_hadd_ps(x[i + 2], x[i + 3]));
+    _mm_storeu_ps(out + i, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+}
+
+// Block maxima of R rows (repeats allowed) over keys [0, n) at base + o·stride (tile offsets;
+// o0 is the tile's first key in the block), C keys at a time; a key index past n − 1 is read
+// as key n − 1 (the same dot product again: the max does not change). `next`, if set, is
+// prefetched at the same offsets.
+template <int R, int C, typename T>
+M3_AVX2 void rows_max(const SelectArgs& a, const Row* const* rows, const T* base, int64_t stride,
+                      int64_t Dp, int64_t b, int64_t o0, int64_t n, const char* next) {
+  const float* q[R];
+  int64_t lim[R];
+  float m[R];
+  for (int r = 0; r < R; ++r) {
+    q[r] = rows[r]->q;
+    lim[r] = visible_limit(a, *rows[r], b, o0);
+    m[r] = rows[r]->scores[b];
+  }
+  const int64_t kb = key_bytes(a);
+  alignas(16) float d[12];
+  for (int64_t o = 0; o < n; o += C) {
+    const T* k[C];
+    for (int c = 0; c < C; ++c) k[c] = base + std::min(o + c, n - 1) * stride;
+    if (next)
+      for (int64_t byte = o * kb; byte < (o + C) * kb; byte += 64)
+        _mm_prefetch(next + byte, _MM_HINT_T0);
+    dots<R, C>(q, k, Dp, d);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c)
+        if (o + c <= lim[r] && d[r * C + c] > m[r]) m[r] = d[r * C + c];
+  }
+  for (int r = 0; r < R; ++r) rows[r]->scores[b] = m[r];  // a repeated row: the same value
+}
+
+// Every seeing row: groups of 4 rows × 3 keys; the last 1–3 rows as 1 × 12, 2 × 6, 3 × 4.
+template <typename T>
+M3_AVX2 void all_rows_max(const SelectArgs& a, const Buffers& buf, const T* base, int64_t stride,
+                          int64_t Dp, int64_t b, int64_t o0, int64_t n, const char* next) {
+  const int64_t S = int64_t(buf.seeing.size());
+  for (int64_t i = 0; i < S; i += 4) {
+    const Row* r[4];
+    for (int j = 0; j < 4; ++j) r[j] = &buf.seeing[std::min(i + j, S - 1)];
+    const int64_t left = S - i;
+    if (left == 1) rows_max<1, 12>(a, r, base, stride, Dp, b, o0, n, next);
+    else if (left == 2) rows_max<2, 6>(a, r, base, stride, Dp, b, o0, n, next);
+    else if (left == 3) rows_max<3, 4>(a, r, base, stride, Dp, b, o0, n, next);
+    else rows_max<4, 3>(a, r, base, stride, Dp, b, o0, n, next);
+    next = nullptr;  // prefetched once
+  }
+}
+
+M3_AVX2 void score_block_avx2(const SelectArgs& a, Buffers& buf, const BlockJob& job) {
+  constexpr int64_t kFewRows = 8;  // up to this many rows read the keys straight from the cache
+  if (a.Di % kLanes == 0 && int64_t(buf.seeing.size()) <= kFewRows) {
+    if (a.k_type == ffi::DataType::BF16)
+      all_rows_max(a, buf, reinterpret_cast<const uint16_t*>(job.keys), a.Di, a.Di, job.b, 0,
+                   job.n_keys, job.next);
+    else
+      all_rows_max(a, buf, reinterpret_cast<const uint8_t*>(job.keys), a.Di, a.Di, job.b, 0,
+                   job.n_keys, job.next);
+    return;
+  }
+  for (int64_t o0 = 0; o0 < job.n_keys; o0 += kKeyTile) {
+    const int64_t n = std::min(kKeyTile, job.n_keys - o0);
+    widen_tile(a, buf, job, o0, n, widen_avx2);
+    all_rows_max(a, buf, buf.tile.data(), a.Dp, a.Dp, job.b, o0, n, nullptr);
+  }
+}
+#endif
+
+using ScoreBlock = void (*)(const SelectArgs&, Buffers&, const BlockJob&);
+
+// ---- one piece ---------------------------------------------------------------------------
+
+bool live_token(const SelectArgs& a, int64_t t) {
+  const int64_t r = a.req[t];
+  return r >= 0 && r < a.R && a.pos[t] >= 0 && a.layer >= 0 && a.layer < a.L;
+}
+
+// SPEC §8 step 4 for one row; writes its K ids (−1 padded) at `out`.
+void top_k(const SelectArgs& a, const Row& row, std::vector<int64_t>& top, int32_t* out) {
+  const int64_t own = row.pos / a.N;
+  const int64_t lo = std::max<int64_t>(0, own - a.local + 1);
+  int64_t k = 0;
+  for (int64_t b = lo; b <= row.last && k < a.K; ++b) out[k++] = int32_t(b);
+  const int64_t room = a.K - k;
+  top.clear();
+  for (int64_t b = 0; b <= row.last && room > 0; ++b) {
+    const float s = row.scores[b];
+    if ((b >= lo && b <= own) || !is_finite(s)) continue;
+    if (int64_t(top.size()) == room && !(s > row.scores[top.back()])) continue;
+    if (int64_t(top.size()) == room) top.pop_back();
+    auto at = top.end();
+    while (at != top.begin() && s > row.scores[*(at - 1)]) --at;  // equal scores: older first
+    top.insert(at, b);
+  }
+  for (int64_t b : top) out[k++] = int32_t(b);
+  for (; k < a.K; ++k) out[k] = -1;
+}
+
+// Step 2: the piece's rows (padding rows written as −1 here); returns its block count.
+int64_t gather_rows(const SelectArgs& a, Buffers& buf, Piece piece) {
+  const int64_t n_tok = piece.t1 - piece.t0;
+  int64_t blocks = 0;  // candidates of the piece: [0, blocks)
+  for (int64_t t = piece.t0; t < piece.t1; ++t)
+    if (live_token(a, t)) blocks = std::max(blocks, std::min<int64_t>(a.pos[t] / a.N, a.M - 1) + 1);
+  buf.rows.clear();
+  buf.q.assign(n_tok * a.Hkv * a.Dp, 0.0f);
+  buf.scores.assign(n_tok * a.Hkv * blocks, kNegInf);
+  for (int64_t t = piece.t0; t < piece.t1; ++t)
+    for (int64_t g = 0; g < a.Hkv; ++g) {
+      if (!live_token(a, t)) {
+        std::fill_n(a.out + (g * a.T + t) * a.K, a.K, -1);
+        continue;
+      }
+      const int64_t i = (t - piece.t0) * a.Hkv + g;
+      float* q = buf.q.data() + i * a.Dp;
+      if (a.q_type == ffi::DataType::F32) {
+        const float* src = static_cast<const float*>(a.q) + (t * a.Hkv + g) * a.Di;
+        std::copy(src, src + a.Di, q);
+      } else {
+        const uint16_t* src = static_cast<const uint16_t*>(a.q) + (t * a.Hkv + g) * a.Di;
+        for (int64_t d = 0; d < a.Di; ++d) q[d] = bf16_to_float(src[d]);
+      }
+      buf.rows.push_back({q, buf.scores.data() + i * blocks, a.pos[t],
+                          std::min<int64_t>(a.pos[t] / a.N, a.M - 1)});
+    }
+  return blocks;
+}
+
+void select_piece(const SelectArgs& a, ScoreBlock score_block, Buffers& buf, Piece piece) {
+  const int64_t blocks = gather_rows(a, buf, piece);
+  const int64_t r = a.req[piece.t0];
+  auto page_keys = [&](int64_t b) -> const char* {  // nullptr: an invalid page, never read
+    const int64_t page = a.table[r * a.M + b];
+    if (page < 0 || page >= a.P) return nullptr;
+    const int64_t key0 = (int64_t(a.layer) * a.P + page) * a.N;  // 64-bit: large pools
+    return static_cast<const char*>(a.keys) + key0 * key_bytes(a);
+  };
+  const char* keys = blocks ? page_keys(0) : nullptr;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const char* next = nullptr;
+    for (int64_t nb = b + 1; nb < blocks && !next; ++nb) next = page_keys(nb);
+    if (keys) {
+      buf.seeing.clear();
+      int64_t n_keys = 0;
+      for (const Row& row : buf.rows)
+        if (row.last >= b) {
+          buf.seeing.push_back(row);
+          n_keys = std::max(n_keys, std::min(a.N, row.pos - b * a.N + 1));
+        }
+      score_block(a, buf, BlockJob{b, n_keys, keys, next});
+    }
+    keys = b + 1 < blocks ? page_keys(b + 1) : nullptr;
+  }
+  for (const Row& row : buf.rows) {
+    const int64_t i = (row.q - buf.q.data()) / a.Dp;
+    const int64_t t = piece.t0 + i / a.Hkv, g = i % a.Hkv;
+    top_k(a, row, buf.top, a.out + (g * a.T + t) * a.K);
+  }
+}
+
+// Step 1: maximal runs of one request id, cut into pieces of at most kPieceTokens.
+std::vector<Piece> make_pieces(const SelectArgs& a) {
+  std::vector<Piece> pieces;
+  for (int64_t t0 = 0; t0 < a.T;) {
+    int64_t t1 = t0 + 1;
+    while (t1 < a.T && a.req[t1] == a.req[t0]) ++t1;
+    for (int64_t s = t0; s < t1; s += kPieceTokens)
+      pieces.push_back({s, std::min(t1, s + kPieceTokens)});
+    t0 = t1;
+  }
+  return pieces;
+}
+
+ffi::Future SelectBlocks(ffi::ThreadPool pool, ffi::AnyBuffer idx_q, ffi::AnyBuffer idx_k_cache,
+                         ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> query_req_id,
+                         ffi::Buffer<ffi::S32> query_abs_pos, ffi::BufferR0<ffi::S32> layer,
+                         ffi::Result<ffi::Buffer<ffi::S32>> topk, int64_t topk_blocks,
+                         int64_t local_blocks) {
+  auto qd = idx_q.dimensions();
+  auto kd = idx_k_cache.dimensions();
+  auto bd = block_table.dimensions();
+  auto od = topk->dimensions();
+  if (qd.size() != 3) return ready_future(invalid("idx_q must be [T, Hkv, Di]"));
+  if (idx_q.element_type() != ffi::DataType::F32 && idx_q.element_type() != ffi::DataType::BF16)
+    return ready_future(invalid("idx_q must be float32 or bfloat16"));
+  if (kd.size() != 3 && kd.size() != 4)
+    return ready_future(invalid("idx_k_cache must be [P, N, Di] or [L, P, N, Di]"));
+  if (idx_k_cache.element_type() != ffi::DataType::BF16 &&
+      idx_k_cache.element_type() != ffi::DataType::F8E4M3FN)
+    return ready_future(invalid("idx_k_cache must be bfloat16 or float8_e4m3fn"));
+  const size_t kr = kd.size();
+  if (kd[kr - 1] != qd[2]) return ready_future(invalid("idx_k_cache's Di must equal idx_q's"));
+  if (bd.size() != 2) return ready_future(invalid("block_table must be [R, M]"));
+  if (query_req_id.element_count() != qd[0] || query_abs_pos.element_count() != qd[0])
+    return ready_future(invalid("query_req_id and query_abs_pos must be [T]"));
+  if (topk_blocks < 1 || local_blocks < 1)
+    return ready_future(invalid("topk_blocks and local_blocks must be >= 1"));
+  if (od.size() != 3 || od[0] != qd[1] || od[1] != qd[0] || od[2] != topk_blocks)
+    return ready_future(invalid("topk_indices must be [Hkv, T, topk_blocks]"));
+  CpuPath path;
+  if (!current_cpu_path(&path)) return ready_future(invalid(cpu_path_error()));
+
+  SelectArgs a;
+  a.q = idx_q.untyped_data();
+  a.q_type = idx_q.element_type();
+  a.keys = idx_k_cache.untyped_data();
+  a.k_type = idx_k_cache.element_type();
+  a.table = block_table.typed_data();
+  a.req = query_req_id.typed_data();
+  a.pos = query_abs_pos.typed_data();
+  a.out = topk->typed_data();
+  a.T = qd[0];
+  a.Hkv = qd[1];
+  a.Di = qd[2];
+  a.Dp = (a.Di + kLanes - 1) / kLanes * kLanes;
+  a.L = kr == 4 ? kd[0] : 1;
+  a.P = kd[kr - 3];
+  a.N = kd[kr - 2];
+  a.R = bd[0];
+  a.M = bd[1];
+  a.K = topk_blocks;
+  a.local = local_blocks;
+  a.layer = *layer.typed_data();
+  if (a.T == 0 || a.Hkv == 0) return ready_future();
+  if (a.N == 0 || a.M == 0) a.L = 0;  // no key can be visible: every row is padding-like
+
+  ScoreBlock kernel = score_block_generic;
+#if M3_X86
+  if (path >= CpuPath::kAvx2) kernel = score_block_avx2;
+#endif
+  auto pieces = std::make_shared<std::vector<Piece>>(make_pieces(a));
+  return parallel_for(pool, int64_t(pieces->size()), 1, [a, kernel, pieces](int64_t begin,
+                                                                            int64_t end) {
+    thread_local Buffers buf;
+    for (int64_t i = begin; i < end; ++i) select_piece(a, kernel, buf, (*pieces)[i]);
+  });
+}
+
+}  // namespace
+}  // namespace m3sparse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_select_blocks_cpu, m3sparse::SelectBlocks,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()               // idx_q
+                                  .Arg<xla::ffi::AnyBuffer>()               // idx_k_cache
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // block_table
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // query_req_id
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // query_abs_pos
+                                  .Arg<xla::ffi::BufferR0<xla::ffi::S32>>()  // layer
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()   // topk_indices
+                                  .Attr<int64_t>("topk_blocks")
+                                  .Attr<int64_t>("local_blocks"));
