@@ -1,6 +1,7 @@
 """Serve real text through MiniMax M3 on jax_m3sparse's NVFP4 sparse path.
 
     python examples/minimax_m3_generate.py                      # a small random M3, CPU, ~30 s
+    python examples/minimax_m3_generate.py --temperature 0.8 --top-p 0.95 --seed 1 --logprobs 5
     python examples/minimax_m3_generate.py --checkpoint DIR --tp 8 --no-compare
     python examples/minimax_m3_generate.py --config DIR/config.json --dry-run --tp 8 \
         --context-len 131072 --batch 8 --device-memory-gb 192
@@ -23,6 +24,7 @@ import time
 from minimax_m3 import text
 from minimax_m3.config import ModelConfig
 from minimax_m3.engine import Engine, EngineConfig
+from minimax_m3.sampling import SamplingParams
 
 
 def parse_args(argv=None):
@@ -62,9 +64,9 @@ def parse_args(argv=None):
     model.add_argument("--intermediate", type=int, default=d.intermediate_size,
                        help="random model: per-expert (and shared-expert) width; the dense MLP "
                             "is 4x (as in M3)")
-    model.add_argument("--seed", type=int, default=0, help="random-weight seed")
+    model.add_argument("--weight-seed", type=int, default=0, help="random-weight seed")
     model.add_argument("--reference-dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                       help="the reference stream's caches")
+                       help="the comparison (baseline) stream's caches")
     plan = p.add_argument_group("dry run (no weights)")
     plan.add_argument("--config", metavar="PATH", help="a config.json (or its directory): the "
                       "model's shapes (with random weights unless --dry-run)")
@@ -87,7 +89,21 @@ def parse_args(argv=None):
     eng.add_argument("--spec-tokens", type=int, default=e.spec_tokens,
                      help="prompt-lookup draft tokens verified per decode step")
     eng.add_argument("--no-compare", action="store_true",
-                     help="skip the bf16 reference stream (no accuracy figures, about 2x faster)")
+                     help="skip the bf16 baseline stream (no accuracy figures, about 2x faster)")
+    smp = p.add_argument_group("sampling (on the device; the defaults are greedy)")
+    smp.add_argument("--temperature", type=float, default=0.0, help="0: greedy (argmax)")
+    smp.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    smp.add_argument("--top-p", type=float, default=1.0,
+                     help="keep the most likely tokens up to this probability mass (1: off)")
+    smp.add_argument("--seed", type=int, default=0,
+                     help="sampling seed: request i draws from seed + i, its token at position "
+                          "p from the key (seed + i, p), whatever its batch")
+    smp.add_argument("--logprobs", type=int, default=0, metavar="N",
+                     help="also return the N most likely tokens' log-probabilities per token")
+    smp.add_argument("--stop-token-ids", type=int, nargs="*", default=[],
+                     help="token ids that end a request (kept as its last token), besides EOS")
+    smp.add_argument("--ignore-eos", action="store_true",
+                     help="do not stop at EOS (config.json's eos_token_id, the tokenizer's)")
     return p.parse_args(argv)
 
 
@@ -135,14 +151,23 @@ def load_model(args, cfg, mesh):
     from minimax_m3 import checkpoint, model, parallel  # noqa: PLC0415
     shardings = parallel.param_shardings(model.param_shapes(cfg), cfg, mesh)
     if not args.checkpoint:
-        return model.init_params(cfg, args.seed, shardings)
+        return model.init_params(cfg, args.weight_seed, shardings, dtype=args.dtype)
     with tqdm(total=checkpoint.count_tensors(cfg), unit="tensor", desc="loading") as bar:
         return checkpoint.load_params(args.checkpoint, cfg, shardings, dtype=args.dtype,
                                       progress=bar.update)
 
 
+def sampling_note(args, stops) -> str:
+    """One line: how tokens are sampled and what stops a request."""
+    how = ("greedy" if args.temperature == 0 else
+           f"temperature {args.temperature}, top-k {args.top_k or 'off'}, top-p {args.top_p}, "
+           f"seed {args.seed}")
+    return how + (f", stop tokens {stops}" if stops else ", no stop token")
+
+
 def serve(args, cfg):
     import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
     from tqdm import tqdm  # noqa: PLC0415
 
     import jax_m3sparse as m3  # noqa: PLC0415
@@ -163,15 +188,18 @@ def serve(args, cfg):
     ecfg = EngineConfig(num_pages=args.num_pages or sum(need[-args.max_running:]),
                         max_running=args.max_running, chunk_size=args.chunk_size,
                         spec_tokens=args.spec_tokens, max_seq_len=need[-1] * cfg.block_size,
-                        compare=not args.no_compare, tp=args.tp)
+                        compare=not args.no_compare, tp=args.tp, num_logprobs=args.logprobs)
+    stops = [*([] if args.ignore_eos else
+               text.eos_token_ids(args.checkpoint or args.config, tokenizer)), *args.stop_token_ids]
     moe_layers = sum(t == "sparse" for t in cfg.mlp_layer_types)
     print(f"backend {jax.default_backend()}, tp {args.tp} of {jax.device_count()} devices; "
           f"MiniMax M3: {cfg.num_layers} layers ({len(cfg.sparse_layers)} sparse attention, "
           f"{moe_layers} MoE of {cfg.num_local_experts} experts top-{cfg.num_experts_per_tok} "
           f"+ shared), hidden {cfg.hidden_size}, Hq {cfg.num_attention_heads}, Hkv "
           f"{cfg.num_key_value_heads}, D {cfg.head_dim}, top-{cfg.index_topk_blocks} of "
-          f"{cfg.block_size}-token blocks; weights: {args.checkpoint or f'random (seed {args.seed})'}"
-          f"; tokenizer: {tokenizer.name}")
+          f"{cfg.block_size}-token blocks; weights: "
+          f"{args.checkpoint or f'random (seed {args.weight_seed})'}"
+          f"; tokenizer: {tokenizer.name}; sampling: {sampling_note(args, stops)}")
     cpu_paths = m3.cpu_attention_paths() if jax.default_backend() == "cpu" else None
     if cpu_paths:
         print(f"CPU attention path: {cpu_paths[1]} (available here: {', '.join(cpu_paths[0])}; BUILD.md)")
@@ -181,7 +209,9 @@ def serve(args, cfg):
 
     engine = Engine(params, cfg, ecfg)
     for rid, (name, tokens) in enumerate(prompts):
-        engine.add_request(rid, tokens, args.max_new_tokens)
+        engine.add_request(rid, tokens, args.max_new_tokens, SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            seed=(args.seed + rid) % 2 ** 32, stop_token_ids=tuple(stops)))
         print(f"  request {rid}: {name}, {len(tokens)} tokens "
               f"({-(-len(tokens) // cfg.block_size)} blocks)")
     total = sum(len(t) + args.max_new_tokens for _, t in prompts)
@@ -195,7 +225,12 @@ def serve(args, cfg):
     wall = time.perf_counter() - t0
 
     for r in finished:
-        print(f"  request {r.rid} -> {tokenizer.printable(r.generated)}")
+        print(f"  request {r.rid} -> {tokenizer.printable(r.generated)}"
+              + (" [stop token]" if r.finish_reason == "stop" else ""))
+        if r.logprobs:
+            lp, ids, tops = r.logprobs[0]
+            print(f"    mean logprob {np.mean([x[0] for x in r.logprobs]):.3f}; first token's "
+                  f"top {len(ids)}: " + ", ".join(f"{i}: {v:.2f}" for i, v in zip(ids, tops)))
     summary = report.summarize(engine, wall)
     kv = engine.caches["kv"]
     summary.update(tp=args.tp, kv_cache_bytes=kv.nbytes,
@@ -213,7 +248,7 @@ def serve(args, cfg):
             json.dump({str(k): [int(t) for t in v] for k, v in summary["generated"].items()}, f)
     if args.plot:
         if "attn_cos" not in summary:
-            print("--plot needs the reference stream (drop --no-compare)")
+            print("--plot needs the baseline stream (drop --no-compare)")
         else:
             report.plot(engine, summary, args.plot)
             print(f"plot written to {args.plot}")

@@ -53,6 +53,7 @@ def generate(params, base_cfg, tokenizer, args, ecfg):
     import dataclasses  # noqa: PLC0415
 
     from real_model.quality import ScoringEngine  # noqa: PLC0415
+    from minimax_m3.sampling import SamplingParams  # noqa: PLC0415
     from real_model import model  # noqa: PLC0415
 
     with open(args.gen_doc, encoding="utf-8", errors="replace") as f:
@@ -66,7 +67,8 @@ def generate(params, base_cfg, tokenizer, args, ecfg):
     prompt = tokenizer.encode(text).ids
     cfg = base_cfg.with_path(args.gen_path)
     engine = ScoringEngine(params, cfg, dataclasses.replace(ecfg, max_running=1), model=model)
-    engine.add_request(0, prompt, args.gen_tokens)
+    stop = SamplingParams(stop_token_ids=(tokenizer.token_to_id("<|im_end|>"),))
+    engine.add_request(0, prompt, args.gen_tokens, stop)
     (req,) = engine.run()
     return prompt, req, engine
 
@@ -121,7 +123,7 @@ def main(argv=None):
     prompt, req, engine = generate(params, cfg, tokenizer, args, ecfg)
     s = engine.stats
     gen = list(req.generated)
-    stop = tokenizer.token_to_id("<|im_end|>")          # the engine has no stop tokens
+    stop = tokenizer.token_to_id("<|im_end|>")          # a stop token, kept as the last one
     gen = gen[:gen.index(stop)] if stop in gen else gen
     out = tokenizer.decode(gen, skip_special_tokens=True)
     print(f"greedy generation through {args.gen_path} ({len(prompt)}-token prompt: "

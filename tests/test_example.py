@@ -32,7 +32,7 @@ CFG = ModelConfig(hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
                   index_head_dim=64, index_topk_blocks=2, layer_types=(SPARSE, FULL, SPARSE),
                   mlp_layer_types=(MOE, DENSE_MLP, MOE))
 ECFG = EngineConfig(num_pages=9, max_running=2, chunk_size=256, max_seq_len=768,
-                    spec_tokens=2, compare=True)
+                    spec_tokens=2, compare=True, keep_logits=True)
 LICENSES = pathlib.Path("/usr/share/common-licenses")
 
 
@@ -187,7 +187,7 @@ def _select_bruteforce(iq, kc, table, req, pos, K, N, local_blocks=1):
 def test_select_blocks_bruteforce():
     rng = np.random.default_rng(1)
     P, N, Di, Hkv, K, M = 10, 128, 32, 2, 3, 6
-    kc = rng.normal(size=(P, N, Di)).astype(np.float32)
+    kc = rng.normal(size=(P, N, Di)).astype(jnp.bfloat16)     # the index cache is bf16 / fp8
     table = np.array([[3, 7, 1, 9, 0, -1], [2, 5, 8, 4, 6, -1]], np.int32)
     req = np.array([0, 0, 1, 1, -1, 0], np.int32)
     pos = np.array([5, 700, 130, 520, 3, 383], np.int32)
@@ -275,8 +275,8 @@ def test_cli_with_checkpoint_and_prompt_files(tmp_path):
     assert s["pages_free_at_end"] == 8 and "attn_cos" not in s
 
 
-def test_bf16_reference_attention_matches_library_reference():
-    """The reference stream's plain-jnp paged attention (both its paths) equals
+def test_bf16_baseline_attention_matches_library_reference():
+    """The baseline stream's plain-jnp paged attention (both its paths) equals
     jax_m3sparse.reference on K/V that bf16 holds exactly (dequantized NVFP4)."""
     import jax_m3sparse as m3
     from minimax_m3.attention import paged_attention_jnp
@@ -310,7 +310,7 @@ def test_speculative_decoding_matches_plain_greedy(params):
     (random weights soon repeat themselves, so some drafts are accepted)."""
     runs = []
     plain = EngineConfig(num_pages=9, max_running=2, chunk_size=256, max_seq_len=768,
-                         spec_tokens=0, compare=False)
+                         spec_tokens=0, compare=False, keep_logits=True)
     for ecfg in (ECFG, plain):                # ECFG: the batched run's shapes, compiled already
         e = Engine(params, CFG, ecfg)
         for rid, p in enumerate(_prompts()[:2]):

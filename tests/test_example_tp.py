@@ -63,13 +63,19 @@ def test_tp8_splits_every_expert():
     batch = engine._build_batch()[0]
     with jax.set_mesh(mesh):
         hlo = model.forward_step.lower(engine.params, engine.caches, batch, cfg=cfg,
-                                       num_decode_requests=2, decode_query_len=1,
-                                       compare=False).compile().as_text()
+                                       num_decode_requests=2,
+                                       decode_query_len=1).compile().as_text()
     moved = [(op, math.prod(int(d) for d in dims.split(",") if d))
              for dims, op in re.findall(r"= \w+\[([\d,]*)\]\S* (all-gather|all-reduce|all-to-all)\(",
                                         hlo)]
     assert any(op == "all-reduce" for op, _ in moved)
     assert all(n <= 130 * 128 for _, n in moved), moved     # at most one [T, H] activation
+    # lm_head and the embeddings are split over the vocabulary (each device 256 / 8 rows) and
+    # never gathered: the one all-gather is the sampled rows' logits [S = 4, V = 256].
+    V, S = cfg.vocab_size, len(batch["sample_rows"])
+    for name in ("embed_tokens", "lm_head"):
+        assert {sh.data.shape for sh in engine.params[name].addressable_shards} == {(V // 8, 128)}
+    assert [n for op, n in moved if op == "all-gather"] == [S * V], moved
 
 
 @needs8

@@ -3,9 +3,10 @@
 Tiny random M3 models are built with transformers (fp32, eager attention), saved as checkpoint
 directories the way they are published (tests/m3_reference.py: transformers' names and the
 upstream names, sharded and not, tied and untied, FP8 blocks), and loaded by the example's
-loader as they are. The example's reference stream, in float32 with its own index keys and
-selections (``reference_selection="own"``), is an independent JAX twin of transformers' model;
-it must give transformers' per-layer hidden states, logits, block selections and greedy tokens.
+loader as they are. The example's baseline stream (compare.py), in float32 with its own index
+keys and selections (``reference_selection="own"``), is an independent JAX twin of
+transformers' model; it must give transformers' per-layer hidden states, logits, block
+selections and greedy tokens.
 The served NVFP4 stream's agreement is printed (it is what the main job's summary reports).
 
 Near-ties: with random weights two logits (or two blocks' scores) can be closer than fp32
@@ -28,7 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
 import m3_reference as ref  # noqa: E402
-from minimax_m3 import model, parallel  # noqa: E402
+from minimax_m3 import compare, model, parallel, sampling  # noqa: E402
 from minimax_m3.checkpoint import load_params  # noqa: E402
 from minimax_m3.config import from_hf_config  # noqa: E402
 from minimax_m3.engine import Engine, EngineConfig, cosine  # noqa: E402
@@ -60,15 +61,17 @@ def _load(path, **overrides):
 
 
 def _prefill(cfg, params, tokens):
-    """The whole prompt in one step (one request, no decode rows), collecting every layer."""
+    """The whole prompt in one step (one request, no decode rows) through the served step and
+    the baseline stream (compare.py), every row sampled (greedy), collecting every layer."""
     S, N = len(tokens), cfg.block_size
     M = -(-S // N)
-    caches = model.allocate_caches(cfg, M, compare=True)
+    caches = compare.allocate_caches(cfg, M)
     batch = dict(tokens=np.asarray(tokens, np.int32), slot_mapping=np.arange(S, dtype=np.int32),
                  query_lens=np.array([S], np.int32), context_lens=np.array([0], np.int32),
-                 block_table=np.arange(M, dtype=np.int32)[None])
-    _, out = model.forward_step(params, caches, batch, cfg=cfg, num_decode_requests=0,
-                                decode_query_len=1, compare=True, collect=True)
+                 block_table=np.arange(M, dtype=np.int32)[None],
+                 **sampling.batch_arrays(np.arange(S)))
+    _, out = compare.forward_step(params, caches, batch, cfg=cfg, num_decode_requests=0,
+                                  decode_query_len=1, collect=("hidden", "topk"))
     return jax.device_get(out)
 
 
@@ -105,7 +108,7 @@ def test_config_read_as_transformers_does(case):
 
 
 def test_hidden_states_match_per_layer(case):
-    got, want = case["got"]["ref_hidden"], case["want"]["hidden_states"]
+    got, want = case["got"]["baseline_hidden"], case["want"]["hidden_states"]
     L = case["cfg"].num_layers
     # transformers: [0] the embeddings, [i] after layer i (i < L), [L] after the final norm.
     for i in range(L):
@@ -119,23 +122,23 @@ def test_hidden_states_match_per_layer(case):
 
 def test_logits_and_selections_match(case):
     got, want = case["got"], case["want"]
-    agree = np.mean(np.argmax(got["ref_logits"], -1) == np.argmax(want["logits"], -1))
+    agree = np.mean(np.argmax(got["baseline_logits"], -1) == np.argmax(want["logits"], -1))
     assert agree >= 0.99, agree
-    assert _cos_rows(got["ref_logits"], want["logits"]).min() >= 0.9999
+    assert _cos_rows(got["baseline_logits"], want["logits"]).min() >= 0.9999
     print(f"{case['name']}: argmax agreement {agree:.4f}, max |logit diff| "
-          f"{np.max(np.abs(got['ref_logits'] - want['logits'])):.2e}")
+          f"{np.max(np.abs(got['baseline_logits'] - want['logits'])):.2e}")
     sparse = case["cfg"].sparse_layers
     same = []
     for k, layer in enumerate(sparse):
-        ours = np.sort(got["ref_topk"][k], -1)                       # [Hkv, T, K]
+        ours = np.sort(got["baseline_topk"][k], -1)                       # [Hkv, T, K]
         theirs = want["selections"][layer]                           # [Hidx, S, K']
         theirs = np.sort(np.pad(theirs, ((0, 0), (0, 0), (0, ours.shape[-1] - theirs.shape[-1])),
                                 constant_values=-1), -1)
         same.append(np.all(ours == theirs, -1).mean())
-    served = [np.all(np.sort(got["topk"][k], -1) == np.sort(got["ref_topk"][k], -1), -1).mean()
+    served = [np.all(np.sort(got["topk"][k], -1) == np.sort(got["baseline_topk"][k], -1), -1).mean()
               for k in range(len(sparse))]
     print(f"{case['name']}: selections equal to transformers' {np.round(same, 4)}; served "
-          f"(bf16 index keys, NVFP4 stream) equal to the reference {np.round(served, 4)}; "
+          f"(bf16 index keys, NVFP4 stream) equal to the baseline {np.round(served, 4)}; "
           f"served argmax agreement "
           f"{np.mean(np.argmax(got['logits'], -1) == np.argmax(want['logits'], -1)):.3f}; "
           f"min top-1/top-2 logit gap {min(np.min(v) for v in case['want']['top2_gap'].values()):.3g}")
@@ -143,7 +146,7 @@ def test_logits_and_selections_match(case):
 
 
 def test_greedy_generation_matches(case):
-    generated = _generate(case["cfg"], case["params"], case["tokens"], follow="reference")
+    generated = _generate(case["cfg"], case["params"], case["tokens"], follow="baseline")
     assert generated == [int(t) for t in case["want"]["generated"]], (generated,
                                                                        case["want"]["generated"])
 
@@ -162,8 +165,8 @@ def test_fp8_checkpoint_loads_to_its_dequantized_twin(tmp_path):
     p8 = load_params(str(tmp_path / "fp8"), cfg, shardings, dtype="float32")
     _, p32 = _load(tmp_path / "twin")
     a, b = _prefill(cfg, p8, tokens), _prefill(cfg, p32, tokens)
-    np.testing.assert_allclose(a["ref_logits"], b["ref_logits"], rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(a["greedy"], b["greedy"])
+    np.testing.assert_allclose(a["baseline_logits"], b["baseline_logits"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
     bf16 = load_params(str(tmp_path / "fp8"), cfg, shardings)
     assert bf16["segments"][0]["self_attn"]["q_proj"].dtype == "bfloat16"   # FP8 -> bf16 default
-    assert cosine(_prefill(cfg, bf16, tokens)["ref_logits"], b["ref_logits"]) >= 0.999
+    assert cosine(_prefill(cfg, bf16, tokens)["baseline_logits"], b["baseline_logits"]) >= 0.999

@@ -412,7 +412,8 @@ def count_tensors(cfg: ModelConfig) -> int:
 def to_hf_config(cfg: ModelConfig) -> dict:
     """A transformers ``config.json`` (``model_type`` minimax_m3_vl_text) for ``cfg``."""
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    for serving in ("kv_replicas", "reference_dtype", "reference_selection", "rope_theta"):
+    for serving in ("kv_replicas", "reference_dtype", "reference_selection", "moe_impl",
+                    "rope_theta"):
         fields.pop(serving)
     fields.update(model_type="minimax_m3_vl_text", architectures=["MiniMaxM3VLForCausalLM"],
                   layer_types=list(cfg.layer_types), mlp_layer_types=list(cfg.mlp_layer_types),

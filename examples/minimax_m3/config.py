@@ -70,6 +70,7 @@ class ModelConfig:
     kv_replicas: int = 1                       # copies of each KV head in the cache (TP > Hkv)
     reference_dtype: str = "bfloat16"          # the reference stream's caches (or "float32")
     reference_selection: str = "served"        # its block selections: "served" or "own"
+    moe_impl: str = "auto"                     # routed experts: moe.IMPLS ("auto", "dense", ...)
 
     def __post_init__(self):
         L = self.num_hidden_layers
@@ -91,6 +92,9 @@ class ModelConfig:
             raise ValueError(f"index_n_heads ({self.index_n_heads}) != num_key_value_heads "
                              f"({self.num_key_value_heads}): jax_m3sparse's attention takes one "
                              f"block selection per KV head (M3 has 4 and 4)")
+        if self.moe_impl not in ("auto", "dense", "ragged", "tokamax"):     # moe.IMPLS
+            raise ValueError(f"moe_impl {self.moe_impl!r}: 'auto', 'dense', 'ragged' or "
+                             f"'tokamax'")
         if self.reference_selection not in ("served", "own"):
             raise ValueError(f"reference_selection {self.reference_selection!r}: 'served' or 'own'")
         if self.index_block_size != 128:
@@ -197,13 +201,14 @@ def quantization_config(source) -> dict | None:
         "quantization_config")
 
 
-# The published MiniMax M3 text model (transformers' MiniMaxM3VLTextConfig defaults; llama.cpp
-# #24908 reports 3 dense-MLP layers then 57 MoE layers). Which layers attend sparsely is not in
-# those defaults: the dry-run README numbers assume every layer does (the most index-cache
-# bytes); a real config.json's layer_types replaces the guess.
+# The published MiniMax M3 text model (transformers' MiniMaxM3VLTextConfig defaults). The
+# released config.json has no layer_types: its sparse_attention_config.sparse_attention_freq and
+# moe_layer_freq are [0, 0, 0, 1 × 57], i.e. layers 0-2 full attention with a dense MLP, layers
+# 3-59 sparse attention with the mixture of experts (from_hf_config reads both forms).
 M3_TEXT = dict(vocab_size=200064, hidden_size=6144, num_hidden_layers=60,
                num_attention_heads=64, num_key_value_heads=4, head_dim=128,
                dense_intermediate_size=12288, intermediate_size=3072,
                shared_intermediate_size=3072, num_local_experts=128, num_experts_per_tok=4,
                index_n_heads=4, index_head_dim=128, index_topk_blocks=16,
-               layer_types=(SPARSE,) * 60, mlp_layer_types=(DENSE_MLP,) * 3 + (MOE,) * 57)
+               layer_types=(FULL,) * 3 + (SPARSE,) * 57,
+               mlp_layer_types=(DENSE_MLP,) * 3 + (MOE,) * 57)

@@ -7,35 +7,33 @@ pytree's keys are the checkpoint's, ``self_attn.q_proj`` ...), the same order of
 the mixture of experts (``moe.py``); runs of equal layers are stacked and scanned.
 
 One jitted :func:`forward_step` runs a mixed batch (decode rows first, prefill chunks after,
-SPEC §5.6) through every layer, as two streams in lockstep on the same tokens:
-
-* the **served** stream: K/V packed to NVFP4 in one 5-D ``uint8`` cache for all layers
-  (layout "LBHNC", ``[L, P, 2Hkv, N, 72]``), index keys in a bf16 key-only paged cache,
-  selection by :func:`jax_m3sparse.select.select_blocks`, attention by
-  :func:`jax_m3sparse.sparse_attention` (full-attention layers: every block selected);
-* the **reference** stream (``compare=True``): the same model with a dense-format paged cache
-  (``cfg.reference_dtype``: bf16, or float32 to match transformers' fp32 run) and plain-``jnp``
-  attention, over the served stream's selections (``reference_selection="served"``: it
-  measures what NVFP4 costs at equal selections) or its own index keys and selections
-  (``"own"``: an independent twin of transformers' model, as the tests use it).
+SPEC §5.6) through every layer: K/V packed to NVFP4 in one 5-D ``uint8`` cache for all layers
+(layout "LBHNC", ``[L, P, 2Hkv, N, 72]``), index keys in a bf16 key-only paged cache,
+selection by :func:`jax_m3sparse.select.select_blocks`, attention by
+:func:`jax_m3sparse.sparse_attention` (full-attention layers: every block selected). Only the
+rows that sample get the final norm and ``lm_head``; they are sampled on the device
+(``sampling.py``). The accuracy report's second stream (the same model over a dense-format
+cache) is a wrapper around this step: ``compare.py``.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 import jax_m3sparse as m3
 from jax_m3sparse.sharding import replicate_kv_heads
 
-from . import moe
-from .attention import (gemma_rms_norm, paged_attention_jnp, qkv, rotary_cos_sin, select,
-                        write_pages)
+from . import moe, sampling
+from .attention import gemma_rms_norm, qkv, rotary_cos_sin, select
 from .config import MOE, SPARSE, ModelConfig
-from .parallel import is_shape
+from .parallel import AXIS, is_shape, tp_size
 
 KV_LAYOUT = "LBHNC"
 K_SCALE = V_SCALE = 1.0   # NVFP4 global scales: K is RMS-normed, V of unit-ish size
@@ -80,48 +78,118 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def init_params(cfg: ModelConfig, seed: int = 0, shardings=None) -> dict:
-    """Seeded random float32 weights: matmuls N(0, 1/fan_in), norms N(0, 0.1) (Gemma's 1 + w),
-    embeddings N(0, 1), router bias N(0, 0.1). ``shardings``: a matching pytree of
-    ``NamedSharding`` (parallel.param_shardings) to place each leaf, else the default device."""
-    rng = np.random.default_rng(seed)
+def init_params(cfg: ModelConfig, seed: int = 0, shardings=None, dtype=None,
+                cache_bytes: int = 0) -> dict:
+    """Seeded random weights made on the device(s): matmuls N(0, 1/fan_in), norms N(0, 0.1)
+    (Gemma's 1 + w), embeddings N(0, 1), router bias N(0, 0.1).
 
-    def make(path, shape):
-        name = jax.tree_util.keystr(path)
-        if "norm" in name or "bias" in name:
-            std = 0.1
-        elif "embed" in name:
-            std = 1.0
-        else:
-            std = shape[-1] ** -0.5
-        return rng.normal(0.0, std, shape).astype(np.float32)
+    With ``jax.random`` on the device(s), in ``dtype`` (default float32 on the CPU, bfloat16
+    elsewhere), by jitted calls whose ``out_shardings`` are the leaves' shardings (each device
+    draws its own shard of a big leaf): leaves over 256 MiB one by one (a key per leaf path;
+    stacked ones one layer at a time into a donated buffer, a key per layer), the small ones as
+    slices of one draw. No host copy; the values do not depend on ``shardings``.
 
-    host = jax.tree_util.tree_map_with_path(make, param_shapes(cfg), is_leaf=is_shape)
-    if shardings is None:
-        return jax.tree_util.tree_map(jnp.asarray, host)
-    return jax.tree_util.tree_map(jax.device_put, host, shardings)
+    Args:
+      shardings: a matching pytree of ``NamedSharding`` (parallel.param_shardings), else the
+        default device.
+      cache_bytes: bytes per device the caller will add (caches), counted in the size check.
+
+    Raises:
+      MemoryError (before anything is allocated): the weights (+ ``cache_bytes``) do not fit the
+        devices' memory (plan.check_fits names the numbers).
+    """
+    from . import plan  # noqa: PLC0415 (plan imports this module)
+    dtype = jnp.dtype(dtype or (jnp.float32 if _cpu() else jnp.bfloat16))
+    shapes = param_shapes(cfg)
+    plan.check_fits(cfg, dtype, shardings, cache_bytes=cache_bytes)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
+    places = (treedef.flatten_up_to(shardings) if shardings is not None
+              else [None] * len(paths))
+    root = jax.random.key(seed)
+    specs = [(jax.random.fold_in(root, zlib.crc32(jax.tree_util.keystr(path).encode())),
+              shape, _init_std(path, shape), place,
+              shape[0] if getattr(path[0], "key", None) == "segments" else None)
+             for (path, shape), place in zip(paths, places)]
+    big = [math.prod(sp[1]) * dtype.itemsize > _ONE_CALL_BYTES for sp in specs]
+    small = tuple(sp[1:4] for sp, b in zip(specs, big) if not b)
+    drawn = iter(_draw_small(small, dtype)(jax.random.fold_in(root, 0)))
+    leaves = [_big_leaf(*sp, dtype) if b else next(drawn) for sp, b in zip(specs, big)]
+    return treedef.unflatten(leaves)
+
+
+_ONE_CALL_BYTES = 256 << 20   # leaves above this get their own calls (stacked: per layer)
+
+
+def _init_std(path, shape) -> float:
+    name = jax.tree_util.keystr(path)
+    if "norm" in name or "bias" in name:
+        return 0.1
+    return 1.0 if "embed" in name else shape[-1] ** -0.5
+
+
+@functools.lru_cache(maxsize=None)
+def _draw_small(specs, dtype):
+    """jitted ``key -> leaves`` for the small leaves ((shape, std, sharding) each): slices of
+    one flat draw (one RNG op, a fast compile), each placed by its sharding."""
+    sizes = [math.prod(shape) for shape, _, _ in specs]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+
+    def draw(key):
+        flat = jax.random.normal(key, (int(offsets[-1]),), dtype)
+        return tuple((flat[o:o + n].reshape(shape) * jnp.asarray(std, dtype)).astype(dtype)
+                     for o, n, (shape, std, _) in zip(offsets, sizes, specs))
+    return jax.jit(draw, out_shardings=tuple(sp[2] for sp in specs))
+
+
+def _big_leaf(key, shape, std, sharding, layers, dtype):
+    """A leaf with its own jitted call(s); layer j of a stacked one from ``fold_in(key, j)``,
+    written into a donated buffer one layer at a time."""
+    if layers is None:
+        return _draw_small(((shape, std, sharding),), dtype)(key)[0]
+    buf = _zeros(shape, dtype, sharding)
+    put = _layer_setter(shape, dtype, std, sharding)
+    for j in range(layers):
+        buf = put(buf, key, jnp.int32(j))
+    return buf
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_fn(shape, dtype, sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+def _zeros(shape, dtype, sharding):
+    return _zeros_fn(shape, dtype, sharding)()
+
+
+def _normal(key, shape, dtype, std):
+    return (jax.random.normal(key, shape, dtype) * jnp.asarray(std, dtype)).astype(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_setter(shape, dtype, std, sharding):
+    """jitted ``(buf, key, j) -> buf.at[j].set(layer j)``, ``buf`` donated (in place)."""
+    def put(buf, key, j):
+        return buf.at[j].set(_normal(jax.random.fold_in(key, j), shape[1:], dtype, std))
+    return jax.jit(put, donate_argnums=0, out_shardings=sharding)
 
 
 # ----------------------------------------------------------------------------- caches
-def allocate_caches(cfg: ModelConfig, num_pages: int, compare: bool) -> dict:
+def allocate_caches(cfg: ModelConfig, num_pages: int) -> dict:
     """All caches of the step, one pytree (donated to every step).
 
     kv: ``uint8[L, P, 2Hkv', N, 72]`` NVFP4 K/V of every layer (layout "LBHNC"), Hkv' =
       ``cfg.cache_kv_heads`` (KV heads replicated for tensor parallel past Hkv).
     idx: ``bf16[L_sparse, P, N, Di]`` the index keys of the sparse-attention layers.
-    ref_k, ref_v: ``[L, P, Hkv, N, D]``, ref_idx: ``[L_sparse, P, N, Di]`` in
-      ``cfg.reference_dtype``: the reference stream's own caches.
     """
     spec = m3.KVCacheSpec(cfg.cache_kv_heads, cfg.head_dim, cfg.block_size)
-    idx_shape = (max(len(cfg.sparse_layers), 1), num_pages, cfg.block_size, cfg.index_head_dim)
-    caches = dict(kv=m3.allocate_kv_cache(spec, num_pages, cfg.num_layers, KV_LAYOUT),
-                  idx=jnp.zeros(idx_shape, jnp.bfloat16))
-    if compare:
-        ref = jnp.dtype(cfg.reference_dtype)
-        shape = (cfg.num_layers, num_pages, cfg.num_key_value_heads, cfg.block_size, cfg.head_dim)
-        caches.update(ref_k=jnp.zeros(shape, ref), ref_v=jnp.zeros(shape, ref),
-                      ref_idx=jnp.zeros(idx_shape, ref))
-    return caches
+    return dict(kv=m3.allocate_kv_cache(spec, num_pages, cfg.num_layers, KV_LAYOUT),
+                idx=jnp.zeros(index_cache_shape(cfg, num_pages), jnp.bfloat16))
+
+
+def index_cache_shape(cfg: ModelConfig, num_pages: int) -> tuple[int, ...]:
+    """``[L_sparse, P, N, Di]`` (at least one layer, so that the pytree never changes)."""
+    return (max(len(cfg.sparse_layers), 1), num_pages, cfg.block_size, cfg.index_head_dim)
 
 
 # ----------------------------------------------------------------------------- step metadata
@@ -151,27 +219,15 @@ def _cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def _agreement_sums(a, b, valid):
-    """[4] sums over valid rows: (a·b, a·a, b·b, |a−b|²) for cosine and relative Frobenius."""
-    a = jnp.where(valid[:, None], a.reshape(a.shape[0], -1).astype(jnp.float32), 0.0)
-    b = jnp.where(valid[:, None], b.reshape(b.shape[0], -1).astype(jnp.float32), 0.0)
-    return jnp.stack([jnp.sum(a * b), jnp.sum(a * a), jnp.sum(b * b), jnp.sum((a - b) ** 2)])
-
-
-def _same_sets(a, b, live):
-    """[2]: (token, head) pairs whose selected block sets are equal, and live pairs."""
-    same = jnp.all(jnp.sort(a, axis=-1) == jnp.sort(b, axis=-1), axis=-1) & live[None]
-    return jnp.stack([jnp.sum(same), jnp.sum(jnp.broadcast_to(live[None], same.shape))])
-
-
 # ----------------------------------------------------------------------------- one layer
 class _Step:
-    """What every layer of one step shares: config, metadata, rows, rotary tables."""
+    """What every layer of one step shares: config, metadata, rows, rotary tables, and which
+    per-layer arrays to collect (``collect``: names among "hidden", "topk", "attn")."""
 
-    def __init__(self, cfg, meta, batch, req, pos, compare, collect):
+    def __init__(self, cfg, meta, batch, req, pos, collect=()):
         self.cfg, self.meta, self.req, self.pos = cfg, meta, req, pos
         self.slots = batch["slot_mapping"]
-        self.compare, self.collect = compare, collect
+        self.collect = frozenset(collect)
         self.cos, self.sin = rotary_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta)
         self.all_blocks = jnp.broadcast_to(jnp.arange(meta.block_table.shape[1], dtype=jnp.int32),
                                            (cfg.num_key_value_heads, pos.shape[0],
@@ -184,8 +240,8 @@ class _Step:
         return select(p["indexer"], h, self.cos, self.sin, self.cfg, idx_cache, self.slots,
                       self.meta.block_table, self.req, self.pos)
 
-    def served_attention(self, p, h, caches, layer, li, sparse, given=None):
-        """The NVFP4 stream's attention output ``[T, Hq·D]`` (fp32), caches, topk."""
+    def served_attention(self, p, h, caches, layer, li, sparse):
+        """The NVFP4 path's attention output ``[T, Hq·D]`` (fp32), caches, topk."""
         cfg = self.cfg
         q, k, v = qkv(p, h, self.cos, self.sin, cfg)
         # Write this step's K/V before anything reads the cache (the serving path's order).
@@ -201,115 +257,137 @@ class _Step:
                       scale=cfg.head_dim ** -0.5, layer=layer, layout=KV_LAYOUT)
         return attn.astype(jnp.float32).reshape(h.shape[0], -1), caches, topk
 
-    def reference_attention(self, p, h, caches, layer, li, sparse, given=None):
-        """The reference stream's: dense-format paged cache, plain jnp; the served stream's
-        selection ``given``, or its own (``cfg.reference_selection == "own"``)."""
-        cfg = self.cfg
-        q, k, v = qkv(p, h, self.cos, self.sin, cfg)
-        # The ref caches are [L, P, Hkv, N, D]; write_pages wants the slot axes (P, N) first.
-        put = lambda c, x: jnp.swapaxes(write_pages(jnp.swapaxes(c[layer], 1, 2), x, self.slots,
-                                                    cfg.block_size), 1, 2)
-        rk, rv = put(caches["ref_k"], k), put(caches["ref_v"], v)
-        caches = dict(caches, ref_k=caches["ref_k"].at[layer].set(rk),
-                      ref_v=caches["ref_v"].at[layer].set(rv))
-        topk = given
-        if sparse and cfg.reference_selection == "own":
-            topk, idx_l = self.selection(p, h, caches["ref_idx"][li], sparse)
-            caches["ref_idx"] = caches["ref_idx"].at[li].set(idx_l)
-        attn = paged_attention_jnp(q.astype(rk.dtype), rk, rv, topk, self.meta.block_table,
-                                   self.req, self.pos, cfg.head_dim ** -0.5)
-        return attn.reshape(h.shape[0], -1), caches, topk
-
     def layer(self, attn_kind, mlp_kind, carry, xs):
-        """``MiniMaxM3VLDecoderLayer`` on both streams. carry (x, x_ref, caches); xs (params,
-        global layer index, index-cache row)."""
-        x, x_ref, caches = carry
+        """One served layer. carry (x, caches); xs (params, global layer index, index-cache
+        row). ys: ``blocks [2]`` and what ``collect`` names."""
+        x, caches = carry
         p, layer, li = xs
-        cfg, sparse, is_moe = self.cfg, attn_kind == SPARSE, mlp_kind == MOE
+        sparse = attn_kind == SPARSE
 
-        def block(x, attention, caches, given=None):
-            h = gemma_rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
-            attn, caches, topk = attention(p["self_attn"], h, caches, layer, li, sparse, given)
-            x = x + moe.linear(attn, p["self_attn"]["o_proj"])
-            h = gemma_rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
-            return x + moe.mlp(p["mlp"], h, cfg, is_moe), caches, attn, topk
+        def attention(pa, h):
+            attn, c, topk = self.served_attention(pa, h, caches, layer, li, sparse)
+            return attn, (c, topk)
 
-        x, caches, attn, topk = block(x, self.served_attention, caches)
+        x, attn, (caches, topk) = decoder_layer(p, x, attention, self.cfg, mlp_kind == MOE)
+        return (x, caches), self.outputs(x, attn, topk, sparse)
+
+    def outputs(self, x, attn, topk, sparse) -> dict:
+        """A layer's ys: token-block pairs attended vs visible (pos // N + 1 per live token),
+        and the collected arrays (``topk`` on sparse layers only)."""
         live = self.req >= 0
-        # Token-block pairs attended vs visible (pos // N + 1 per live token).
         ys = dict(blocks=jnp.stack([
             jnp.sum(jnp.where(live[None, :, None], topk >= 0, False)),
-            cfg.num_key_value_heads * jnp.sum(jnp.where(live, self.pos // cfg.block_size + 1, 0))]))
-        if self.compare:
-            x_ref, caches, attn_r, topk_r = block(x_ref, self.reference_attention, caches, topk)
-            is_dec = jnp.arange(x.shape[0]) < self.meta.num_decode_tokens
-            ys.update(attn_stats=jnp.stack([_agreement_sums(attn, attn_r, live & is_dec),
-                                            _agreement_sums(attn, attn_r, live & ~is_dec)]),
-                      same_blocks=_same_sets(topk, topk_r, live) if sparse
-                      else jnp.zeros(2, jnp.int32))
-            if self.collect:
-                ys.update(ref_hidden=x_ref, ref_topk=topk_r if sparse else None)
-        if self.collect:
-            ys.update(hidden=x, topk=topk if sparse else None)
-        return (x, x_ref, caches), ys
+            self.cfg.num_key_value_heads * jnp.sum(jnp.where(live, self.pos // self.cfg.block_size
+                                                             + 1, 0))]))
+        for name, value in (("hidden", x), ("attn", attn), ("topk", topk)):
+            if name in self.collect and (sparse or name != "topk"):
+                ys[name] = value
+        return ys
 
 
-def logits_of(params, h, cfg):
-    """Final Gemma norm, then ``lm_head`` (the embedding matrix when tied)."""
-    head = params["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
-    return moe.linear(gemma_rms_norm(h, params["norm"], cfg.rms_norm_eps), head)
+def decoder_layer(p, x, attention, cfg, is_moe):
+    """``MiniMaxM3VLDecoderLayer`` on ``x float32[T, H]``: norm, ``attention(p["self_attn"],
+    h) -> (attn [T, Hq·D], extra)``, ``o_proj``, residual, norm, MLP, residual. Returns
+    ``(x, attn, extra)``."""
+    h = gemma_rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
+    attn, extra = attention(p["self_attn"], h)
+    x = x + moe.linear(attn, p["self_attn"]["o_proj"])
+    h = gemma_rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
+    return x + moe.mlp(p["mlp"], h, cfg, is_moe), attn, extra
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_decode_requests", "decode_query_len",
-                                             "compare", "collect"), donate_argnames=("caches",))
-def forward_step(params, caches, batch, *, cfg: ModelConfig, num_decode_requests: int,
-                 decode_query_len: int, compare: bool, collect: bool = False):
-    """One engine step: writes this step's tokens into the caches and returns logits.
-
-    Args:
-      params: from :func:`init_params` / ``checkpoint.load_params``.
-      caches: from :func:`allocate_caches` (donated: updated in place).
-      batch: dict of int32 arrays: ``tokens [T]``, ``slot_mapping [T]`` (−1 for padding),
-        ``query_lens [R]``, ``context_lens [R]``, ``block_table [R, M]`` with the
-        ``num_decode_requests`` decode requests first (each ``decode_query_len`` rows;
-        query_len 0 = padded), then prefill chunks (SPEC §5.6).
-      cfg, num_decode_requests, decode_query_len, compare, collect: static.
-
-    Returns:
-      ``(caches, out)``: out has ``logits [T, V]`` fp32 of the served stream and their greedy
-      tokens ``greedy int32[T]``, ``blocks [L, 2]`` (token-block pairs selected, blocks
-      visible); with ``compare`` also ``ref_logits``, ``ref_greedy``, ``attn_stats [L, 2, 4]``
-      (per layer; decode rows, prefill rows; sums a·b, a·a, b·b, |a−b|² of served vs
-      reference attention outputs) and ``same_blocks [L, 2]`` ((token, KV head) pairs whose
-      served and reference selections are the same set, live pairs; zeros on full layers);
-      with ``collect`` the per-layer hidden states ``hidden [L + 1, T, H]`` (embeddings first;
-      ``ref_hidden`` likewise) and the sparse layers' selections ``topk [L_sparse, Hkv, T, K]``
-      (``ref_topk``).
-    """
-    meta, req, pos = batch_rows(batch, num_decode_requests, decode_query_len)
-    step = _Step(cfg, meta, batch, req, pos, compare, collect)
-    x0 = params["embed_tokens"][batch["tokens"]].astype(jnp.float32)
-    carry, outs = (x0, x0, caches), []
+def scan_layers(params, cfg, layer_fn, carry):
+    """Every layer in order, one ``lax.scan`` per run of equal layers (``cfg.segments()``):
+    ``layer_fn(attn_kind, mlp_kind, carry, (p, layer, sparse_row)) -> (carry, ys)``. Returns
+    ``(carry, ys)`` with each ys key concatenated over the layers that have it."""
     sparse_rank = np.cumsum([t == SPARSE for t in cfg.layer_types]) - 1
+    outs = []
     for p, (attn_kind, mlp_kind, first, n) in zip(params["segments"], cfg.segments()):
         layers = np.arange(first, first + n)
         xs = (p, jnp.asarray(layers, jnp.int32),
               jnp.asarray(np.maximum(sparse_rank[layers], 0), jnp.int32))
-        carry, ys = jax.lax.scan(functools.partial(step.layer, attn_kind, mlp_kind), carry, xs)
+        carry, ys = jax.lax.scan(functools.partial(layer_fn, attn_kind, mlp_kind), carry, xs)
         outs.append(ys)
-    x, x_ref, caches = carry
-    cat = lambda key: jnp.concatenate([o[key] for o in outs if o.get(key) is not None])
-    logits = logits_of(params, x, cfg)
-    out = dict(logits=logits, greedy=jnp.argmax(logits, axis=-1).astype(jnp.int32),
-               blocks=cat("blocks"))
-    if compare:
-        ref_logits = logits_of(params, x_ref, cfg)
-        out.update(ref_logits=ref_logits, ref_greedy=jnp.argmax(ref_logits, -1).astype(jnp.int32),
-                   attn_stats=cat("attn_stats"), same_blocks=cat("same_blocks"))
-    if collect:
-        out.update(hidden=jnp.concatenate([x0[None], cat("hidden")]),
-                   topk=cat("topk") if cfg.sparse_layers else None)
-        if compare:
-            out.update(ref_hidden=jnp.concatenate([x0[None], cat("ref_hidden")]),
-                       ref_topk=cat("ref_topk") if cfg.sparse_layers else None)
+    keys = dict.fromkeys(k for o in outs for k in o)
+    return carry, {k: jnp.concatenate([o[k] for o in outs if k in o]) for k in keys}
+
+
+# ----------------------------------------------------------------------------- vocabulary
+# Under a "tp" mesh the embedding table and lm_head are split over the vocabulary
+# (parallel.leaf_spec): each device holds V/tp rows and neither is ever gathered.
+def embed(params, tokens, cfg):
+    """``float32[T, H]`` embeddings of ``tokens int32[T]``. Vocab-parallel under a "tp" mesh:
+    each device looks up the ids in its rows (zeros elsewhere) and one ``psum`` of ``[T, H]``
+    (in the table's dtype: exactly one device contributes each row) assembles them."""
+    table = params["embed_tokens"]
+    tp = tp_size()
+    if tp == 1:
+        return table[tokens].astype(jnp.float32)
+
+    def local(tab, ids):
+        i = ids - jax.lax.axis_index(AXIS) * tab.shape[0]
+        ok = (i >= 0) & (i < tab.shape[0])
+        rows = jnp.where(ok[:, None], tab[jnp.clip(i, 0, tab.shape[0] - 1)], 0)
+        return jax.lax.psum(rows, AXIS)
+
+    return jax.shard_map(local, in_specs=(P(AXIS, None), P()), out_specs=P(),
+                         check_vma=False)(table, tokens).astype(jnp.float32)
+
+
+def logits_of(params, h, cfg):
+    """Final Gemma norm, then ``lm_head`` (the embedding matrix when tied): ``h [S, H]`` ->
+    ``float32[S, V]``. Vocab-parallel under a "tp" mesh: each device computes its ``[S, V/tp]``
+    slice and one all-gather of the ``S`` rows' logits (never of the weight) joins them, so
+    that sampling sees whole rows (exact top-p, and the same tokens at any tp)."""
+    head = params["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
+    x = gemma_rms_norm(h, params["norm"], cfg.rms_norm_eps)
+    if tp_size() == 1:
+        return moe.linear(x, head)
+    local = lambda w, x_: jax.lax.all_gather(moe.linear(x_, w), AXIS, axis=1, tiled=True)
+    return jax.shard_map(local, in_specs=(P(AXIS, None), P()), out_specs=P(),
+                         check_vma=False)(head, x)
+
+
+# ----------------------------------------------------------------------------- the step
+@functools.partial(jax.jit, static_argnames=("cfg", "num_decode_requests", "decode_query_len",
+                                             "num_logprobs", "return_logits", "collect"),
+                   donate_argnames=("caches",))
+def forward_step(params, caches, batch, *, cfg: ModelConfig, num_decode_requests: int,
+                 decode_query_len: int, num_logprobs: int = 0, return_logits: bool = False,
+                 collect: tuple[str, ...] = ()):
+    """One engine step: writes this step's tokens into the caches and samples the rows that
+    sample (the engine's model interface, ``engine.ModelStep``).
+
+    Args:
+      params: from :func:`init_params` / ``checkpoint.load_params``.
+      caches: from :func:`allocate_caches` (donated: updated in place).
+      batch: ``tokens int32[T]``, ``slot_mapping int32[T]`` (−1 for padding), ``query_lens
+        int32[R]``, ``context_lens int32[R]``, ``block_table int32[R, M]`` with the
+        ``num_decode_requests`` decode requests first (each ``decode_query_len`` rows;
+        query_len 0 = padded), then prefill chunks (SPEC §5.6); and the sampling arrays of
+        ``sampling.batch_arrays``: ``sample_rows int32[S]`` (token rows that sample, −1 =
+        none), ``temperature``, ``top_k``, ``top_p``, ``seed`` ``[S]`` (absent: all greedy).
+      cfg, num_decode_requests, decode_query_len: static.
+      num_logprobs: static N; > 0 adds ``logprob [S]``, ``top_logprobs [S, N]``, ``top_ids
+        [S, N]`` (sampling.logprobs).
+      return_logits: static; adds ``logits float32[S, V]`` of the sampled rows.
+      collect: static names of per-layer arrays to return: ``hidden [L + 1, T, H]``
+        (embeddings first), ``attn [L, T, Hq·D]`` (attention outputs, fp32), ``topk
+        [L_sparse, Hkv, T, K]`` (the sparse layers' selections).
+
+    Returns:
+      ``(caches, out)``: ``tokens int32[S]`` (−1 where ``sample_rows`` is −1) and ``blocks
+      [L, 2]`` (token-block pairs selected, blocks visible), plus what the options add.
+    """
+    meta, req, pos = batch_rows(batch, num_decode_requests, decode_query_len)
+    step = _Step(cfg, meta, batch, req, pos, collect)
+    x0 = embed(params, batch["tokens"], cfg)
+    (x, caches), ys = scan_layers(params, cfg, step.layer, (x0, caches))
+    rows = batch["sample_rows"]
+    logits = logits_of(params, x[jnp.clip(rows, 0, x.shape[0] - 1)], cfg)
+    out = dict(sampling.sample_rows_out(logits, batch, pos, num_logprobs=num_logprobs,
+                                        return_logits=return_logits), blocks=ys["blocks"])
+    if "hidden" in collect:
+        out["hidden"] = jnp.concatenate([x0[None], ys["hidden"]])
+    out.update((k, ys.get(k)) for k in ("attn", "topk") if k in collect)
     return caches, out

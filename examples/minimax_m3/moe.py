@@ -5,14 +5,20 @@ transformers' ``MiniMaxM3VLDenseMLP``, ``MiniMaxM3VLTopKRouter``, ``MiniMaxM3VLE
 packed ``gate_up_proj`` is held as ``[..., 2, I, H]`` (gate half first) so that tensor parallel
 can split ``I`` and every device keeps matching gate and up rows.
 
-The routed experts are dispatched densely: every expert runs on every token and its output
-is weighted by the token's routing weight (zero where not chosen). Chosen by measurement on the
-CPU (README, "The model"): ``jax.lax.ragged_dot`` (sorted tokens, grouped matmuls) was 1.3–4×
-slower at the example's shapes, because jaxlib's CPU lowering of ragged_dot is itself a masked
-product over every group for every row. Dense dispatch is exact, sort-free and static-shaped;
-its FLOPs are ``num_local_experts / num_experts_per_tok`` times the routed ones (M3: 32×),
-which a decode step at M3 size hides (it is bound by reading the experts' weights) and a
-prefill chunk does not.
+The routed experts have three formulations, chosen by ``cfg.moe_impl`` (:func:`resolve_impl`):
+
+* ``"dense"``: every expert on every token, each output weighted by the token's routing weight
+  (0 where not chosen). Exact, sort-free, static-shaped; reads every expert's weights and does
+  ``num_local_experts / num_experts_per_tok`` times the routed FLOPs (M3: 32×). It wins where
+  ``ragged_dot`` is lowered as a masked product over every group (jaxlib's CPU backend, and the
+  GPU backend of jaxlib 0.11.2: README, "The model");
+* ``"ragged"``: the ``T·k`` (token, expert) pairs sorted by expert (a static row count; the
+  group sizes are data), two ``jax.lax.ragged_dot_general`` calls, the rows weighted and summed
+  back per token. Reads only the experts the batch routes to, and computes only routed FLOPs,
+  wherever the backend's ``ragged_dot`` is a grouped GEMM;
+* ``"tokamax"``: the same sorted rows through ``tokamax.ragged_dot_general`` (Pallas Mosaic GPU
+  / Triton kernels; optional, imported only when asked for);
+* ``"auto"``: one of those per backend and token count (:data:`AUTO`, from measurements).
 
 Tensor parallel (``parallel.py``): every MLP's intermediate axis ``I`` is split over the mesh
 axis "tp" (Megatron style; each device holds ``1/tp`` of every expert, never all of one
@@ -63,13 +69,69 @@ def route(p, x, cfg):
     return weights / jnp.sum(weights, axis=-1, keepdims=True), experts
 
 
-def experts(p, x, weights, chosen, cfg):
-    """``MiniMaxM3VLExperts``: Σ_k weights[t, k] · expert_{chosen[t, k]}(x[t]), dispatched
-    densely: every expert on every token, each output scaled by its routing weight (0 where
-    not chosen), summed in one contraction over experts and ``I``.
+IMPLS = ("auto", "dense", "ragged", "tokamax")
 
-    p ``gate_up_proj [E, 2, I, H]``, ``down_proj [E, H, I]`` (I may be this device's slice).
+# "auto": per backend, the formulation for a call of T tokens: (largest T or None, impl)
+# pairs, first match wins ("tokamax" skipped where it does not import). CPU (Zen 3, jax 0.10.2;
+# README "The model"): ragged_dot is a masked product over every group, slower than dense
+# dispatch at every size measured. GPU (H200, jaxlib 0.11.2, one TP-8 rank of M3, issue 31):
+# XLA's ragged_dot is a padded dense product (2.9 ms vs dense 1.1 ms at 128 tokens); tokamax's
+# kernel beat dense at 8 tokens with rhs stored [E, in, out], but our checkpoint layout is
+# [E, out, in] and it transposes that per call, so nothing measured beats dense yet there:
+# `python -m examples.minimax_m3.bench` prints each formulation's time per T to fill this in.
+AUTO = {"cpu": ((None, "dense"),),
+        "gpu": ((None, "dense"),)}
+
+
+def tokamax_available() -> bool:
+    """Whether ``import tokamax`` works (0.0.17 imports ``xprof`` at import time)."""
+    try:
+        import tokamax  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_impl(impl: str, num_tokens: int, backend: str | None = None) -> str:
+    """The formulation ``impl`` names for a call of ``num_tokens`` tokens on ``backend``
+    (default: JAX's): ``impl`` itself, or for "auto" the first :data:`AUTO` entry whose bound
+    admits ``num_tokens`` ("tokamax" entries are skipped when it does not import).
+
+    Raises:
+      ValueError: an unknown ``impl``.
     """
+    if impl not in IMPLS:
+        raise ValueError(f"moe_impl {impl!r}: one of {IMPLS}")
+    if impl != "auto":
+        return impl
+    backend = backend or jax.default_backend()
+    for bound, choice in AUTO.get(backend, AUTO["gpu"] if backend in ("cuda", "rocm") else
+                                  AUTO["cpu"]):
+        if (bound is None or num_tokens <= bound) and (choice != "tokamax"
+                                                       or tokamax_available()):
+            return choice
+    return "dense"
+
+
+def experts(p, x, weights, chosen, cfg, impl: str | None = None):
+    """``MiniMaxM3VLExperts``: Σ_k weights[t, k] · expert_{chosen[t, k]}(x[t]), fp32 ``[T, H]``.
+
+    p ``gate_up_proj [E, 2, I, H]``, ``down_proj [E, H, I]`` (I may be this device's slice);
+    x ``[T, H]``; weights ``float32[T, k]``; chosen ``int32[T, k]`` in ``[0, E)``. ``impl``
+    (default ``cfg.moe_impl``): see the module docstring; every formulation gives the same sum
+    (fp32: to rounding).
+
+    Raises:
+      ValueError: unknown impl; ImportError: "tokamax" asked for and not importable.
+    """
+    impl = resolve_impl(impl or getattr(cfg, "moe_impl", "auto"), x.shape[0])
+    if impl == "dense":
+        return experts_dense(p, x, weights, chosen, cfg)
+    return experts_sorted(p, x, weights, chosen, cfg, _grouped_dot(impl))
+
+
+def experts_dense(p, x, weights, chosen, cfg):
+    """Dense dispatch: every expert on every token, one contraction over experts and ``I``."""
     E = p["gate_up_proj"].shape[0]
     dense_w = jnp.sum(jnp.where(chosen[:, :, None] == jnp.arange(E), weights[:, :, None], 0.0),
                       axis=1)                                            # [T, E]
@@ -79,6 +141,56 @@ def experts(p, x, weights, chosen, cfg):
     h = swiglu_oai(gu, cfg.swiglu_alpha, cfg.swiglu_limit) * dense_w.T[:, :, None]
     return jnp.einsum("eti,ehi->th", h.astype(w_down.dtype), w_down,
                       preferred_element_type=jnp.float32)
+
+
+def sort_by_expert(chosen, num_experts: int):
+    """The ``T·k`` (token, expert) pairs grouped by expert: ``order int32[T·k]`` (flat pair
+    indices, stable within an expert), ``group_sizes int32[E]`` (zeros for unrouted experts;
+    they sum to ``T·k``) and ``inverse`` (``order``'s inverse permutation)."""
+    flat = chosen.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    return order, sizes, inverse
+
+
+# rhs [G, out, in] (PyTorch layout), contracting lhs [M, in] with rhs's last axis
+_OUT_IN = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                           lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+def _grouped_dot(impl: str):
+    """``dot(lhs [M, in], rhs [G, out, in], group_sizes [G]) -> fp32 [M, out]``."""
+    if impl == "ragged":
+        general = jax.lax.ragged_dot_general
+    elif impl == "tokamax":
+        try:
+            import tokamax  # noqa: PLC0415
+        except ImportError as e:
+            raise ImportError(f"moe_impl 'tokamax': the tokamax package does not import ({e}); "
+                              f"pip install tokamax, or use 'ragged' / 'dense'") from e
+        # Its Mosaic GPU kernel wants rhs [G, in, out]; with our [G, out, in] it transposes
+        # rhs inside (tokamax's TODO), a copy of every expert's weights per call.
+        general = tokamax.ragged_dot_general
+    else:
+        raise ValueError(f"no grouped dot for moe_impl {impl!r}")
+    return lambda lhs, rhs, sizes: general(lhs, rhs, sizes, _OUT_IN,
+                                           preferred_element_type=jnp.float32)
+
+
+def experts_sorted(p, x, weights, chosen, cfg, dot):
+    """Grouped formulation: pairs sorted by expert, two grouped matmuls over the routed rows
+    only (``T·k`` of them, static), each row weighted, then summed back per token."""
+    T, k = chosen.shape
+    w_gu, w_down = p["gate_up_proj"], p["down_proj"]
+    E, _, I, H = w_gu.shape
+    order, sizes, inverse = sort_by_expert(chosen, E)
+    rows = x.astype(w_gu.dtype)[order // k]                              # [T·k, H]
+    gu = dot(rows, w_gu.reshape(E, 2 * I, H), sizes).reshape(T * k, 2, I)
+    # The routing weight before down_proj, as dense dispatch applies it (same bf16 rounding).
+    h = swiglu_oai(gu, cfg.swiglu_alpha, cfg.swiglu_limit) * weights.reshape(-1)[order][:, None]
+    y = dot(h.astype(w_down.dtype), w_down, sizes)                       # [T·k, H]
+    return jnp.sum(y[inverse].reshape(T, k, H), axis=1)
 
 
 def sparse_moe(p, x, cfg):

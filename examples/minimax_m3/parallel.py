@@ -9,9 +9,12 @@ Each weight gets a ``NamedSharding`` (:func:`param_specs`); ``jax.jit`` partitio
 * MLPs (dense, shared expert, every routed expert): the intermediate axis split over "tp"
   (``gate_up_proj [..., 2, I, H]`` on I, ``down_proj [..., H, I]`` on I); ``moe.mlp`` runs them
   in a ``shard_map`` ending in one ``psum``. No device holds all of any expert's weights;
+* ``embed_tokens`` and ``lm_head`` over the vocabulary (``[V, H]`` on V): the lookup is a
+  masked local lookup and one ``psum`` of ``[T, H]``, the head an all-gather of the sampled
+  rows' ``[S, V]`` logits (model.embed, model.logits_of); neither table is ever gathered;
 * the NVFP4 cache over its head-slot axis (jax_m3sparse.sharding.cache_spec): our ops run per
-  device on local KV heads with no collective; embeddings, norms, router, indexer and the
-  reference stream's caches are replicated.
+  device on local KV heads with no collective; norms, router, indexer and the comparison
+  stream's caches are replicated.
 """
 
 from __future__ import annotations
@@ -38,12 +41,19 @@ def make_mesh(tp: int) -> jax.sharding.Mesh:
                          devices=jax.devices()[:tp])
 
 
+def tp_size() -> int:
+    """The "tp" axis size of the mesh in context (``jax.set_mesh``); 1 without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or AXIS not in mesh.axis_names else mesh.shape[AXIS]
+
+
 def check_divisible(cfg, tp: int) -> None:
     """Raises ValueError naming each size that ``tp`` does not divide."""
     sizes = dict(num_attention_heads=cfg.num_attention_heads,
                  dense_intermediate_size=cfg.dense_intermediate_size,
                  intermediate_size=cfg.intermediate_size,
-                 shared_intermediate_size=cfg.shared_intermediate_size)
+                 shared_intermediate_size=cfg.shared_intermediate_size,
+                 vocab_size=cfg.vocab_size)
     bad = [f"{k} = {v}" for k, v in sizes.items() if v % tp]
     if bad:
         raise ValueError(f"--tp {tp} must divide " + ", ".join(bad))
@@ -56,6 +66,8 @@ def leaf_spec(path, cfg, tp: int) -> P:
     stacked = names[0] == "segments"                  # leading layer axis
     lead = (None,) if stacked else ()
     leaf, parent = names[-1], names[-2] if len(names) > 1 else None
+    if names == [leaf] and leaf in ("embed_tokens", "lm_head"):    # [V, H], vocab-parallel
+        return P(AXIS, None)
     if parent == "self_attn":
         if leaf == "q_proj" or (leaf in ("k_proj", "v_proj") and cfg.num_key_value_heads % tp == 0):
             return P(*lead, AXIS, None)

@@ -45,7 +45,7 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
     weights = jax.tree_util.tree_map_with_path(
         lambda path, s: _per_device(s, leaf_spec(path, cfg, tp), tp) * itemsize, shapes,
         is_leaf=is_shape)
-    weight_bytes = sum(jax.tree_util.tree_leaves(weights))
+    weight_bytes = sum(jax.tree_util.tree_leaves(weights))   # = weight_bytes_per_device's
     total_weights = sum(math.prod(s) for s in jax.tree_util.tree_leaves(shapes, is_leaf=is_shape))
     pages = batch * -(-context_len // cfg.block_size)
     spec = m3.KVCacheSpec(cfg.cache_kv_heads // tp, cfg.head_dim, cfg.block_size)
@@ -66,18 +66,79 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
 
 
 def _trace(cfg, shapes, weight_dtype, pages) -> tuple[int, ...]:
-    """The logits shape of one decode step of 8 requests, traced abstractly (no weights)."""
+    """The logits shape of one decode step of 8 requests (every row sampled), traced
+    abstractly (no weights)."""
+    import inspect  # noqa: PLC0415
     params = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(weight_dtype)),
                                     shapes, is_leaf=is_shape)
-    caches = jax.eval_shape(lambda: model.allocate_caches(cfg, min(pages, 64), compare=False))
     R, M = 8, 4
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     batch = dict(tokens=i32(R), slot_mapping=i32(R), query_lens=i32(R), context_lens=i32(R),
                  block_table=i32(R, M))
+    # The step's interface as it is: the served stream only; logits of the sampled rows.
+    takes = inspect.signature(model.forward_step).parameters
+    kw = dict(compare=False) if "compare" in takes else {}
+    if "return_logits" in takes:
+        from . import sampling  # noqa: PLC0415
+        kw["return_logits"] = True
+        batch.update(jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                            sampling.batch_arrays(list(range(R)))))
+    alloc = inspect.signature(model.allocate_caches).parameters
+    caches = jax.eval_shape(lambda: model.allocate_caches(
+        cfg, min(pages, 64), **({"compare": False} if "compare" in alloc else {})))
     _, out = jax.eval_shape(lambda p, c, b: model.forward_step(
-        p, c, b, cfg=cfg, num_decode_requests=R, decode_query_len=1, compare=False), params,
-        caches, batch)
+        p, c, b, cfg=cfg, num_decode_requests=R, decode_query_len=1, **kw), params, caches, batch)
     return tuple(out["logits"].shape)
+
+
+def weight_bytes_per_device(cfg, dtype, shardings=None) -> int:
+    """Bytes of ``cfg``'s weights in ``dtype`` that one device holds: each leaf's shard under
+    ``shardings`` (a pytree of ``NamedSharding``, as parallel.param_shardings gives), else the
+    whole model."""
+    shapes = model.param_shapes(cfg)
+    itemsize = jnp.dtype(dtype).itemsize
+    if shardings is None:
+        return sum(math.prod(s) for s in jax.tree_util.tree_leaves(shapes, is_leaf=is_shape)) * itemsize
+    leaves = jax.tree_util.tree_leaves(shapes, is_leaf=is_shape)
+    places = jax.tree_util.tree_structure(shapes, is_leaf=is_shape).flatten_up_to(shardings)
+    return sum(math.prod(sh.shard_shape(s)) for s, sh in zip(leaves, places)) * itemsize
+
+
+def available_memory(devices) -> tuple[int, str]:
+    """(bytes one device can still take, where that number comes from). Accelerators: XLA's
+    pool (``bytes_limit − bytes_in_use``); the CPU: the host's ``MemAvailable`` shared by all
+    ``devices`` (every CPU device lives in host memory)."""
+    d = devices[0]
+    stats = d.memory_stats() if d.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"{d.device_kind} XLA pool"
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    return avail // len(devices), f"host MemAvailable / {len(devices)} device(s)"
+
+
+def check_fits(cfg, dtype, shardings=None, *, cache_bytes: int = 0,
+               reserve_fraction: float = 0.05) -> dict:
+    """Raises MemoryError, naming the numbers, when ``cfg``'s weights in ``dtype`` (sharded by
+    ``shardings``) plus ``cache_bytes`` per device leave less than ``reserve_fraction`` of a
+    device's available memory (activations, workspace). Arithmetic only: allocates nothing.
+    Returns the numbers (bytes) when it fits."""
+    devices = (sorted({d for sh in jax.tree_util.tree_leaves(shardings) for d in sh.device_set},
+                      key=lambda d: d.id) if shardings is not None else jax.devices()[:1])
+    weights = weight_bytes_per_device(cfg, dtype, shardings)
+    avail, source = available_memory(devices)
+    need = weights + cache_bytes
+    out = dict(weight_bytes_per_device=weights, cache_bytes_per_device=cache_bytes,
+               available_bytes_per_device=avail, devices=len(devices))
+    if need > avail * (1 - reserve_fraction):
+        gb = lambda b: f"{b / 1e9:,.1f} GB"
+        raise MemoryError(
+            f"the model does not fit: {gb(weights)} of {jnp.dtype(dtype).name} weights + "
+            f"{gb(cache_bytes)} of caches per device = {gb(need)} > {gb(avail)} available "
+            f"({source}) less {reserve_fraction:.0%} kept for activations, on {len(devices)} "
+            f"device(s); nothing was allocated. Plan it with --dry-run (plan.plan), or use "
+            f"more devices (--tp), bfloat16, or fewer layers")
+    return out
 
 
 def format_plan(p: dict) -> str:

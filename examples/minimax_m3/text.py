@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 # Real text every Debian machine has, truncated to varied lengths (tokens = bytes) so that
@@ -33,6 +34,9 @@ class ByteTokenizer:
     def encode(self, data: bytes) -> list[int]:
         return list(data)
 
+    def eos_token_ids(self) -> list[int]:
+        return []                  # every byte is text
+
     def printable(self, tokens, limit: int = 72) -> str:
         return printable(tokens, limit)
 
@@ -43,7 +47,17 @@ class HFTokenizer:
     def __init__(self, path: str):
         from tokenizers import Tokenizer  # noqa: PLC0415 (optional dependency)
         self.tok = Tokenizer.from_file(path)
+        self.path = path
         self.name = f"{path} ({self.tok.get_vocab_size()} tokens)"
+
+    def eos_token_ids(self) -> list[int]:
+        """The id of ``eos_token`` in the ``tokenizer_config.json`` beside ``tokenizer.json``
+        (a string or ``{"content": ...}``), if both exist."""
+        cfg = _read_json(os.path.join(os.path.dirname(self.path), "tokenizer_config.json"))
+        eos = cfg.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        i = self.tok.token_to_id(eos) if isinstance(eos, str) else None
+        return [] if i is None else [i]
 
     def encode(self, data: bytes) -> list[int]:
         return self.tok.encode(data.decode("utf-8", errors="replace"),
@@ -59,6 +73,30 @@ def tokenizer_for(checkpoint: str | None):
     """The checkpoint directory's tokenizer.json when there is one, else bytes."""
     path = checkpoint and os.path.join(checkpoint, "tokenizer.json")
     return HFTokenizer(path) if path and os.path.exists(path) else ByteTokenizer()
+
+
+def eos_token_ids(source: str | None, tokenizer) -> list[int]:
+    """EOS ids of a model: ``eos_token_id`` (an int or a list) of ``config.json`` (top level and
+    ``text_config``) and ``generation_config.json`` in ``source`` (a checkpoint directory, or a
+    config.json file and its directory), and the tokenizer's; sorted, no duplicates."""
+    ids = set(tokenizer.eos_token_ids())
+    if source:
+        folder = source if os.path.isdir(source) else os.path.dirname(source)
+        config = source if os.path.isfile(source) else os.path.join(folder, "config.json")
+        for path in (config, os.path.join(folder, "generation_config.json")):
+            cfg = _read_json(path)
+            for c in (cfg, cfg.get("text_config") or {}):
+                v = c.get("eos_token_id")
+                ids.update([v] if isinstance(v, int) else v or [])
+    return sorted(int(i) for i in ids)
+
+
+def _read_json(path: str) -> dict:
+    """A JSON object file's contents; {} when it does not exist."""
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def printable(tokens, limit: int = 72) -> str:

@@ -1,10 +1,11 @@
 """A Llama decoder (SmolLM2) over jax_m3sparse's paged caches: the step the M3 Engine drives.
 
-:func:`forward_step` has the signature of ``minimax_m3.model.forward_step`` so that the M3
-example's continuous-batching :class:`minimax_m3.engine.Engine` schedules it unchanged
-(``Engine(params, cfg, ecfg, model=real_model.model)``). One jitted call runs a mixed batch
-(decode rows first, prefill chunks after, SPEC §5.6) through all layers in one ``lax.scan``
-with a traced ``layer`` index into the 5-D caches.
+:func:`forward_step` and :func:`allocate_caches` implement the M3 example's engine interface
+(``minimax_m3.engine.ModelStep``), so that its continuous-batching
+:class:`minimax_m3.engine.Engine` schedules this model unchanged (``Engine(params, cfg, ecfg,
+model=real_model.model)``, ``compare=False``). One jitted call runs a mixed batch (decode rows
+first, prefill chunks after, SPEC §5.6) through all layers in one ``lax.scan`` with a traced
+``layer`` index into the 5-D caches.
 
 The K/V path is chosen by ``LlamaConfig.kv_format`` and ``topk_blocks`` (the study's "paths"):
 
@@ -33,6 +34,7 @@ import numpy as np
 
 import jax_m3sparse as m3
 from jax_m3sparse.select import indexer_block_scores, top_blocks
+from minimax_m3 import sampling
 from minimax_m3.attention import paged_attention_jnp, rope
 from minimax_m3.model import batch_rows
 
@@ -105,7 +107,7 @@ def calibrated_kv_scales(kv_amax, headroom: float = 4.0) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- caches
-def allocate_caches(cfg: LlamaConfig, num_pages: int, compare: bool) -> dict:
+def allocate_caches(cfg: LlamaConfig, num_pages: int) -> dict:
     """The step's caches (donated every step).
 
     nvfp4: ``kv uint8[L, P, 2Hkv, N, C]`` (layout "LBHNC"), plus with selection ``keys
@@ -113,9 +115,6 @@ def allocate_caches(cfg: LlamaConfig, num_pages: int, compare: bool) -> dict:
     its index keys in bf16). bf16 / f32: ``k``, ``v`` ``[L, P, Hkv, N, D]`` in that dtype (k
     also serves the selection).
     """
-    if compare:
-        raise ValueError("the real-model step has no reference stream: run the bf16 path "
-                         "(EngineConfig(compare=False))")
     shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, cfg.block_size, cfg.head_dim)
     if cfg.kv_format in DENSE_FORMATS:
         dtype = DENSE_FORMATS[cfg.kv_format]
@@ -222,24 +221,25 @@ def _layer(cfg: LlamaConfig, meta, slots, req, pos, carry, xs):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_decode_requests", "decode_query_len",
-                                             "compare"), donate_argnames=("caches",))
+                                             "num_logprobs", "return_logits"),
+                   donate_argnames=("caches",))
 def forward_step(params, caches, batch, *, cfg: LlamaConfig, num_decode_requests: int,
-                 decode_query_len: int, compare: bool = False):
-    """One engine step (the signature of ``minimax_m3.model.forward_step``).
+                 decode_query_len: int, num_logprobs: int = 0, return_logits: bool = False):
+    """One engine step (``minimax_m3.engine.ModelStep``).
 
     Args:
       params: :func:`device_params`. caches: :func:`allocate_caches` (donated).
-      batch: the Engine's int32 arrays ``tokens [T]``, ``slot_mapping [T]``, ``query_lens
-        [R]``, ``context_lens [R]``, ``block_table [R, M]`` (decode requests first).
-      compare: must be False (no reference stream; the bf16 path is its own run).
+      batch: the Engine's arrays ``tokens [T]``, ``slot_mapping [T]``, ``query_lens [R]``,
+        ``context_lens [R]``, ``block_table [R, M]`` (decode requests first) and the sampling
+        arrays (``minimax_m3.sampling.batch_arrays``, ``[S]``).
+      num_logprobs, return_logits: static, as ``minimax_m3.model.forward_step``'s.
 
     Returns:
-      ``(caches, out)``: ``logits [T, V]`` fp32, ``greedy int32[T]``, ``lse [T]``
-      (log-sum-exp of each row, for log-probabilities), ``blocks [L, 2]`` (token-block pairs
-      attended, visible) and ``kv_amax [L, 2]`` (max |K|, |V| over this step's live tokens).
+      ``(caches, out)``: ``tokens int32[S]`` sampled on the device (and logprobs / logits of
+      the sampled rows when asked), ``blocks [L, 2]`` (token-block pairs attended, visible),
+      ``kv_amax [L, 2]`` (max |K|, |V| over this step's live tokens) and, for the perplexity
+      study, every row's ``row_logits [T, V]`` fp32 and ``row_lse [T]`` (log-sum-exp).
     """
-    if compare:
-        raise ValueError("compare=True is not supported by the real-model step")
     meta, req, pos = batch_rows(batch, num_decode_requests, decode_query_len)
     x = params["embed"][batch["tokens"]]
     body = functools.partial(_layer, cfg, meta, batch["slot_mapping"], req, pos)
@@ -247,5 +247,8 @@ def forward_step(params, caches, batch, *, cfg: LlamaConfig, num_decode_requests
     (x, caches), (blocks, amax) = jax.lax.scan(
         body, (x, caches), (params["layers"], jnp.arange(L, dtype=jnp.int32), params["kv_scale"]))
     logits = rms_norm(x, params["final_norm"], cfg.rms_eps) @ params["embed"].T   # tied head
-    return caches, dict(logits=logits, greedy=jnp.argmax(logits, axis=-1).astype(jnp.int32),
-                        lse=jax.nn.logsumexp(logits, axis=-1), blocks=blocks, kv_amax=amax)
+    rows = jnp.clip(batch["sample_rows"], 0, logits.shape[0] - 1)
+    out = sampling.sample_rows_out(logits[rows], batch, pos, num_logprobs=num_logprobs,
+                                   return_logits=return_logits)
+    return caches, dict(out, row_logits=logits, row_lse=jax.nn.logsumexp(logits, axis=-1),
+                        blocks=blocks, kv_amax=amax)

@@ -65,9 +65,9 @@ class ScoringEngine(Engine):
             start, rows = r.num_cached, slice(t, t + n)
             targets = np.asarray(r.prompt[start + 1:start + n + 1])        # the next tokens
             k = len(targets)                                                 # n, or n − 1 at the end
-            logit_rows = out["logits"][rows]
+            logit_rows = out["row_logits"][rows]
             self.nll.setdefault(r.rid, []).extend(
-                (out["lse"][rows][:k] - logit_rows[np.arange(k), targets]).tolist())
+                (out["row_lse"][rows][:k] - logit_rows[np.arange(k), targets]).tolist())
             if self.keep_logits:
                 self.prefill_logits.setdefault(r.rid, []).extend(np.array(logit_rows))
             t += n

@@ -1,0 +1,806 @@
+"""One tensor-parallel rank of MiniMax M3 at real size, timed: ``python -m examples.minimax_m3.bench``.
+
+Builds what one of ``--tp`` GPUs runs (default: M3 at TP 8 — hidden 6144, 8 query heads, 1 KV
+head, 128 experts of I = 384, shared expert 384, dense MLP 1536; the released layer pattern,
+3 full-attention + dense-MLP layers then sparse + MoE), as many layers as fit the device
+(``--layers``), random bf16 weights made on the device (model.init_params), a page pool for the
+largest batch × context with random cache contents (the timing does not depend on them), and
+times, per step shape (decode batches × contexts, one prefill chunk):
+
+* the whole ``model.forward_step`` (wall, median after warmup) and its compile time;
+* each part per layer, as its own jitted function over the built layers' weights (a
+  ``lax.scan``, so that one call's launch cost is shared by the layers): attention, selection,
+  MoE (each ``--moe-impls``), dense MLP, projections + norms + cache writes, lm_head +
+  sampling. On GPUs also the kernels' time from a profiler trace (falls back to wall time);
+
+beside each part's floor (bytes ÷ ``--bandwidth`` or FLOPs ÷ ``--flops``, whichever is larger;
+the MoE's counts only the experts the batch routes to, measured), and projects the time per
+output token and tokens/s per GPU for all of the model's layers at TP ``--tp``, with the
+all-reduces *modelled* (2 per layer of ``[T, hidden]`` bf16, ring, ``--link-bandwidth``, plus
+``--collective-latency`` each). ``--json`` writes every number. CPU smoke test: ``--tiny``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+M3_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "m3_config", "config.json")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m examples.minimax_m3.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=M3_CONFIG, help="the full model's config.json")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test)")
+    ap.add_argument("--keep-layer-types", action="store_true",
+                    help="keep the config's layer_types (default: the released pattern, full "
+                         "attention where the MLP is dense, sparse elsewhere)")
+    ap.add_argument("--tp", type=int, default=8, help="tensor parallel of the modelled system")
+    ap.add_argument("--layers", type=int, default=None, help="layers built (default: as many "
+                    "as fit --mem-fraction of the device, at least the first sparse+MoE one)")
+    ap.add_argument("--mem-fraction", type=float, default=None,
+                    help="XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.85; 0.5 when tokamax runs, "
+                         "whose Mosaic kernels need memory outside XLA's pool)")
+    ap.add_argument("--reserve-gb", type=float, default=10.0,
+                    help="device memory kept for activations and workspace when fitting layers")
+    ap.add_argument("--moe-impl", default="auto", help="the step's moe_impl (moe.IMPLS)")
+    ap.add_argument("--moe-impls", default=None,
+                    help="formulations timed as parts (default: dense,ragged and tokamax if it "
+                         "imports)")
+    ap.add_argument("--batch", default="1,4,8,32,64,128", help="decode batch sizes")
+    ap.add_argument("--context", default="2048,16384", help="decode context lengths")
+    ap.add_argument("--prefill", type=int, default=2048, help="prefill chunk (0: none)")
+    ap.add_argument("--prefill-context", type=int, default=8192,
+                    help="the chunk's request length (its last token's position + 1)")
+    ap.add_argument("--quick", action="store_true", help="decode 4 and 128 at 16k, prefill 2048")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--no-parts", action="store_true", help="time the whole step only")
+    ap.add_argument("--kernel-times", action="store_true",
+                    help="GPU: also each part's kernel time from a jax.profiler trace (a trace "
+                         "per part and shape: slower)")
+    ap.add_argument("--bandwidth", type=float, default=4.25e12, help="B/s for memory floors")
+    ap.add_argument("--flops", type=float, default=790e12, help="FLOP/s for compute floors")
+    ap.add_argument("--link-bandwidth", type=float, default=450e9,
+                    help="B/s per GPU of the modelled ring all-reduce (NVLink)")
+    ap.add_argument("--collective-latency", type=float, default=10e-6,
+                    help="s per modelled collective")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the numbers here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.batch, args.context, args.prefill = "4,128", "16384", 2048
+    if args.tiny:
+        args.tp = 1 if args.tp == 8 else args.tp
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    impls = _impls_requested(args)
+    frac = args.mem_fraction or (0.5 if "tokamax" in impls else 0.85)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(frac))
+    if "tokamax" in impls:
+        _stub_xprof()
+    bench = Bench(args, impls)   # imports jax: after the memory fraction is set
+    report = bench.run()
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
+    return report
+
+
+def _impls_requested(args) -> list[str]:
+    if args.moe_impls:
+        return args.moe_impls.split(",")
+    out = ["dense", "ragged"]
+    _stub_xprof()
+    try:
+        import tokamax  # noqa: F401, PLC0415
+        out.append("tokamax")
+    except ImportError:
+        pass
+    return out
+
+
+def _stub_xprof():
+    """tokamax 0.0.17 imports ``xprof.cli.tools`` (a profiler with heavy dependencies) at
+    import time for its own benchmarking; a stub lets it import when xprof is absent."""
+    try:
+        import xprof.cli.tools  # noqa: F401, PLC0415
+    except ImportError:
+        import types  # noqa: PLC0415
+        for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
+            sys.modules.setdefault(name, types.ModuleType(name))
+        sys.modules["xprof.cli.tools"].get_kernel_stats_tool = None
+
+
+# ----------------------------------------------------------------------------- the model
+def full_config(args):
+    from .config import DENSE_MLP, FULL, SPARSE, ModelConfig, from_hf_config  # noqa: PLC0415
+    if args.tiny:
+        return ModelConfig(vocab_size=512, hidden_size=256, num_hidden_layers=4,
+                           num_attention_heads=8, num_key_value_heads=1, index_n_heads=1,
+                           dense_intermediate_size=256, intermediate_size=64,
+                           shared_intermediate_size=64, num_local_experts=16,
+                           num_experts_per_tok=4, index_head_dim=64, index_topk_blocks=4,
+                           layer_types=(FULL, SPARSE, SPARSE, SPARSE),
+                           mlp_layer_types=(DENSE_MLP, "sparse", "sparse", "sparse"))
+    cfg = from_hf_config(args.config)
+    if not args.keep_layer_types:
+        cfg = dataclasses.replace(cfg, layer_types=tuple(
+            FULL if m == DENSE_MLP else SPARSE for m in cfg.mlp_layer_types))
+    return cfg
+
+
+def rank_config(full, tp: int, layers: int, moe_impl: str):
+    """What one of ``tp`` devices computes, as a model of its own: heads, intermediate sizes
+    (and the vocabulary, where the model splits it) divided by ``tp``; the first ``layers``
+    layers. At tp > Hkv a device holds one replica of one KV head (kv_replicas)."""
+    from jax.tree_util import DictKey  # noqa: PLC0415
+    from .parallel import AXIS, check_divisible, leaf_spec  # noqa: PLC0415
+    check_divisible(full, tp)
+    hkv = max(1, full.num_key_value_heads // tp)
+    vocab_split = AXIS in tuple(leaf_spec((DictKey("lm_head"),), full, tp))
+    return dataclasses.replace(
+        full, num_attention_heads=full.num_attention_heads // tp, num_key_value_heads=hkv,
+        index_n_heads=hkv, intermediate_size=full.intermediate_size // tp,
+        shared_intermediate_size=full.shared_intermediate_size // tp,
+        dense_intermediate_size=full.dense_intermediate_size // tp,
+        vocab_size=full.vocab_size // tp if vocab_split else full.vocab_size,
+        num_hidden_layers=layers, layer_types=full.layer_types[:layers],
+        mlp_layer_types=full.mlp_layer_types[:layers], kv_replicas=1, moe_impl=moe_impl)
+
+
+def layer_bytes(cfg, attn, mlp, dtype_bytes=2) -> int:
+    from . import model  # noqa: PLC0415
+    from .parallel import is_shape  # noqa: PLC0415
+    import jax  # noqa: PLC0415
+    return dtype_bytes * sum(math.prod(s) for s in jax.tree_util.tree_leaves(
+        model.layer_shapes(cfg, attn, mlp), is_leaf=is_shape))
+
+
+# ----------------------------------------------------------------------------- the bench
+class Bench:
+    def __init__(self, args, impls):
+        import jax  # noqa: PLC0415
+        self.args, self.impls = args, impls
+        self.backend = jax.default_backend()
+        self.gpu = self.backend not in ("cpu",)
+        self.full = full_config(args)
+        self.batches = [int(b) for b in args.batch.split(",") if b]
+        self.contexts = [int(c) for c in args.context.split(",") if c]
+        N = self.full.block_size
+        self.part_cache = {}     # parts that depend on the token count only, by (part, T)
+        self.pages = max([b * -(-c // N) for b in self.batches for c in self.contexts]
+                         + [-(-args.prefill_context // N) if args.prefill else 0]) + 1
+
+    # --- memory
+    def cache_bytes_per_layer(self, cfg, sparse: bool) -> int:
+        import jax_m3sparse as m3  # noqa: PLC0415
+        spec = m3.KVCacheSpec(cfg.cache_kv_heads, cfg.head_dim, cfg.block_size)
+        idx = self.pages * cfg.block_size * cfg.index_head_dim * 2 if sparse else 0
+        return self.pages * spec.page_bytes + idx
+
+    def choose_layers(self) -> tuple[int, dict]:
+        """Layers that fit: the fixed weights, then layers in the model's order, each with its
+        caches, until the pool less ``--reserve-gb`` is used."""
+        import jax  # noqa: PLC0415
+        from . import plan  # noqa: PLC0415
+        from .config import SPARSE  # noqa: PLC0415
+        one = rank_config(self.full, self.args.tp, 1, self.args.moe_impl)
+        L = self.full.num_layers
+        if self.args.layers:
+            return min(self.args.layers, L), {}
+        avail, source = plan.available_memory(jax.devices()[:1])
+        fixed = 2 * one.vocab_size * one.hidden_size * 2 + one.hidden_size * 2
+        budget = avail - self.args.reserve_gb * 1e9 - fixed
+        n = 0
+        for attn, mlp in zip(self.full.layer_types, self.full.mlp_layer_types):
+            cost = layer_bytes(one, attn, mlp) + self.cache_bytes_per_layer(one, attn == SPARSE)
+            if budget < cost:
+                break
+            budget -= cost
+            n += 1
+        first_moe = next((i + 1 for i, m in enumerate(self.full.mlp_layer_types) if m == "sparse"),
+                         L)
+        return max(n, min(first_moe, L)), dict(available_bytes=avail, source=source)
+
+    # --- setup
+    def build(self):
+        import jax  # noqa: PLC0415
+        import jax.numpy as jnp  # noqa: PLC0415
+        from . import model  # noqa: PLC0415
+        layers, mem = self.choose_layers()
+        cfg = rank_config(self.full, self.args.tp, layers, self.args.moe_impl)
+        self.cfg, self.mem = cfg, mem
+        cache = sum(self.cache_bytes_per_layer(cfg, t == "minimax_m3_sparse")
+                    for t in cfg.layer_types)
+        t0 = time.perf_counter()
+        self.params = model.init_params(cfg, self.args.seed, dtype=jnp.bfloat16,
+                                        cache_bytes=cache)
+        jax.block_until_ready(self.params)
+        self.init_s = time.perf_counter() - t0
+        self.caches = random_caches(cfg, self.pages, self.args.seed)
+        jax.block_until_ready(self.caches)
+
+    def run(self) -> dict:
+        self.build()
+        shapes = [("decode", b, c) for c in self.contexts for b in self.batches]
+        if self.args.prefill:
+            shapes.append(("prefill", self.args.prefill, self.args.prefill_context))
+        rows = []
+        for kind, n, ctx in shapes:
+            row = self.time_shape(kind, n, ctx)
+            rows.append(row)
+            print(format_row(row), flush=True)
+        return dict(device=_device_name(), backend=self.backend, rank_config=_cfg_dict(self.cfg),
+                    full_layers=self.full.num_layers, tp=self.args.tp, pages=self.pages,
+                    init_s=self.init_s, memory=self.mem, moe_impl=self.args.moe_impl,
+                    impls=self.impls, model=self.model_note(), shapes=rows)
+
+    def model_note(self) -> dict:
+        a = self.args
+        return dict(bandwidth=a.bandwidth, flops=a.flops, link_bandwidth=a.link_bandwidth,
+                    collective_latency=a.collective_latency,
+                    allreduce="2 per layer of [T, hidden] bf16, ring: 2·(tp−1)/tp·bytes / "
+                              "link_bandwidth + latency each (a model, not measured)")
+
+    def time_shape(self, kind, n, ctx) -> dict:
+        import jax  # noqa: PLC0415
+        batch, nd = make_batch(self.cfg, kind, n, ctx, self.pages, self.args.seed)
+        T = batch["tokens"].shape[0]
+        t0 = time.perf_counter()
+        step = compile_step(self.params, self.caches, batch, self.cfg, nd)
+        compile_s = time.perf_counter() - t0
+        state = dict(caches=self.caches)
+
+        def call():
+            state["caches"], out = step(self.params, state["caches"], batch)
+            return out
+
+        times = wall_times(call, self.args.warmup, self.args.repeats)
+        out = call()
+        jax.block_until_ready(out)
+        self.caches = state["caches"]
+        host = host_bytes(batch, out)
+        row = dict(kind=kind, requests=n if kind == "decode" else 1, tokens=T, context=ctx,
+                   step_ms=1e3 * statistics.median(times), step_ms_min=1e3 * min(times),
+                   compile_s=compile_s, host_bytes=host)
+        if not self.args.no_parts:
+            parts = Parts(self, batch, nd, kind, ctx)
+            row["parts"] = parts.run()
+            row.update(self.project(row, parts))
+        return row
+
+    def project(self, row, parts) -> dict:
+        """The step at all layers and tp: the measured step, plus the missing layers at their
+        parts' per-layer times, plus the modelled all-reduces."""
+        a, full, cfg = self.args, self.full, self.cfg
+        p = {x["part"]: x for x in row["parts"]}
+        built_sparse = sum(t == "minimax_m3_sparse" for t in cfg.layer_types)
+        built_moe = sum(m == "sparse" for m in cfg.mlp_layer_types)
+        total_sparse = sum(t == "minimax_m3_sparse" for t in full.layer_types)
+        total_moe = sum(m == "sparse" for m in full.mlp_layer_types)
+        us = lambda name: p[name]["us_per_layer"] if name in p else 0.0
+        floor = lambda name: p[name]["floor_us"] if name in p else 0.0
+        moe_name = f"moe ({cfg.moe_impl})" if f"moe ({cfg.moe_impl})" in p else next(
+            (k for k in p if k.startswith("moe")), "")
+        attn_full = "attention (full)"
+        # per layer: projections/norms/writes in every layer; attention + selection by kind
+        missing = dict(sparse=total_sparse - built_sparse, full=(full.num_layers - total_sparse)
+                       - (cfg.num_layers - built_sparse), moe=total_moe - built_moe,
+                       dense=(full.num_layers - total_moe) - (cfg.num_layers - built_moe))
+        add = (missing["sparse"] * (us("attention (sparse)") + us("selection"))
+               + missing["full"] * us(attn_full) + missing["moe"] * us(moe_name)
+               + missing["dense"] * us("dense MLP")
+               + (full.num_layers - cfg.num_layers) * us("projections+norms"))
+        step_all = row["step_ms"] * 1e3 + add
+        T = row["tokens"]
+        ar_bytes = T * full.hidden_size * 2
+        tp = a.tp
+        ar = (2 * full.num_layers * (2 * (tp - 1) / tp * ar_bytes / a.link_bandwidth
+                                     + a.collective_latency) if tp > 1 else 0.0) * 1e6
+        floor_all = (total_sparse * (floor("attention (sparse)") + floor("selection"))
+                     + (full.num_layers - total_sparse) * floor(attn_full)
+                     + total_moe * floor(moe_name) + (full.num_layers - total_moe)
+                     * floor("dense MLP") + full.num_layers * floor("projections+norms")
+                     + floor("lm_head+sampling"))
+        floor_built = sum(floor(x) * n for x, n in (
+            ("attention (sparse)", built_sparse), ("selection", built_sparse),
+            (attn_full, cfg.num_layers - built_sparse), (moe_name, built_moe),
+            ("dense MLP", cfg.num_layers - built_moe),
+            ("projections+norms", cfg.num_layers), ("lm_head+sampling", 1)))
+        ms = (step_all + ar) / 1e3
+        out_tokens = row["requests"] if row["kind"] == "decode" else 1
+        return dict(step_floor_ms=floor_built / 1e3, projected_layers=full.num_layers,
+                    projected_step_ms=ms, projected_floor_ms=(floor_all + ar) / 1e3,
+                    modelled_allreduce_ms=ar / 1e3,
+                    projected_tpot_ms=ms if row["kind"] == "decode" else None,
+                    projected_tokens_per_s_per_gpu=(out_tokens if row["kind"] == "decode"
+                                                    else T) / (ms / 1e3) / tp)
+
+
+def _device_name() -> str:
+    import jax  # noqa: PLC0415
+    d = jax.devices()[0]
+    return f"{d.platform}: {d.device_kind}"
+
+
+def _cfg_dict(cfg) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["layer_types"] = list(cfg.layer_types)
+    d["mlp_layer_types"] = list(cfg.mlp_layer_types)
+    return d
+
+
+# ----------------------------------------------------------------------------- caches, batches
+def random_caches(cfg, pages: int, seed: int) -> dict:
+    """The step's caches with random contents, one layer at a time (donated): FP4 codes
+    random, block scales 1.0 (finite), index keys N(0, 1) bf16."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from . import model  # noqa: PLC0415
+    caches = _allocate(cfg, pages)
+    key = jax.random.key(seed + 1)
+    del model
+    D = cfg.head_dim
+
+    def kv_layer(kv, k, l):
+        codes = jax.random.bits(k, kv.shape[1:-1] + (D // 2,), jnp.uint8)
+        scales = jnp.full(kv.shape[1:-1] + (kv.shape[-1] - D // 2,), 0x38, jnp.uint8)
+        return kv.at[l].set(jnp.concatenate([codes, scales], axis=-1))
+
+    def idx_layer(idx, k, l):
+        return idx.at[l].set(jax.random.normal(k, idx.shape[1:], idx.dtype))
+
+    kv_layer = jax.jit(kv_layer, donate_argnums=0)
+    idx_layer = jax.jit(idx_layer, donate_argnums=0)
+    kv, idx = caches["kv"], caches["idx"]
+    for l in range(kv.shape[0]):
+        kv = kv_layer(kv, jax.random.fold_in(key, l), l)
+    for l in range(idx.shape[0]):
+        idx = idx_layer(idx, jax.random.fold_in(key, 1000 + l), l)
+    return dict(caches, kv=kv, idx=idx)
+
+
+def _allocate(cfg, pages):
+    """model.allocate_caches, served stream only, whichever signature it has."""
+    from . import model  # noqa: PLC0415
+    if "compare" in inspect.signature(model.allocate_caches).parameters:
+        return model.allocate_caches(cfg, pages, compare=False)
+    return model.allocate_caches(cfg, pages)
+
+
+def make_batch(cfg, kind: str, n: int, ctx: int, pages: int, seed: int):
+    """(batch, num_decode_requests) for ``n`` decode requests each at ``ctx`` tokens (the new
+    token at position ctx − 1), or one prefill chunk of ``n`` tokens ending at ``ctx``.
+    Requests get disjoint pages; every row samples (decode) or the chunk's last row does."""
+    import numpy as np  # noqa: PLC0415
+    N = cfg.block_size
+    M = -(-ctx // N)
+    R = n if kind == "decode" else 1
+    if R * M > pages:
+        raise ValueError(f"{R} × {M} pages > the pool's {pages}")
+    table = np.arange(R * M, dtype=np.int32).reshape(R, M)
+    rng = np.random.default_rng(seed)
+    if kind == "decode":
+        pos = np.full(R, ctx - 1, np.int32)
+        slots = table[:, -1] * N + (ctx - 1) % N
+        qlens, ctxl = np.ones(R, np.int32), pos.copy()
+        sample = np.arange(R, dtype=np.int32)
+        T = R
+    else:
+        pos = np.arange(ctx - n, ctx, dtype=np.int32)
+        slots = table[0, pos // N] * N + pos % N
+        qlens, ctxl = np.array([n], np.int32), np.array([ctx - n], np.int32)
+        sample = np.array([n - 1], np.int32)
+        T = n
+    batch = dict(tokens=rng.integers(0, cfg.vocab_size, T).astype(np.int32),
+                 slot_mapping=slots.astype(np.int32), query_lens=qlens, context_lens=ctxl,
+                 block_table=table)
+    return step_batch(batch, sample), (R if kind == "decode" else 0)
+
+
+# ----------------------------------------------------------------------------- the step call
+# The only place that knows forward_step's interface: adapt here when it changes.
+def _step_kwargs():
+    from . import model  # noqa: PLC0415
+    params = inspect.signature(model.forward_step).parameters
+    return dict(compare=False) if "compare" in params else {}
+
+
+def step_batch(batch: dict, sample_rows) -> dict:
+    """``batch`` plus the sampling arrays (greedy) when the step takes them."""
+    try:
+        from .sampling import batch_arrays  # noqa: PLC0415
+    except ImportError:
+        return batch
+    return dict(batch, **batch_arrays(sample_rows))
+
+
+def compile_step(params, caches, batch, cfg, num_decode_requests: int):
+    """The compiled ``forward_step`` for this shape (trace + compile timed by the caller);
+    called as ``step(params, caches, batch) -> (caches, out)``, caches donated."""
+    from . import model  # noqa: PLC0415
+    return model.forward_step.lower(params, caches, batch, cfg=cfg,
+                                    num_decode_requests=num_decode_requests,
+                                    decode_query_len=1, **_step_kwargs()).compile()
+
+
+def host_bytes(batch, out) -> dict:
+    """What an engine moves per step: the batch up, everything the step returns down."""
+    import jax  # noqa: PLC0415
+    up = sum(v.nbytes for v in jax.tree_util.tree_leaves(batch))
+    down = sum(v.nbytes for v in jax.tree_util.tree_leaves(out))
+    return dict(to_device=int(up), to_host=int(down))
+
+
+def wall_times(fn, warmup: int, repeats: int) -> list[float]:
+    import jax  # noqa: PLC0415
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# ----------------------------------------------------------------------------- parts
+class Parts:
+    """Each part of a layer as a jitted ``lax.scan`` over the built layers of its kind (their
+    own weights), on the step's shapes; µs per layer = median call time / layers."""
+
+    def __init__(self, bench, batch, nd, kind, ctx):
+        import jax.numpy as jnp  # noqa: PLC0415
+        from . import model  # noqa: PLC0415
+        self.b, self.cfg, self.kind, self.ctx = bench, bench.cfg, kind, ctx
+        self.batch = {k: jnp.asarray(v) for k, v in batch.items()}
+        self.meta, self.req, self.pos = model.batch_rows(self.batch, nd, 1)
+        self.T = batch["tokens"].shape[0]
+
+    def run(self) -> list[dict]:
+        cfg = self.cfg
+        out = []
+        seg = {(a, m): i for i, (a, m, _, _) in enumerate(cfg.segments())}
+        sparse_seg = next((i for (a, m), i in seg.items() if a == "minimax_m3_sparse"), None)
+        full_seg = next((i for (a, m), i in seg.items() if a != "minimax_m3_sparse"), None)
+        moe_seg = next((i for (a, m), i in seg.items() if m == "sparse"), None)
+        dense_seg = next((i for (a, m), i in seg.items() if m != "sparse"), None)
+        if sparse_seg is not None:
+            out.append(self.attention(sparse_seg, True))
+            out.append(self.selection(sparse_seg))
+        if full_seg is not None:
+            out.append(self.attention(full_seg, False))
+        if moe_seg is not None:
+            routed = self.once("routed", lambda: self.routed_experts(moe_seg))
+            for impl in self.b.impls:
+                try:
+                    out.append(self.once(f"moe {impl}",
+                                          lambda: self.mlp(moe_seg, True, impl, routed)))
+                except Exception as e:  # noqa: BLE001 (an optional formulation may not run here)
+                    out.append(dict(part=f"moe ({impl})", error=f"{type(e).__name__}: {e}"[:200]))
+        if dense_seg is not None:
+            out.append(self.once("dense MLP", lambda: self.mlp(dense_seg, False)))
+        out.append(self.once("proj", lambda: self.projections(
+            sparse_seg if sparse_seg is not None else full_seg)))
+        out.append(self.once("lm_head", self.lm_head))
+        return out
+
+    def once(self, name, fn):
+        """Parts whose shapes depend on the token count only are timed once per count."""
+        key = (name, self.kind, self.T)
+        if key not in self.b.part_cache:
+            self.b.part_cache[key] = fn()
+        return self.b.part_cache[key]
+
+    # --- timing
+    def timed(self, name, fn, args, layers, floor_bytes, floor_flops, state=None,
+              **extra) -> dict:
+        """``fn(*args)``, or with ``state`` (a dict of donated arrays) ``fn(state, *args) ->
+        (state, out)``, threaded through the calls; the final state is in ``state``."""
+        import jax  # noqa: PLC0415
+        a = self.b.args
+        t0 = time.perf_counter()
+        if state is None:
+            compiled = jax.jit(fn).lower(*args).compile()
+            call = lambda: compiled(*args)
+        else:
+            compiled = jax.jit(fn, donate_argnums=0).lower(state, *args).compile()
+
+            def call():
+                new, out = compiled(dict(state), *args)
+                state.update(new)
+                return out
+        compile_s = time.perf_counter() - t0
+        times = wall_times(call, a.warmup, a.repeats)
+        us = 1e6 * statistics.median(times) / layers
+        kernel_us = self.kernel_time(call)
+        floor_b, floor_f = floor_bytes / a.bandwidth * 1e6, floor_flops / a.flops * 1e6
+        return dict(part=name, us_per_layer=us, kernel_us_per_layer=(kernel_us / layers
+                                                                     if kernel_us else None),
+                    floor_us=max(floor_b, floor_f), floor_by="bytes" if floor_b >= floor_f
+                    else "FLOPs", floor_bytes=floor_bytes, floor_flops=floor_flops,
+                    layers=layers, compile_s=compile_s, **extra)
+
+    def kernel_time(self, call):
+        """GPU kernels' µs of one call from a profiler trace, else None (CPU, or no trace)."""
+        if not (self.b.gpu and self.b.args.kernel_times):
+            return None
+        try:
+            from jax_m3sparse.bench.cuda import gpu_events  # noqa: PLC0415
+            ev = gpu_events(call, ())
+        except Exception:  # noqa: BLE001 (the wall time stands)
+            return None
+        return sum(d for _, _, d in ev) or None
+
+    def seg(self, i):
+        return self.b.params["segments"][i]
+
+    def nlayers(self, i):
+        return self.cfg.segments()[i][3]
+
+    # --- parts
+    def topk(self, sparse: bool):
+        """Selections of the step's shape: the last K visible blocks per token (full layers:
+        every block)."""
+        import jax.numpy as jnp  # noqa: PLC0415
+        cfg, M = self.cfg, self.batch["block_table"].shape[1]
+        if not sparse:
+            K = M
+            return jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32),
+                                    (cfg.cache_kv_heads, self.T, M)), K
+        K = cfg.index_topk_blocks
+        last = jnp.maximum(self.pos, 0) // cfg.block_size
+        blocks = last[:, None] - jnp.arange(K, dtype=jnp.int32)
+        blocks = jnp.where(blocks >= 0, blocks, -1)
+        return jnp.broadcast_to(blocks, (cfg.cache_kv_heads, self.T, K)), K
+
+    def visible_blocks(self) -> int:
+        """Σ over requests of the distinct blocks the step's tokens may read."""
+        N = self.cfg.block_size
+        if self.kind == "decode":
+            return self.T * -(-self.ctx // N)
+        return -(-self.ctx // N)
+
+    def attention(self, i, sparse: bool) -> dict:
+        import jax  # noqa: PLC0415
+        import jax.numpy as jnp  # noqa: PLC0415
+        import jax_m3sparse as m3  # noqa: PLC0415
+        from . import model  # noqa: PLC0415
+        cfg, T = self.cfg, self.T
+        topk, K = self.topk(sparse)
+        first = cfg.segments()[i][2]
+        n = self.nlayers(i)
+        q = jax.random.normal(jax.random.key(1), (T, cfg.num_attention_heads, cfg.head_dim),
+                              jnp.bfloat16)
+        attend = (m3.sparse_attention if sparse or not self.b.gpu
+                  else m3.reference.sparse_attention)
+        meta = self.meta
+
+        def fn(q, kv, topk):
+            def body(c, l):
+                o = attend((q + c).astype(jnp.bfloat16), kv, topk, meta, model.K_SCALE,
+                           model.V_SCALE, scale=cfg.head_dim ** -0.5, layer=l,
+                           layout=model.KV_LAYOUT)
+                return c + jnp.sum(o.astype(jnp.float32)).astype(jnp.bfloat16) * 0, None
+            return jax.lax.scan(body, jnp.bfloat16(0), first + jnp.arange(n))[0]
+
+        spec_bytes = 2 * cfg.head_dim * 9 // 16          # K+V bytes per token and head: 2·72
+        blocks = (min(K, -(-self.ctx // cfg.block_size)) * T if self.kind == "decode"
+                  else self.visible_blocks())
+        nbytes = blocks * cfg.cache_kv_heads * cfg.block_size * spec_bytes
+        keys = min(K * cfg.block_size, self.ctx)
+        flops = 4 * T * keys * cfg.num_attention_heads * cfg.head_dim
+        return self.timed(f"attention ({'sparse' if sparse else 'full'})", fn,
+                          (q, self.b.caches["kv"], topk), n, nbytes, flops)
+
+    def selection(self, i) -> dict:
+        import jax  # noqa: PLC0415
+        import jax.numpy as jnp  # noqa: PLC0415
+        from jax_m3sparse.select import select_blocks  # noqa: PLC0415
+        cfg, T = self.cfg, self.T
+        n = self.nlayers(i)
+        Hi = self.b.full.index_n_heads    # every device computes all index heads (replicated)
+        iq = jax.random.normal(jax.random.key(2), (T, Hi, cfg.index_head_dim), jnp.bfloat16)
+        layered = "layer" in inspect.signature(select_blocks).parameters
+        kw = dict(topk_blocks=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks)
+        bt, req, pos = self.batch["block_table"], self.req, self.pos
+
+        def fn(iq, idx):
+            def body(c, l):
+                if layered:
+                    t = select_blocks(iq + c, idx, bt, req, pos, layer=l, **kw)
+                else:
+                    t = select_blocks(iq + c, idx[l], bt, req, pos, **kw)
+                return c + (jnp.sum(t) * 0).astype(iq.dtype), None
+            return jax.lax.scan(body, jnp.zeros((), iq.dtype), jnp.arange(n))[0]
+
+        # index keys read: each request's context once; scores: every row × its context
+        keys = self.T * self.ctx if self.kind == "decode" else self.ctx
+        nbytes = keys * cfg.index_head_dim * 2
+        flops = 2 * T * Hi * cfg.index_head_dim * self.ctx
+        return self.timed("selection", fn, (iq, self.b.caches["idx"]), n, nbytes, flops,
+                          index_heads=Hi, layer_argument=layered)
+
+    def routed_experts(self, i) -> float:
+        """Distinct experts the router picks for this many random tokens (layer 0 of the
+        segment), the MoE floor's count."""
+        import jax  # noqa: PLC0415
+        import jax.numpy as jnp  # noqa: PLC0415
+        from . import moe  # noqa: PLC0415
+        p = jax.tree_util.tree_map(lambda w: w[0], self.seg(i)["mlp"])
+        h = jax.random.normal(jax.random.key(3), (self.T, self.cfg.hidden_size), jnp.float32)
+        _, chosen = moe.route(p, h, self.cfg)
+        return int(jnp.unique(chosen).shape[0])
+
+    def mlp(self, i, is_moe: bool, impl: str = "dense", routed: int = 0) -> dict:
+        import jax  # noqa: PLC0415
+        import jax.numpy as jnp  # noqa: PLC0415
+        from . import moe  # noqa: PLC0415
+        cfg = dataclasses.replace(self.cfg, moe_impl=impl)
+        T, H = self.T, cfg.hidden_size
+        n = self.nlayers(i)
+        x = jax.random.normal(jax.random.key(4), (T, H), jnp.float32)
+
+        def fn(x, p):
+            def body(c, pl):
+                return c + moe.mlp(pl, c, cfg, is_moe) * 1e-3, None
+            return jax.lax.scan(body, x, p)[0]
+
+        if is_moe:
+            I, E, k = cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok
+            per_expert = 3 * I * H * 2
+            shared = 3 * cfg.shared_intermediate_size * H * 2
+            nbytes = routed * per_expert + shared + E * H * 2
+            flops = 2 * T * (k * 3 * I * H + 3 * cfg.shared_intermediate_size * H + E * H)
+            expected = E * (1 - (1 - k / E) ** T)
+            return self.timed(f"moe ({impl})", fn, (x, self.seg(i)["mlp"]), n, nbytes, flops,
+                              resolved=moe.resolve_impl(impl, T), routed_experts=routed,
+                              expected_routed_experts=expected)
+        D = cfg.dense_intermediate_size
+        return self.timed("dense MLP", fn, (x, self.seg(i)["mlp"]), n, 3 * D * H * 2,
+                          2 * T * 3 * D * H)
+
+    def projections(self, i) -> dict:
+        """Norms, q/k/v/o projections, q/k norms and RoPE, the indexer's projections, the
+        K/V cache write (pack_kv_pages) and the index-key write: a layer less attention,
+        selection and MLP."""
+        import jax  # noqa: PLC0415
+        import jax.numpy as jnp  # noqa: PLC0415
+        import jax_m3sparse as m3  # noqa: PLC0415
+        from . import model, moe  # noqa: PLC0415
+        from .attention import gemma_rms_norm, indexer, qkv, rotary_cos_sin, write_pages  # noqa
+        cfg, T, H = self.cfg, self.T, self.cfg.hidden_size
+        n = self.nlayers(i)
+        first = cfg.segments()[i][2]
+        slots, pos = self.batch["slot_mapping"], self.pos
+        has_idx = "indexer" in self.seg(i)["self_attn"]
+        x = jax.random.normal(jax.random.key(5), (T, H), jnp.float32)
+
+        def fn(state, x, p):
+            kv, idx = state["kv"], state["idx"]
+            cos, sin = rotary_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta)
+
+            def body(carry, xs):
+                x, kv, idx = carry
+                pl, l = xs
+                h = gemma_rms_norm(x, pl["input_layernorm"], cfg.rms_norm_eps)
+                q, k, v = qkv(pl["self_attn"], h, cos, sin, cfg)
+                kv = m3.pack_kv_pages(kv, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), slots,
+                                      model.K_SCALE, model.V_SCALE, layer=l,
+                                      layout=model.KV_LAYOUT)
+                if has_idx:
+                    iq, ik = indexer(pl["self_attn"]["indexer"], h, cos, sin, cfg)
+                    idx = idx.at[0].set(write_pages(idx[0], ik, slots, cfg.block_size))
+                    q = q + jnp.sum(iq) * 0
+                x = x + moe.linear(q.reshape(T, -1), pl["self_attn"]["o_proj"])
+                x = gemma_rms_norm(x, pl["post_attention_layernorm"], cfg.rms_norm_eps)
+                return (x, kv, idx), None
+            x, kv, idx = jax.lax.scan(body, (x, kv, idx), (p, first + jnp.arange(n)))[0]
+            return dict(kv=kv, idx=idx), x
+
+        sa = self.seg(i)["self_attn"]
+        wbytes = sum(v.nbytes for v in jax.tree_util.tree_leaves(sa)) // n
+        Hi = self.b.full.index_n_heads
+        idx_q_extra = (Hi - cfg.index_n_heads) * cfg.index_head_dim * H * 2 if has_idx else 0
+        nbytes = wbytes + idx_q_extra + T * cfg.cache_kv_heads * 2 * 72 + T * 128 * 2
+        flops = T * (wbytes + idx_q_extra)
+        state = dict(kv=self.b.caches["kv"], idx=self.b.caches["idx"])
+        res = self.timed("projections+norms", fn, (x, self.seg(i)), n, nbytes, flops,
+                         state=state)
+        self.b.caches = dict(self.b.caches, **state)
+        return res
+
+    def lm_head(self) -> dict:
+        import jax  # noqa: PLC0415
+        import jax.numpy as jnp  # noqa: PLC0415
+        from . import model  # noqa: PLC0415
+        cfg = self.cfg
+        rows = self.batch.get("sample_rows", jnp.arange(1, dtype=jnp.int32))
+        S = rows.shape[0]
+        x = jax.random.normal(jax.random.key(6), (self.T, cfg.hidden_size), jnp.float32)
+        try:
+            from . import sampling  # noqa: PLC0415
+        except ImportError:
+            sampling = None
+        batch, pos, params = self.batch, self.pos, self.b.params
+
+        def fn(x):
+            logits = model.logits_of(params, x[jnp.clip(rows, 0, x.shape[0] - 1)], cfg)
+            if sampling is not None and hasattr(sampling, "sample_rows_out"):
+                return sampling.sample_rows_out(logits, batch, pos)
+            return jnp.argmax(logits, axis=-1)
+
+        V, H = cfg.vocab_size, cfg.hidden_size
+        return self.timed("lm_head+sampling", fn, (x,), 1, V * H * 2, 2 * S * V * H)
+
+
+# ----------------------------------------------------------------------------- output
+def format_row(row) -> str:
+    head = (f"{row['kind']} {row['requests']} req × {row['context']} ctx ({row['tokens']} "
+            f"tokens): step {row['step_ms']:.2f} ms (median; min {row['step_ms_min']:.2f})"
+            + (f", floor {row['step_floor_ms']:.2f} ms" if "step_floor_ms" in row else "")
+            + f", compile {row['compile_s']:.1f} s, host {row['host_bytes']['to_device']:,} B up"
+            f" / {row['host_bytes']['to_host']:,} B down")
+    lines = [head]
+    for p in row.get("parts", []):
+        if "error" in p:
+            lines.append(f"  {p['part']:<22} failed: {p['error']}")
+            continue
+        k = p.get("kernel_us_per_layer")
+        lines.append(f"  {p['part']:<22} {p['us_per_layer']:10.1f} µs/layer"
+                     + (f" (kernels {k:.1f})" if k else "")
+                     + f"   floor {p['floor_us']:8.1f} µs ({p['floor_by']})"
+                     + (f"   {p['routed_experts']} experts routed"
+                        if "routed_experts" in p else "")
+                     + f"   [{p['layers']} layers, compile {p['compile_s']:.1f} s]")
+    if "projected_step_ms" in row:
+        lines.append(
+            f"  projected, {row['projected_layers']} layers at TP: step "
+            f"{row['projected_step_ms']:.2f} ms (floor {row['projected_floor_ms']:.2f}; "
+            f"modelled all-reduces {row['modelled_allreduce_ms']:.2f}) → "
+            f"{row['projected_tokens_per_s_per_gpu']:.1f} tokens/s per GPU")
+    return "\n".join(lines)
+
+
+def format_report(r) -> str:
+    cfg = r["rank_config"]
+    lines = [
+        f"\n{r['device']}: one TP-{r['tp']} rank, {cfg['num_hidden_layers']} of "
+        f"{r['full_layers']} layers built (hidden {cfg['hidden_size']}, {cfg['num_attention_heads']}"
+        f" q / {cfg['num_key_value_heads']} KV heads, {cfg['num_local_experts']} experts of "
+        f"{cfg['intermediate_size']}, top {cfg['num_experts_per_tok']}, vocab "
+        f"{cfg['vocab_size']}), {r['pages']} pages, weights made in {r['init_s']:.1f} s, "
+        f"moe_impl {r['moe_impl']}",
+        f"floors: bytes ÷ {r['model']['bandwidth'] / 1e12:.2f} TB/s or FLOPs ÷ "
+        f"{r['model']['flops'] / 1e12:.0f} TFLOP/s; the MoE's counts the routed experts only. "
+        f"All-reduces: {r['model']['allreduce']}, {r['model']['link_bandwidth'] / 1e9:.0f} GB/s, "
+        f"{r['model']['collective_latency'] * 1e6:.0f} µs.",
+        "| step | requests | context | step ms | floor ms | host B down | compile s | "
+        "projected ms (all layers) | tok/s per GPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in r["shapes"]:
+        lines.append(f"| {s['kind']} | {s['requests']} | {s['context']} | {s['step_ms']:.2f} | "
+                     f"{s.get('step_floor_ms', float('nan')):.2f} | "
+                     f"{s['host_bytes']['to_host']:,} | {s['compile_s']:.1f} | "
+                     f"{s.get('projected_step_ms', float('nan')):.2f} | "
+                     f"{s.get('projected_tokens_per_s_per_gpu', float('nan')):.1f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

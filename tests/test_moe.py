@@ -1,0 +1,132 @@
+"""The MiniMax M3 example's MoE formulations and random weights (examples/minimax_m3).
+
+The grouped formulation (tokens sorted by expert, ``jax.lax.ragged_dot_general``) against dense
+dispatch, in fp32, at sizes where some experts get no token, inside ``lax.scan`` and inside
+the tensor-parallel ``shard_map``; ``init_params`` on the device and its size check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import resource
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+
+from minimax_m3 import model, moe, parallel  # noqa: E402
+from minimax_m3.config import M3_TEXT, ModelConfig  # noqa: E402
+
+CFG = ModelConfig()
+
+
+def _experts(rng, T, E, k, H, I):
+    p = dict(gate_up_proj=jnp.asarray(rng.normal(0, H ** -0.5, (E, 2, I, H)), jnp.float32),
+             down_proj=jnp.asarray(rng.normal(0, I ** -0.5, (E, H, I)), jnp.float32))
+    x = jnp.asarray(rng.normal(0, 1, (T, H)), jnp.float32)
+    chosen = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]), jnp.int32)
+    w = jnp.asarray(rng.random((T, k)), jnp.float32)
+    return p, x, w, chosen
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 16, 2), (5, 128, 8), (37, 8, 3), (64, 4, 4)])
+def test_ragged_equals_dense(rng, T, E, k):
+    """Σ_k w·expert(x) is the same sum in both formulations (fp32, to rounding), with
+    experts that receive no token (T·k < E) and every expert busy (k = E)."""
+    p, x, w, chosen = _experts(rng, T, E, k, H=64, I=16)
+    dense = np.asarray(moe.experts(p, x, w, chosen, CFG, impl="dense"))
+    ragged = np.asarray(jax.jit(lambda *a: moe.experts(*a, CFG, impl="ragged"))(p, x, w, chosen))
+    # the oracle: each token's chosen experts, one at a time, in float64
+    ref = np.zeros((T, 64))
+    g = np.asarray(p["gate_up_proj"], np.float64)
+    d = np.asarray(p["down_proj"], np.float64)
+    for t in range(T):
+        for j in range(k):
+            e = int(chosen[t, j])
+            gu = g[e] @ np.asarray(x[t], np.float64)                 # [2, I]
+            gate, up = np.minimum(gu[0], 7.0), np.clip(gu[1], -7.0, 7.0)
+            h = (up + 1) * gate / (1 + np.exp(-1.702 * gate))
+            ref[t] += float(w[t, j]) * (d[e] @ h)
+    scale = np.abs(ref).max()
+    assert np.abs(dense - ref).max() <= 2e-6 * scale
+    assert np.abs(ragged - ref).max() <= 2e-6 * scale
+    assert np.abs(ragged - dense).max() <= 2e-6 * scale
+    assert int(np.sum(moe.sort_by_expert(chosen, E)[1] == 0)) == E - len(np.unique(chosen))
+
+
+def test_ragged_in_scan_and_tensor_parallel(rng):
+    """moe.mlp over stacked layers in lax.scan, on a 4-device "tp" mesh (I split, one psum):
+    the grouped formulation gives dense dispatch's output."""
+    cfg = dataclasses.replace(CFG, hidden_size=64, intermediate_size=32,
+                              shared_intermediate_size=32, num_local_experts=16,
+                              num_experts_per_tok=4)
+    shapes = model.layer_shapes(cfg, "minimax_m3_sparse", "sparse")["mlp"]
+    L = 2
+    p = jax.tree_util.tree_map(
+        lambda s: jnp.asarray(rng.normal(0, 0.2, (L, *s)), jnp.float32), shapes,
+        is_leaf=parallel.is_shape)
+    x = jnp.asarray(rng.normal(0, 1, (6, 64)), jnp.float32)
+
+    def run(impl, mesh):
+        c = dataclasses.replace(cfg, moe_impl=impl)
+        f = jax.jit(lambda p, x: jax.lax.scan(lambda h, pl: (h + moe.mlp(pl, h, c, True), None),
+                                              x, p)[0])
+        if mesh is None:
+            return np.asarray(f(p, x))
+        with jax.set_mesh(mesh):
+            return np.asarray(f(p, x))
+
+    dense = run("dense", None)
+    for mesh in (None, parallel.make_mesh(4)):
+        np.testing.assert_allclose(run("ragged", mesh), dense, rtol=1e-5,
+                                   atol=1e-5 * np.abs(dense).max())
+
+
+def test_resolve_impl():
+    assert moe.resolve_impl("auto", 8, "cpu") == "dense"
+    assert moe.resolve_impl("ragged", 8, "cpu") == "ragged"
+    with pytest.raises(ValueError, match="moe_impl"):
+        moe.resolve_impl("grouped", 8)
+    with pytest.raises(ValueError, match="moe_impl"):
+        ModelConfig(moe_impl="grouped")
+    if not moe.tokamax_available():
+        with pytest.raises(ImportError, match="tokamax"):
+            moe.experts(*_experts(np.random.default_rng(0), 2, 4, 2, 8, 4), CFG, impl="tokamax")
+
+
+def test_init_on_device_in_dtype():
+    """Seeded, in the asked dtype, with the stated spreads; big leaves (one layer at a time,
+    sharded) reproduce for a seed and do not depend on the sharding."""
+    cfg = dataclasses.replace(CFG, hidden_size=256, vocab_size=256)
+    a = model.init_params(cfg, 3, dtype=jnp.bfloat16)
+    assert {x.dtype for x in jax.tree_util.tree_leaves(a)} == {jnp.dtype(jnp.bfloat16)}
+    gu = np.asarray(a["segments"][1]["mlp"]["experts"]["gate_up_proj"], np.float32)
+    assert abs(gu.std() * 16 - 1) < 0.02                         # N(0, 1/256)
+    assert abs(np.asarray(a["embed_tokens"], np.float32).std() - 1) < 0.02
+    old = model._ONE_CALL_BYTES
+    try:
+        model._ONE_CALL_BYTES = 1 << 16                           # the per-layer path
+        mesh = parallel.make_mesh(2)
+        b = model.init_params(cfg, 3, parallel.param_shardings(model.param_shapes(cfg), cfg, mesh))
+        c = model.init_params(cfg, 3)
+    finally:
+        model._ONE_CALL_BYTES = old
+    for x, y in zip(jax.tree_util.tree_leaves(b), jax.tree_util.tree_leaves(c)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    big = b["segments"][1]["mlp"]["experts"]["gate_up_proj"]
+    assert {s.data.shape for s in big.addressable_shards} == {(3, 8, 2, 64, 256)}
+    assert abs(np.asarray(big).std() * 16 - 1) < 0.02
+
+
+def test_init_refuses_a_model_that_does_not_fit():
+    """Real M3 in fp32 on this machine: refused before anything is allocated, with the plan's
+    numbers (1,705 GB of weights per device)."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(MemoryError, match=r"1,704\.7 GB of float32 weights .* available"):
+        model.init_params(ModelConfig(**M3_TEXT), 0, dtype=jnp.float32)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000   # KiB
