@@ -11,7 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_m3sparse.select import select_blocks
+from jax_m3sparse import select_blocks
+from jax_m3sparse.sharding import replicate_kv_heads
 
 from .moe import linear
 
@@ -69,16 +70,31 @@ def indexer(p, h, cos, sin, cfg):
     return iq, ik[:, 0]
 
 
-def select(p, h, cos, sin, cfg, idx_cache, slots, block_table, req, pos):
-    """The indexer's block selection: writes this step's index keys into ``idx_cache [P, N,
-    Di]`` first (a token's own block scores itself), then ``topk_indices int32[Hkv, T, K]``
-    (jax_m3sparse.select_blocks: local blocks, then the best earlier ones). Returns
-    ``(topk, idx_cache)``."""
+def select(p, h, cos, sin, cfg, idx_cache, layer, slots, block_table, req, pos):
+    """The indexer's block selection on sparse layer ``layer`` of ``idx_cache [L_sparse, P, N,
+    Di]``: writes this step's index keys into that layer first (a token's own block scores
+    itself), then ``topk_indices int32[Hkv', T, K]`` for the cache's stored KV heads (Hkv' =
+    Hkv · kv_replicas; jax_m3sparse.select_blocks: local blocks, then the best earlier ones).
+    The index queries are replicated like the KV heads before selecting, so under tensor
+    parallel each device selects for its own head only (select_blocks partitions over heads).
+    The whole cache goes in and out (in place when donated): no per-layer copy of the pool.
+    Returns ``(topk, idx_cache)``."""
     iq, ik = indexer(p, h, cos, sin, cfg)
-    idx_cache = write_pages(idx_cache, ik, slots, cfg.block_size)
+    idx_cache = write_layer_pages(idx_cache, layer, ik, slots, cfg.block_size)
+    iq = replicate_kv_heads(iq, cfg.kv_replicas)
     topk = select_blocks(iq, idx_cache, block_table, req, pos, topk_blocks=cfg.index_topk_blocks,
-                         local_blocks=cfg.index_local_blocks)
+                         local_blocks=cfg.index_local_blocks, layer=layer)
     return topk, idx_cache
+
+
+def write_layer_pages(cache, layer, values, slot_mapping, block_size):
+    """Scatters ``values [T, ...]`` into layer ``layer`` of ``cache [L, P, N, ...]`` at slots
+    (< 0: dropped) with one scatter on the whole buffer, so XLA updates it in place."""
+    P = cache.shape[1]
+    ok = slot_mapping >= 0
+    page = jnp.where(ok, slot_mapping // block_size, P)                 # P: out of range, dropped
+    return cache.at[layer, page, slot_mapping % block_size].set(values.astype(cache.dtype),
+                                                                mode="drop")
 
 
 def write_pages(cache, values, slot_mapping, block_size):

@@ -233,11 +233,12 @@ class _Step:
                                            (cfg.num_key_value_heads, pos.shape[0],
                                             meta.block_table.shape[1]))
 
-    def selection(self, p, h, idx_cache, sparse):
-        """(topk, idx_cache): the indexer's on sparse layers, every block on full ones."""
+    def selection(self, p, h, idx_cache, li, sparse):
+        """(topk, idx_cache): the indexer's on sparse layers (index-cache layer ``li``), every
+        block on full ones."""
         if not sparse:
             return self.all_blocks, idx_cache
-        return select(p["indexer"], h, self.cos, self.sin, self.cfg, idx_cache, self.slots,
+        return select(p["indexer"], h, self.cos, self.sin, self.cfg, idx_cache, li, self.slots,
                       self.meta.block_table, self.req, self.pos)
 
     def served_attention(self, p, h, caches, layer, li, sparse):
@@ -250,12 +251,13 @@ class _Step:
         kv = m3.pack_kv_pages(caches["kv"], rep(k.astype(jnp.bfloat16)),
                               rep(v.astype(jnp.bfloat16)), self.slots, K_SCALE, V_SCALE,
                               layer=layer, layout=KV_LAYOUT)
-        topk, idx_l = self.selection(p, h, caches["idx"][li], sparse)
-        caches = dict(caches, kv=kv, idx=caches["idx"].at[li].set(idx_l) if sparse else caches["idx"])
+        topk, idx = self.selection(p, h, caches["idx"], li, sparse)
+        topk = topk if sparse else rep(topk, axis=0)      # [Hkv', T, K]: the stored heads
+        caches = dict(caches, kv=kv, idx=idx)
         attend = m3.sparse_attention if sparse or _cpu() else m3.reference.sparse_attention
-        attn = attend(q.astype(jnp.bfloat16), kv, rep(topk, axis=0), self.meta, K_SCALE, V_SCALE,
+        attn = attend(q.astype(jnp.bfloat16), kv, topk, self.meta, K_SCALE, V_SCALE,
                       scale=cfg.head_dim ** -0.5, layer=layer, layout=KV_LAYOUT)
-        return attn.astype(jnp.float32).reshape(h.shape[0], -1), caches, topk
+        return attn.astype(jnp.float32).reshape(h.shape[0], -1), caches, topk[::cfg.kv_replicas]
 
     def layer(self, attn_kind, mlp_kind, carry, xs):
         """One served layer. carry (x, caches); xs (params, global layer index, index-cache

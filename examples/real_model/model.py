@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_m3sparse as m3
-from jax_m3sparse.select import indexer_block_scores, top_blocks
+from jax_m3sparse import select_blocks
 from minimax_m3 import sampling
 from minimax_m3.attention import paged_attention_jnp, rope
 from minimax_m3.model import batch_rows
@@ -153,7 +153,7 @@ def select_by_attention(q, key_cache, block_table, query_req_id, query_abs_pos, 
     (h in g's group; RoPE'd, so ``q̄·k`` is the mean of the heads' attention logits) and the
     index key is the key itself. Block b scores ``max_{p in b, p <= pos} q̄·k[p]``; the token's
     own block is always kept, then the best earlier blocks: exactly the rule and tie order of
-    :func:`jax_m3sparse.select.select_blocks`, with one key cache per KV head.
+    :func:`jax_m3sparse.select_blocks`, with one key cache per KV head.
 
     Args:
       q: ``[T, Hq, D]`` float, RoPE'd queries. key_cache: ``[P, Hkv, N, D]`` this layer's keys
@@ -166,10 +166,10 @@ def select_by_attention(q, key_cache, block_table, query_req_id, query_abs_pos, 
     T, Hq, D = q.shape
     Hkv = key_cache.shape[1]
     iq = jnp.mean(q.astype(jnp.float32).reshape(T, Hkv, Hq // Hkv, D), axis=2)   # [T, Hkv, D]
-    scores = jnp.concatenate([
-        indexer_block_scores(iq[:, g:g + 1], key_cache[:, g], block_table, query_req_id,
-                             query_abs_pos) for g in range(Hkv)])                 # [Hkv, T, M]
-    return top_blocks(scores, query_abs_pos, topk_blocks=topk_blocks, block_size=block_size)
+    # One native selection per KV head (each head has its own key cache here).
+    return jnp.concatenate([
+        select_blocks(iq[:, g:g + 1], key_cache[:, g], block_table, query_req_id, query_abs_pos,
+                      topk_blocks=topk_blocks) for g in range(Hkv)])              # [Hkv, T, K]
 
 
 def _layer(cfg: LlamaConfig, meta, slots, req, pos, carry, xs):
