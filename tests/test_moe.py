@@ -35,12 +35,13 @@ def _experts(rng, T, E, k, H, I):
 
 
 @pytest.mark.parametrize("T,E,k", [(1, 16, 2), (5, 128, 8), (37, 8, 3), (64, 4, 4)])
-def test_ragged_equals_dense(rng, T, E, k):
-    """Σ_k w·expert(x) is the same sum in both formulations (fp32, to rounding), with
+def test_formulations_equal_dense(rng, T, E, k):
+    """Σ_k w·expert(x) is the same sum in every formulation (fp32, to rounding), with
     experts that receive no token (T·k < E) and every expert busy (k = E)."""
     p, x, w, chosen = _experts(rng, T, E, k, H=64, I=16)
     dense = np.asarray(moe.experts(p, x, w, chosen, CFG, impl="dense"))
-    ragged = np.asarray(jax.jit(lambda *a: moe.experts(*a, CFG, impl="ragged"))(p, x, w, chosen))
+    others = {impl: np.asarray(jax.jit(lambda *a, i=impl: moe.experts(*a, CFG, impl=i))(
+        p, x, w, chosen)) for impl in ("ragged", "dense_batched", "gather")}
     # the oracle: each token's chosen experts, one at a time, in float64
     ref = np.zeros((T, 64))
     g = np.asarray(p["gate_up_proj"], np.float64)
@@ -54,8 +55,9 @@ def test_ragged_equals_dense(rng, T, E, k):
             ref[t] += float(w[t, j]) * (d[e] @ h)
     scale = np.abs(ref).max()
     assert np.abs(dense - ref).max() <= 2e-6 * scale
-    assert np.abs(ragged - ref).max() <= 2e-6 * scale
-    assert np.abs(ragged - dense).max() <= 2e-6 * scale
+    for impl, out in others.items():
+        assert np.abs(out - ref).max() <= 2e-6 * scale, impl
+        assert np.abs(out - dense).max() <= 2e-6 * scale, impl
     assert int(np.sum(moe.sort_by_expert(chosen, E)[1] == 0)) == E - len(np.unique(chosen))
 
 
@@ -83,8 +85,9 @@ def test_ragged_in_scan_and_tensor_parallel(rng):
 
     dense = run("dense", None)
     for mesh in (None, parallel.make_mesh(4)):
-        np.testing.assert_allclose(run("ragged", mesh), dense, rtol=1e-5,
-                                   atol=1e-5 * np.abs(dense).max())
+        for impl in ("ragged", "gather"):
+            np.testing.assert_allclose(run(impl, mesh), dense, rtol=1e-5,
+                                       atol=1e-5 * np.abs(dense).max())
 
 
 def test_resolve_impl():

@@ -211,6 +211,29 @@ if [ "$MODE" = race ]; then  # harness build + racecheck of the harness tests on
   exit 0
 fi
 
+if [ "$MODE" = m3 ]; then  # the M3 example at real size: one TP-8 rank (examples/minimax_m3/bench.py)
+  # M3_ARGS: the bench's arguments (default --quick); CUDA_BENCH=1: bench.cuda --quick --no-ref
+  # after it (the attention kernel at the TP-8 rank's shapes beside TP 1)
+  cmake -S ffi -B "$B/cmake" -G Ninja -DM3SPARSE_ENABLE_CUDA=ON -DM3SPARSE_NATIVE=OFF \
+    -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/cmake.log" 2>&1 &&
+    cmake --build "$B/cmake" -j 16 >>"$OUT/cmake.log" 2>&1 &&
+    cp "$B"/cmake/_m3sparse_cpu*.so "$B"/cmake/cuda/_m3sparse_cuda*.so jax_m3sparse/ ||
+    { echo "module build failed"; tail -30 "$OUT/cmake.log"; exit 1; }
+  date -u
+  echo "=== python -m examples.minimax_m3.bench ${M3_ARGS:---quick}"
+  PYTHONPATH=$ROOT timeout ${M3_S:-420} python3 -m examples.minimax_m3.bench ${M3_ARGS:---quick} \
+    --json "$OUT/m3_bench.json" 2>"$OUT/m3_bench.err" | tee "$OUT/m3_bench.log"
+  echo "rc=${PIPESTATUS[0]}"; tail -5 "$OUT/m3_bench.err"
+  date -u
+  if [ "${CUDA_BENCH:-0}" = 1 ]; then
+    echo "=== python -m jax_m3sparse.bench.cuda --quick --no-ref"
+    PYTHONPATH=$ROOT timeout ${CUDA_S:-200} python3 -m jax_m3sparse.bench.cuda --quick --no-ref 2>&1 |
+      tee "$OUT/bench_cuda.log" | grep -v "^  trace" | tail -20
+    date -u
+  fi
+  exit 0
+fi
+
 if [ "$MODE" = select ]; then  # select_blocks (issue 30): its harness, timings, pytest, memcheck
   # PYTEST=1 (default): the CUDA module too, then pytest tests/cuda -k select_blocks;
   # SANITIZE=1 (default): compute-sanitizer memcheck of the harness tests, last

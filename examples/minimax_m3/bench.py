@@ -614,7 +614,9 @@ class Parts:
         from jax_m3sparse.select import select_blocks  # noqa: PLC0415
         cfg, T = self.cfg, self.T
         n = self.nlayers(i)
-        Hi = self.b.full.index_n_heads    # every device computes all index heads (replicated)
+        # A device selects for its own KV heads only (the step replicates the index queries
+        # like the KV heads and select_blocks partitions over them): the rank's index heads.
+        Hi = cfg.index_n_heads
         iq = jax.random.normal(jax.random.key(2), (T, Hi, cfg.index_head_dim), jnp.bfloat16)
         layered = "layer" in inspect.signature(select_blocks).parameters
         kw = dict(topk_blocks=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks)
@@ -626,7 +628,8 @@ class Parts:
                     t = select_blocks(iq + c, idx, bt, req, pos, layer=l, **kw)
                 else:
                     t = select_blocks(iq + c, idx[l], bt, req, pos, **kw)
-                return c + (jnp.sum(t) * 0).astype(iq.dtype), None
+                # A use XLA cannot fold away (an integer `x * 0` it does: the call was dropped).
+                return c + (t[0, 0, 0] == -7).astype(iq.dtype), None
             return jax.lax.scan(body, jnp.zeros((), iq.dtype), jnp.arange(n))[0]
 
         # index keys read: each request's context once; scores: every row × its context
@@ -683,7 +686,7 @@ class Parts:
         import jax.numpy as jnp  # noqa: PLC0415
         import jax_m3sparse as m3  # noqa: PLC0415
         from . import model, moe  # noqa: PLC0415
-        from .attention import gemma_rms_norm, indexer, qkv, rotary_cos_sin, write_pages  # noqa
+        from .attention import gemma_rms_norm, indexer, qkv, rotary_cos_sin, write_layer_pages  # noqa
         cfg, T, H = self.cfg, self.T, self.cfg.hidden_size
         n = self.nlayers(i)
         first = cfg.segments()[i][2]
@@ -705,7 +708,7 @@ class Parts:
                                       layout=model.KV_LAYOUT)
                 if has_idx:
                     iq, ik = indexer(pl["self_attn"]["indexer"], h, cos, sin, cfg)
-                    idx = idx.at[0].set(write_pages(idx[0], ik, slots, cfg.block_size))
+                    idx = write_layer_pages(idx, 0, ik, slots, cfg.block_size)   # in place
                     q = q + jnp.sum(iq) * 0
                 x = x + moe.linear(q.reshape(T, -1), pl["self_attn"]["o_proj"])
                 x = gemma_rms_norm(x, pl["post_attention_layernorm"], cfg.rms_norm_eps)

@@ -92,9 +92,10 @@ class ModelConfig:
             raise ValueError(f"index_n_heads ({self.index_n_heads}) != num_key_value_heads "
                              f"({self.num_key_value_heads}): jax_m3sparse's attention takes one "
                              f"block selection per KV head (M3 has 4 and 4)")
-        if self.moe_impl not in ("auto", "dense", "ragged", "tokamax"):     # moe.IMPLS
-            raise ValueError(f"moe_impl {self.moe_impl!r}: 'auto', 'dense', 'ragged' or "
-                             f"'tokamax'")
+        if self.moe_impl not in ("auto", "dense", "dense_batched", "gather", "ragged",
+                                 "tokamax"):                                # moe.IMPLS
+            raise ValueError(f"moe_impl {self.moe_impl!r}: 'auto', 'dense', 'dense_batched', "
+                             f"'gather', 'ragged' or 'tokamax'")
         if self.reference_selection not in ("served", "own"):
             raise ValueError(f"reference_selection {self.reference_selection!r}: 'served' or 'own'")
         if self.index_block_size != 128:

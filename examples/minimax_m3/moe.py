@@ -69,7 +69,7 @@ def route(p, x, cfg):
     return weights / jnp.sum(weights, axis=-1, keepdims=True), experts
 
 
-IMPLS = ("auto", "dense", "ragged", "tokamax")
+IMPLS = ("auto", "dense", "dense_batched", "gather", "ragged", "tokamax")
 
 # "auto": per backend, the formulation for a call of T tokens: (largest T or None, impl)
 # pairs, first match wins ("tokamax" skipped where it does not import). CPU (Zen 3, jax 0.10.2;
@@ -127,20 +127,47 @@ def experts(p, x, weights, chosen, cfg, impl: str | None = None):
     impl = resolve_impl(impl or getattr(cfg, "moe_impl", "auto"), x.shape[0])
     if impl == "dense":
         return experts_dense(p, x, weights, chosen, cfg)
+    if impl == "dense_batched":
+        return experts_dense(p, x, weights, chosen, cfg, batched_down=True)
+    if impl == "gather":
+        return experts_gathered(p, x, weights, chosen, cfg)
     return experts_sorted(p, x, weights, chosen, cfg, _grouped_dot(impl))
 
 
-def experts_dense(p, x, weights, chosen, cfg):
-    """Dense dispatch: every expert on every token, one contraction over experts and ``I``."""
-    E = p["gate_up_proj"].shape[0]
-    dense_w = jnp.sum(jnp.where(chosen[:, :, None] == jnp.arange(E), weights[:, :, None], 0.0),
-                      axis=1)                                            # [T, E]
+def experts_dense(p, x, weights, chosen, cfg, batched_down: bool = False, experts=None):
+    """Dense dispatch: every expert on every token, each output scaled by its routing weight.
+
+    ``experts int32[U]``: the expert id of each of ``p``'s U rows (default: row e is expert e;
+    :func:`experts_gathered` passes the routed subset). ``batched_down``: the down projection
+    as one matmul per expert (``[E, T, H]`` fp32, then summed over experts) instead of one
+    contraction over experts and ``I`` together, which needs ``down_proj [E, H, I]`` transposed
+    (a copy of every expert's down weights per call on XLA's GPU backend)."""
     w_gu, w_down = p["gate_up_proj"], p["down_proj"]
+    ids = jnp.arange(w_gu.shape[0]) if experts is None else experts
+    dense_w = jnp.sum(jnp.where(chosen[:, :, None] == ids, weights[:, :, None], 0.0),
+                      axis=1)                                            # [T, U]
     gu = jnp.einsum("th,egih->etgi", x.astype(w_gu.dtype), w_gu,
                     preferred_element_type=jnp.float32)
     h = swiglu_oai(gu, cfg.swiglu_alpha, cfg.swiglu_limit) * dense_w.T[:, :, None]
+    if batched_down:
+        return jnp.sum(jnp.einsum("eti,ehi->eth", h.astype(w_down.dtype), w_down,
+                                  preferred_element_type=jnp.float32), axis=0)
     return jnp.einsum("eti,ehi->th", h.astype(w_down.dtype), w_down,
                       preferred_element_type=jnp.float32)
+
+
+def experts_gathered(p, x, weights, chosen, cfg):
+    """Dense dispatch over the routed experts only: the ``U = min(E, T·k)`` distinct experts
+    of the batch (static bound; unused entries gather expert E − 1 and get zero weight) are gathered,
+    then run on every token. Reads ``U / E`` of the weights (plus the gathered copy): for
+    decode batches where ``T·k`` is well below E."""
+    T, k = chosen.shape
+    E = p["gate_up_proj"].shape[0]
+    U = min(E, T * k)
+    ids = jnp.unique(chosen.reshape(-1), size=U, fill_value=E).astype(jnp.int32)  # E: unused
+    sub = {name: p[name][jnp.minimum(ids, E - 1)] for name in ("gate_up_proj", "down_proj")}
+    return experts_dense(sub, x, weights, chosen, cfg, batched_down=True,
+                         experts=jnp.where(ids < E, ids, -1))
 
 
 def sort_by_expert(chosen, num_experts: int):
