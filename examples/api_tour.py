@@ -1,4 +1,5 @@
-"""The README's API tour, runnable: pack two requests' K/V, decode, prefill, mixed batch.
+"""The README's API tour, runnable: pack two requests' K/V, decode, prefill, mixed batch, and
+MiniMax M3's indexer selection.
 
     python examples/api_tour.py
 
@@ -63,6 +64,25 @@ out_pre = m3.sparse_prefill(q_pre, cache, topk_pre, block_table, req_id, abs_pos
                             layer=layer, layout="LBHNC")
 print("prefill rows:", np.asarray(req_id), np.asarray(abs_pos),
       "padding rows are zeros:", bool(jnp.all(out_pre[5:] == 0)))
+
+# MiniMax M3's indexer selection (SPEC §8) makes topk_indices. The index keys live in their own
+# key-only paged cache, bf16 [L, P, N, Di] (same pages and block_table as K/V); write this step's
+# keys first (the token's own block scores its own key), then select for the same chunk.
+DI = 128
+idx_k = jnp.asarray(rng.standard_normal((len(slot_mapping), DI)), jnp.bfloat16)
+idx_k_cache = jnp.zeros((4, 16, N, DI), jnp.bfloat16).at[
+    layer, slot_mapping // N, slot_mapping % N].set(idx_k)
+idx_q = jnp.asarray(rng.standard_normal((8, HKV, DI)), jnp.bfloat16)   # [T, Hkv, Di]
+topk_sel = m3.select_blocks(idx_q, idx_k_cache, block_table, req_id, abs_pos, topk_blocks=4,
+                            layer=layer)                              # int32 [Hkv, T, 4]
+ref_sel = m3.reference.select_blocks(idx_q, idx_k_cache, block_table, req_id, abs_pos,
+                                     topk_blocks=4, layer=layer)
+print("token 995 selects blocks", np.asarray(topk_sel[0, 0]), "(its own block 7 first);",
+      "selection equals the reference:", bool(jnp.all(topk_sel == ref_sel)))
+out_sel = m3.sparse_prefill(q_pre, cache, topk_sel, block_table, req_id, abs_pos, 1.0, 1.0,
+                            layer=layer, layout="LBHNC")
+print("prefill over the selected blocks", out_sel.shape, "padding rows select nothing:",
+      bool(jnp.all(topk_sel[:, 5:] == -1)))
 
 # A serving engine's mixed batch: decode requests first, then prefill chunks, in one call.
 meta = m3.build_attention_metadata(np.array([1, 5], np.int32), np.array([299, 995], np.int32),

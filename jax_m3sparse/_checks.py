@@ -65,8 +65,9 @@ def static_values(x):
 
 
 def static_layer(layer, num_layers, shape, cache_name="kv_cache"):
-    """A static layer outside [0, L) is the caller's bug: ValueError naming it (issue 21); a
-    jax.Array layer keeps SPEC §3.3's defined result (read nothing / write nothing)."""
+    """A static layer outside [0, L) is the caller's bug, which a defined empty result would
+    hide: ValueError naming it. A jax.Array layer keeps SPEC §3.3's defined result (read
+    nothing / write nothing)."""
     value = static_values(layer)
     if value is None or value.ndim or not np.issubdtype(value.dtype, np.integer):
         return
@@ -110,7 +111,7 @@ def cache_geometry(kv_cache, layer, layout):
 
 def cache_sharding(kv_cache):
     """Under Explicit mesh axes the cache's sharding is known while tracing: reject what the
-    partitioner would reject (DESIGN "Sharding"), naming the PartitionSpec to use."""
+    partitioner would reject (docs/DESIGN.md, "Sharding"), naming the PartitionSpec to use."""
     sharding = getattr(jax.typeof(kv_cache), "sharding", None)
     spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
     if not spec or mesh is None or mesh.empty:

@@ -1,4 +1,4 @@
-"""How the native ops partition over KV heads under plain ``jax.jit`` (DESIGN "Sharding").
+"""How the native ops partition over KV heads under plain ``jax.jit`` (docs/DESIGN.md, "Sharding").
 
 XLA computes a custom call it knows nothing about on all-gathered operands. Two things, both
 attached to the plain FFI custom call (so ``jax.export`` still serializes the module: no Python

@@ -8,6 +8,8 @@ def test_api_tour_runs(capsys):
     runpy.run_path(str(pathlib.Path(__file__).parents[1] / "examples" / "api_tour.py"))
     out = capsys.readouterr().out
     assert "padding rows are zeros: True" in out
+    assert "selection equals the reference: True" in out
+    assert "padding rows select nothing: True" in out
     assert "decode row equals sparse_decode: True" in out
     assert "gfx950 serves this geometry: True" in out
 

@@ -131,7 +131,8 @@ def test_5d_cache_traced_layer_in_scan(rng, layout):
     for layer in range(L):
         assert_close(np.asarray(outs[layer], np.float64), expected(p, layer=layer, layout=layout))
     # A jax.Array layer out of range (it could be traced): zeros (SPEC §3.3). A static one is
-    # the caller's bug: a ValueError at trace time (issue 21), for every op taking a layer.
+    # the caller's bug (a defined empty result would hide it): a ValueError at trace time, for
+    # every op taking a layer.
     for bad_layer in (L, -1):
         bad = m3.sparse_decode(p.q, p.cache, p.topk, p.block_table, p.seq_lens, 0.75, 0.85,
                                layer=jnp.int32(bad_layer), layout=layout)
@@ -248,7 +249,7 @@ def _serving_step(q, cache, key, value, slots, topk, table, query_lens, ctx):
 
 @pytest.mark.skipif("cuda" in m3.native_platforms(), reason="tests exporting without the module")
 def test_export_for_cuda_without_the_module(rng):
-    """Issue 21: like rocm, the cuda lowering emits our custom calls on a machine without the
+    """Like rocm, the cuda lowering emits our custom calls on a machine without the
     CUDA module (the usual build box), applying unsupported_reason(platform="cuda"); the export
     serializes (flatbuffers is a core dependency); a run without the module fails naming it
     (test_cuda_run_without_the_module_names_it, where a GPU is)."""

@@ -23,7 +23,7 @@ def test_cpu_lowering_is_the_custom_call():
 
 
 def test_export_needs_only_the_core_dependencies():
-    """Issue 21: Exported.serialize() imports flatbuffers; README's first install command
+    """Exported.serialize() imports flatbuffers; README's first install command
     installs the core dependencies only, so flatbuffers must be one of them."""
     import pathlib
     import re

@@ -90,7 +90,7 @@ def _move_pages(p, rng):
 
 @pytest.mark.parametrize("what", ["decode", "prefill"])
 def test_token_result_does_not_depend_on_its_pages(rng, path, what):
-    """Issue 21: a token folds its blocks in position order, so its rows are the same bits
+    """A token folds its blocks in position order, so its rows are the same bits
     whichever pages hold its blocks and in whatever order the selection lists them (folding
     in page order made the example's logits change with the batch on the bf16 paths, whose
     P is rounded against the running max)."""
@@ -118,8 +118,8 @@ def _request_pages(rng, kv_len, C):
 
 @pytest.mark.parametrize("selection", ["dense", "sparse"])
 def test_request_alone_and_in_a_mixed_batch(rng, path, selection):
-    """Issue 21, at the op level: each request's rows of one sparse_attention call (MTP decode
-    rows, a padded decode request, two prefill chunks, padding tokens) are the same bits as
+    """Batch invariance at the op level: each request's rows of one sparse_attention call (MTP
+    decode rows, a padded decode request, two prefill chunks, padding tokens) are the same bits as
     the request alone, with its blocks in other pages of a 5-D cache (layer 1 of 3), pages of
     stale NaN bytes around, and either every block selected (K = max_blocks = 18, as the
     example's dense layers) or 16 random ones; the batch matches the float64 oracle."""
@@ -198,7 +198,7 @@ def test_cache_changes_between_calls(rng, path):
 
 
 def test_nan_logits_give_nan_rows(path):
-    """Issue 12 finding 4: every scale byte 0xFF (E4M3 NaN) makes the attended logits NaN;
+    """A fuzzer finding: every scale byte 0xFF (E4M3 NaN) makes the attended logits NaN;
     the rows must be NaN (no undefined float→int conversion on the way, see the sanitizer
     job), and a NaN must not leak into rows that attend nothing."""
     D = 32

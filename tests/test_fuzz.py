@@ -1,5 +1,5 @@
 """Property/fuzz test of the public ops (hypothesis): garbage index operands, garbage and NaN
-cache bytes, extreme global scales, empty shapes (issue 12).
+cache bytes, extreme global scales, empty shapes.
 
 Checked for every drawn case: no exception (the drawn operands are shape-valid, so no
 trace-time error is expected); the native CPU op equals ``jax_m3sparse.reference`` (pack bit
@@ -229,7 +229,7 @@ def test_fuzz_attention(data):
 
 @pytest.mark.parametrize("fill", [0xFF, 0x7F])
 def test_nan_scale_bytes_in_an_attended_key_give_nan_rows(fill):
-    """Finding 4 of issue 12 (the CPU softmax converted a NaN to int32, undefined behaviour):
+    """A fuzzer finding (the CPU softmax converted a NaN to int32, undefined behaviour):
     every scale byte E4M3 NaN, one attended key -> NaN row (docs/spec_decisions.md), on both
     implementations. Under the sanitizer job this is the case UBSan reported."""
     cache = np.full((1, 2, N, C), fill, np.uint8)

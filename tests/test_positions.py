@@ -52,7 +52,7 @@ def test_errors():
 
 
 def test_static_tokens_that_do_not_fit_are_an_error():
-    """Issue 21: static (Python / NumPy) values that num_tokens would cut raise at trace time,
+    """Static (Python / NumPy) values that num_tokens would silently cut raise at trace time,
     naming the argument and the size needed."""
     with pytest.raises(ValueError, match=r"num_tokens must be >= cu_seqlens_q\[R\] = 12 .* got 10"):
         m3.query_token_positions(np.array([0, 5, 12], np.int32), np.zeros(2, np.int32), 10)

@@ -1,4 +1,4 @@
-"""Regression tests for what a fuzzer under AddressSanitizer found (issue 12), one per finding.
+"""Regression tests for what a fuzzer under AddressSanitizer found, one section per finding.
 
 Each op is run natively and through ``jax_m3sparse.reference`` (the lowering of every platform
 without a native module); expected values come from SPEC, not from either implementation.
@@ -166,7 +166,7 @@ def test_check_inputs_reports_seq_lens_beyond_the_block_table_row():
 
 
 def test_check_inputs_reports_layer_out_of_range():
-    """Issue 21: a traced layer outside [0, L) keeps its defined result (SPEC §3.3);
+    """A traced layer outside [0, L) keeps its defined result (SPEC §3.3);
     check_inputs reports it."""
     with pytest.raises(checkify.JaxRuntimeError, match=r"layer must be in \[0, 4\), got 7"):
         m3.check_inputs(layer=jnp.int32(7), num_layers=4)
@@ -257,7 +257,7 @@ def test_missing_native_module_warns_and_can_be_an_error():
 
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
 def test_stand_in_for_a_missing_gpu_module_names_it(platform):
-    """Issue 21: the cuda/rocm lowerings emit our custom calls without a local module; their
+    """The cuda/rocm lowerings emit our custom calls without a local module; their
     targets then get the CPU module's stand-in, which fails a call naming the module and the
     build flag (run here on the CPU under a test name, with any operands and attributes)."""
     from jax_m3sparse import _m3sparse_cpu
@@ -278,7 +278,7 @@ def test_native_module_is_loaded_here():
     assert timed_path("cpu").startswith("timed path on cpu: native module jax_m3sparse._m3sparse_cpu")
 
 
-# ---- issue 15 item 6: imports inside the package run one way ------------------------------------
+# ---- imports inside the package run one way: no cycle, no function-local imports ----------------
 def test_package_imports_form_no_cycle_and_need_no_local_imports():
     root = pathlib.Path(m3.__file__).parent
     graph, local = {}, []

@@ -1,5 +1,5 @@
-"""Serving across devices (DESIGN "Sharding"): every op partitions over KV heads under plain
-jax.jit on simulated CPU devices — no collective in the compiled program, shardings kept,
+"""Serving across devices (docs/DESIGN.md, "Sharding"): every op partitions over KV heads under
+plain jax.jit on simulated CPU devices — no collective in the compiled program, shardings kept,
 results equal to one device — plus KV-head replication, export, rejected shardings, DP x TP,
 and two processes through jax.distributed."""
 

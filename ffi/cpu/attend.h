@@ -73,8 +73,8 @@ inline void token_picks(const AttendArgs& a, int64_t t, int64_t g, int64_t c,
 // part of the result. Position order depends on nothing but the token's own selection, so
 // its result is the same bits whatever its chunk holds, however tokens are grouped into
 // tasks or devices, in whatever order the selection lists its blocks, and whichever pages
-// hold them (an engine hands a request freed pages in any order; issue 21: ordering by page
-// made a request's logits change with its batch). Within one request a block id names one
+// hold them (an engine hands a request freed pages in any order, so ordering by page would
+// make a request's logits change with its batch). Within one request a block id names one
 // page, so the picks of a page stay adjacent after the sort; a page two requests share at
 // different block ids is dequantized once per run.
 template <typename Kernel>

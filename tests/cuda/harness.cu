@@ -496,10 +496,10 @@ static void test_prefill_nan_key(std::mt19937& rng, bool f16) {
              m.nonzero_empty == 0 && m.relf <= 0.06 && m.cosine >= 0.99, msg);
 }
 
-// Batch and TP invariance (issue 22): every row's output bits alone (decode: its request's dql
-// rows in a batch of one request; prefill: the token alone) and with the KV heads split as
-// tensor parallelism splits them (a cache of the heads' slots only, their top-k rows and q heads)
-// equal the bits of the whole batch.
+// Batch and TP invariance (a row's result never depends on its batch): every row's output bits
+// alone (decode: its request's dql rows in a batch of one request; prefill: the token alone) and
+// with the KV heads split as tensor parallelism splits them (a cache of the heads' slots only,
+// their top-k rows and q heads) equal the bits of the whole batch.
 static HostCase head_slice(const HostCase& c, int g0, int hs) {
   HostCase s = c;
   s.Hkv = hs;
@@ -1248,7 +1248,7 @@ int main(int argc, char** argv) {
         if (attention_split(pc, g_num_sms) != shape)
           bench_decode(rng, BenchDecode{T, 1, 4, 16, seq, shape}, copy, false);
       }
-    // MTP (issue 22 item 2): dql 4 with the rows of a request sharing 12 of their 16 blocks
+    // MTP: dql 4 with the rows of a request sharing 12 of their 16 blocks
     // beside dql 1 at the same T (the union kernel that read them once left the build)
     bench_decode(rng, BenchDecode{4, 4, 4, 16, seq, 0, 12}, copy, false);
     bench_decode(rng, BenchDecode{4, 1, 4, 16, seq}, copy, false);

@@ -237,9 +237,9 @@ def _bits(x):
 
 @pytest.mark.parametrize("dql", [1, 2, 4])
 def test_decode_batch_and_tp_invariant(rng, dql):
-    """Issue 22: a request's rows are bit-identical alone, in the batch, and with the KV heads
-    split as tensor parallelism splits them (the op on head-sliced operands on one GPU: TP 2 and
-    4 over 4 KV heads, and TP 8's G = 8 halves of one replicated KV head)."""
+    """Batch and TP invariance: a request's rows are bit-identical alone, in the batch, and with
+    the KV heads split as tensor parallelism splits them (the op on head-sliced operands on one
+    GPU: TP 2 and 4 over 4 KV heads, and TP 8's G = 8 halves of one replicated KV head)."""
     Hkv, K, G = 4, 16, 16
     seq_lens = np.array([1500, 0, 640, 2049, 77, 3000, 900, 4100])
     cache, bt, M, P = _setup(rng, Hkv, seq_lens, K)
@@ -275,10 +275,10 @@ def test_decode_batch_and_tp_invariant(rng, dql):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_decode_small_batches_match_large_batch(rng, dtype):
-    """Issue 22: a batch of T = 128 decode rows over 4 KV heads (512 rows: more than any GPU's
-    SMs, so one CTA per row) and its first 1, 2, 8 requests (a cluster of 4 CTAs per row) and
-    32 requests (128 rows: a cluster of 2 on a GPU of 128 to 255 SMs, such as the H200's 132)
-    give the same bits: the launch shapes compute one reduction tree."""
+    """Launch-shape invariance: a batch of T = 128 decode rows over 4 KV heads (512 rows: more
+    than any GPU's SMs, so one CTA per row) and its first 1, 2, 8 requests (a cluster of 4 CTAs
+    per row) and 32 requests (128 rows: a cluster of 2 on a GPU of 128 to 255 SMs, such as the
+    H200's 132) give the same bits: the launch shapes compute one reduction tree."""
     Hkv, K, G = 4, 16, 16
     seq_lens = rng.integers(1, 1300, 128)
     seq_lens[3] = 0
@@ -302,7 +302,8 @@ def test_decode_small_batches_match_large_batch(rng, dtype):
 
 
 def test_prefill_batch_invariant(rng):
-    """Issue 22: a prefill token's output bits do not depend on the other tokens of the call."""
+    """Batch invariance: a prefill token's output bits do not depend on the other tokens of the
+    call."""
     Hkv, K = 2, 16
     seq_lens = np.array([700, 300, 1900])
     cache, bt, M, P = _setup(rng, Hkv, seq_lens, K)
@@ -329,7 +330,7 @@ def test_prefill_batch_invariant(rng):
 
 @pytest.mark.parametrize("dql", [2, 4])
 def test_decode_row_independent_of_tile_mates(rng, dql):
-    """Issue 22 item 2: a row's bits must not depend on what its tile-mates (the other rows of
+    """MTP rows: a row's bits must not depend on what its tile-mates (the other rows of
     its request) selected: nothing, or the first row's blocks; the first row of every request
     keeps its bits. The request's later rows attend a key past the first row's limit whose bytes
     are NaN, in a block every row selects: the first row stays finite and matches the float64

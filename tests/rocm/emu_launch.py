@@ -1,9 +1,10 @@
 """Run our exported gfx950 code objects on tinygrad's CDNA emulator, the way ffi/rocm/handlers.cc
 launches them on a GPU.
 
-Where the emulator is: $M3SPARSE_TINYGRAD, else ../shared/emulator/tinygrad beside the repository
-(CI's clean clone sits next to that shared folder, as /work/main does). It also needs `clang` on
-PATH (Debian's clang-22 is linked as `clang` in a private folder when only clang-22 exists).
+Where the emulator is: $M3SPARSE_TINYGRAD (a checkout of tinygrad at the commit BUILD.md names),
+else ../shared/emulator/tinygrad beside the repository (where CI's clean clone finds it). It also
+needs `clang` on PATH (Debian's clang-22 is linked as `clang` in a private folder when only
+clang-22 exists).
 `emulator_missing()` says why it cannot run; the tests skip with that reason.
 
 What a launcher must do that the GPU's packet processor does (learned from the emulator):

@@ -1,4 +1,4 @@
-"""Static checks of the gfx950 FlyDSL kernels (issue 4): what export.py writes, the ISA each kernel
+"""Static checks of the gfx950 FlyDSL kernels: what export.py writes, the ISA each kernel
 is meant to use, and its resources. CPU-only: the code objects are compiled, never run."""
 
 from __future__ import annotations

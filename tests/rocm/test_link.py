@@ -1,4 +1,4 @@
-"""The HIP FFI module builds and links on a CPU-only machine (issue 4): the handlers plus the
+"""The HIP FFI module builds and links on a CPU-only machine: the handlers plus the
 exported kernel objects resolve every symbol against libamdhip64 (-Wl,--no-undefined), and the
 CMake build (ffi/CMakeLists.txt with M3SPARSE_ENABLE_ROCM=ON) produces _m3sparse_rocm whose
 registrations() serve exactly the ROCm targets of docs/ffi_targets.md."""
