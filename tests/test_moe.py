@@ -91,7 +91,9 @@ def test_ragged_in_scan_and_tensor_parallel(rng):
 
 
 def test_resolve_impl():
-    assert moe.resolve_impl("auto", 8, "cpu") == "dense"
+    assert moe.resolve_impl("auto", 0.25, "cpu") == "dense"
+    assert moe.resolve_impl("auto", 0.25, "cuda") == "gather"     # T·k <= E: routed experts only
+    assert moe.resolve_impl("auto", 4.0, "cuda") == "dense"
     assert moe.resolve_impl("ragged", 8, "cpu") == "ragged"
     with pytest.raises(ValueError, match="moe_impl"):
         moe.resolve_impl("grouped", 8)

@@ -672,7 +672,7 @@ class Parts:
             flops = 2 * T * (k * 3 * I * H + 3 * cfg.shared_intermediate_size * H + E * H)
             expected = E * (1 - (1 - k / E) ** T)
             return self.timed(f"moe ({impl})", fn, (x, self.seg(i)["mlp"]), n, nbytes, flops,
-                              resolved=moe.resolve_impl(impl, T), routed_experts=routed,
+                              resolved=moe.resolve_impl(impl, T * k / E), routed_experts=routed,
                               expected_routed_experts=expected)
         D = cfg.dense_intermediate_size
         return self.timed("dense MLP", fn, (x, self.seg(i)["mlp"]), n, 3 * D * H * 2,

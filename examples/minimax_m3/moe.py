@@ -5,20 +5,24 @@ transformers' ``MiniMaxM3VLDenseMLP``, ``MiniMaxM3VLTopKRouter``, ``MiniMaxM3VLE
 packed ``gate_up_proj`` is held as ``[..., 2, I, H]`` (gate half first) so that tensor parallel
 can split ``I`` and every device keeps matching gate and up rows.
 
-The routed experts have three formulations, chosen by ``cfg.moe_impl`` (:func:`resolve_impl`):
+The routed experts have these formulations, chosen by ``cfg.moe_impl`` (:func:`resolve_impl`):
 
 * ``"dense"``: every expert on every token, each output weighted by the token's routing weight
   (0 where not chosen). Exact, sort-free, static-shaped; reads every expert's weights and does
   ``num_local_experts / num_experts_per_tok`` times the routed FLOPs (M3: 32×). It wins where
   ``ragged_dot`` is lowered as a masked product over every group (jaxlib's CPU backend, and the
-  GPU backend of jaxlib 0.11.2: README, "The model");
+  GPU backend of jaxlib 0.11.2: examples/minimax_m3/README.md, "The model");
+* ``"dense_batched"``: the same, with the down projection as one matmul per expert;
+* ``"gather"``: dense dispatch over the routed experts only — the ``min(E, T·k)`` distinct
+  experts of the batch are gathered, then run on every token. Reads ``≈ routed / E`` of the
+  weights: the decode formulation on GPUs while ``T·k ≤ E``;
 * ``"ragged"``: the ``T·k`` (token, expert) pairs sorted by expert (a static row count; the
   group sizes are data), two ``jax.lax.ragged_dot_general`` calls, the rows weighted and summed
   back per token. Reads only the experts the batch routes to, and computes only routed FLOPs,
   wherever the backend's ``ragged_dot`` is a grouped GEMM;
 * ``"tokamax"``: the same sorted rows through ``tokamax.ragged_dot_general`` (Pallas Mosaic GPU
   / Triton kernels; optional, imported only when asked for);
-* ``"auto"``: one of those per backend and token count (:data:`AUTO`, from measurements).
+* ``"auto"``: one of those per backend and load (:data:`AUTO`, from measurements).
 
 Tensor parallel (``parallel.py``): every MLP's intermediate axis ``I`` is split over the mesh
 axis "tp" (Megatron style; each device holds ``1/tp`` of every expert, never all of one
@@ -71,16 +75,17 @@ def route(p, x, cfg):
 
 IMPLS = ("auto", "dense", "dense_batched", "gather", "ragged", "tokamax")
 
-# "auto": per backend, the formulation for a call of T tokens: (largest T or None, impl)
-# pairs, first match wins ("tokamax" skipped where it does not import). CPU (Zen 3, jax 0.10.2;
-# README "The model"): ragged_dot is a masked product over every group, slower than dense
-# dispatch at every size measured. GPU (H200, jaxlib 0.11.2, one TP-8 rank of M3, issue 31):
-# XLA's ragged_dot is a padded dense product (2.9 ms vs dense 1.1 ms at 128 tokens); tokamax's
-# kernel beat dense at 8 tokens with rhs stored [E, in, out], but our checkpoint layout is
-# [E, out, in] and it transposes that per call, so nothing measured beats dense yet there:
-# `python -m examples.minimax_m3.bench` prints each formulation's time per T to fill this in.
+# "auto": per backend, the formulation for a call whose load is T·k / E (routed pairs per
+# expert): (largest load or None, impl) pairs, first match wins ("tokamax" skipped where it
+# does not import). CPU (Zen 3, jax 0.10.2): ragged_dot is a masked product over every group,
+# slower than dense dispatch at every size measured, and the small default model keeps dense.
+# GPU (one H200, jaxlib 0.11.2, one TP-8 rank of M3: E 128, k 4, H 6144, I 384; the real-size
+# bench, per layer inside a scan over 42 layers): dense dispatch takes 1.68-1.79 ms at every T
+# from 4 to 128 (the weights are 1.81 GB: 426 µs at the copy rate), dense_batched the same;
+# gather 266 µs at T = 4 (16 experts routed), 1.64 ms at T = 32, 1.87 ms at T = 128; XLA's
+# ragged_dot is a padded dense product (2.9 ms at T = 128).
 AUTO = {"cpu": ((None, "dense"),),
-        "gpu": ((None, "dense"),)}
+        "gpu": ((1.0, "gather"), (None, "dense"))}
 
 
 def tokamax_available() -> bool:
@@ -92,10 +97,11 @@ def tokamax_available() -> bool:
     return True
 
 
-def resolve_impl(impl: str, num_tokens: int, backend: str | None = None) -> str:
-    """The formulation ``impl`` names for a call of ``num_tokens`` tokens on ``backend``
-    (default: JAX's): ``impl`` itself, or for "auto" the first :data:`AUTO` entry whose bound
-    admits ``num_tokens`` ("tokamax" entries are skipped when it does not import).
+def resolve_impl(impl: str, load: float, backend: str | None = None) -> str:
+    """The formulation ``impl`` names for a call of ``load = T·k / E`` routed (token, expert)
+    pairs per expert on ``backend`` (default: JAX's): ``impl`` itself, or for "auto" the first
+    :data:`AUTO` entry whose bound admits ``load`` ("tokamax" entries are skipped when it does
+    not import).
 
     Raises:
       ValueError: an unknown ``impl``.
@@ -107,8 +113,7 @@ def resolve_impl(impl: str, num_tokens: int, backend: str | None = None) -> str:
     backend = backend or jax.default_backend()
     for bound, choice in AUTO.get(backend, AUTO["gpu"] if backend in ("cuda", "rocm") else
                                   AUTO["cpu"]):
-        if (bound is None or num_tokens <= bound) and (choice != "tokamax"
-                                                       or tokamax_available()):
+        if (bound is None or load <= bound) and (choice != "tokamax" or tokamax_available()):
             return choice
     return "dense"
 
@@ -124,7 +129,8 @@ def experts(p, x, weights, chosen, cfg, impl: str | None = None):
     Raises:
       ValueError: unknown impl; ImportError: "tokamax" asked for and not importable.
     """
-    impl = resolve_impl(impl or getattr(cfg, "moe_impl", "auto"), x.shape[0])
+    load = chosen.shape[0] * chosen.shape[1] / p["gate_up_proj"].shape[0]   # T·k / E
+    impl = resolve_impl(impl or getattr(cfg, "moe_impl", "auto"), load)
     if impl == "dense":
         return experts_dense(p, x, weights, chosen, cfg)
     if impl == "dense_batched":
