@@ -2,7 +2,9 @@
 # One device call for the CUDA backend (H200, kind nvidia-h200): builds the standalone harness
 # and the Python modules, runs correctness (harness + tests/cuda through the public API), then
 # the timings. Logs go to $OUT (the device tool brings them back) or ./out.
-#   tools/device_check.sh [quick|full|sanitize|profile|final|harness|race|tp|cpu|select]
+#   tools/device_check.sh [quick|full|sanitize|profile|final|harness|race|tp|cpu|select|m3]
+#     m3: the M3 example at real size (python -m examples.minimax_m3.bench; M3_ARGS, and
+#     CUDA_BENCH=1 for bench.cuda --quick --no-ref after it);
 #     quick: smaller benchmark set; sanitize: compute-sanitizer memcheck + racecheck on the
 #     harness and memcheck on the public-API GPU tests (no timings); profile: ncu on the harness;
 #     final: the bench.cuda table, sanitizers and the scan gap analysis in one call;
@@ -10,7 +12,7 @@
 #     NCU_PIPES add steps); race: racecheck of the harness tests only;
 #     cpu: the host CPU's attention paths (CPU module only): tests, then bench peak/decode/
 #     prefill on 2 cores (CPU_STEPS picks from "test suite sanitize peak decode prefill"; CORES);
-#     select: select_blocks (issue 30): tests/cuda/select_harness.cu correctness and timings,
+#     select: select_blocks: tests/cuda/select_harness.cu correctness and timings,
 #     pytest tests/cuda -k select_blocks (PYTEST=0 skips), memcheck of the harness (SANITIZE=0 skips);
 #     tp: several GPUs (kind nvidia-h200-x2 and up): bench.cuda --tp N and the M3 example at
 #     --tp 1 and N (N = TP, default every GPU; TP_STEPS picks from "bench example m3 pytest",
@@ -45,7 +47,7 @@ build_harness() {
     { echo "harness build failed"; return 1; }
 }
 
-if [ "$MODE" = tp ]; then  # several GPUs: tensor parallel over KV heads (issue 11)
+if [ "$MODE" = tp ]; then  # several GPUs: tensor parallel over KV heads
   # NVLink multicast stays off (the device docs: it can take the host's GPUs out of service)
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   export PYTHONPATH=$ROOT
@@ -132,7 +134,7 @@ PY
   exit 0
 fi
 
-if [ "$MODE" = cpu ]; then  # the host CPU's attention paths (AVX-512 BF16, AMX; issue 10)
+if [ "$MODE" = cpu ]; then  # the host CPU's attention paths (AVX-512 BF16, AMX)
   export PYTHONPATH=$ROOT JAX_PLATFORMS=cpu
   # -march=native, as a source install builds by default (the paths themselves are chosen at
   # run time either way)
@@ -234,7 +236,7 @@ if [ "$MODE" = m3 ]; then  # the M3 example at real size: one TP-8 rank (example
   exit 0
 fi
 
-if [ "$MODE" = select ]; then  # select_blocks (issue 30): its harness, timings, pytest, memcheck
+if [ "$MODE" = select ]; then  # select_blocks: its harness, timings, pytest, memcheck
   # PYTEST=1 (default): the CUDA module too, then pytest tests/cuda -k select_blocks;
   # SANITIZE=1 (default): compute-sanitizer memcheck of the harness tests, last
   if [ "${PYTEST:-1}" = 1 ]; then
