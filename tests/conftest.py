@@ -34,3 +34,19 @@ def _release_jax_caches():
     import jax
     jax.clear_caches()
     gc.collect()
+
+
+_RSS_LOG = os.environ.get("M3SPARSE_RSS_LOG")   # a file: each test that raised the peak RSS
+
+
+def pytest_runtest_teardown(item):
+    """With M3SPARSE_RSS_LOG set, appends "peak_kb nodeid" whenever a test raised this
+    process's peak resident set (CI keeps the tests under 4 GB: this says which test binds)."""
+    if not _RSS_LOG:
+        return
+    import resource
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if peak > getattr(pytest_runtest_teardown, "peak", 0):
+        pytest_runtest_teardown.peak = peak
+        with open(_RSS_LOG, "a") as f:
+            f.write(f"{peak} {item.nodeid}\n")
