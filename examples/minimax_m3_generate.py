@@ -67,6 +67,10 @@ def parse_args(argv=None):
     model.add_argument("--weight-seed", type=int, default=0, help="random-weight seed")
     model.add_argument("--reference-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                        help="the comparison (baseline) stream's caches")
+    model.add_argument("--index-cache-dtype", default="bfloat16",
+                       choices=("bfloat16", "float8_e4m3fn"),
+                       help="the index keys' paged cache (FP8 halves its bytes and the "
+                            "selection's reads)")
     plan = p.add_argument_group("dry run (no weights)")
     plan.add_argument("--config", metavar="PATH", help="a config.json (or its directory): the "
                       "model's shapes (with random weights unless --dry-run)")
@@ -112,7 +116,8 @@ def model_config(args) -> ModelConfig:
     from minimax_m3.config import DENSE_MLP, FULL, MOE, SPARSE, from_hf_config  # noqa: PLC0415
     source = args.checkpoint or args.config
     if source:
-        return from_hf_config(source, reference_dtype=args.reference_dtype)
+        return from_hf_config(source, reference_dtype=args.reference_dtype,
+                              index_cache_dtype=args.index_cache_dtype)
     L = args.layers
     return ModelConfig(hidden_size=args.hidden, num_hidden_layers=L,
                        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
@@ -123,7 +128,8 @@ def model_config(args) -> ModelConfig:
                        dense_intermediate_size=4 * args.intermediate,
                        layer_types=(FULL,) + (SPARSE,) * (L - 1),
                        mlp_layer_types=(DENSE_MLP,) + (MOE,) * (L - 1),
-                       reference_dtype=args.reference_dtype)
+                       reference_dtype=args.reference_dtype,
+                       index_cache_dtype=args.index_cache_dtype)
 
 
 def main(argv=None):

@@ -338,3 +338,40 @@ def test_dry_run_plans_the_real_model(capsys):
     assert p["fits"] and "fits with 8.0 GB kept" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--tp 3 must divide num_attention_heads = 64"):
         cli.main(["--config", cfg_path, "--dry-run", "--tp", "3"])
+
+
+def test_fp8_index_cache_selects_like_bf16():
+    """FP8 (E4M3) index keys against bf16 ones on real text (3072 bytes of docs/SPEC.md through
+    the default model): the first sparse layer sees the same hidden states in both runs, so its
+    selections differ only through the keys' format. Over the rows that choose (more than 16
+    blocks visible), measured on a Zen 3 CPU: 98.5 % of selected blocks shared, 77 % of (token,
+    KV head) rows with the same set (FP8 rounding reorders near-equal blocks)."""
+    import dataclasses
+    from minimax_m3 import model, sampling
+    tokens = np.frombuffer((pathlib.Path(__file__).resolve().parents[1] / "docs" / "SPEC.md")
+                           .read_bytes()[:3072], np.uint8).astype(np.int32)
+    base = ModelConfig()
+    S, N, K = len(tokens), base.block_size, base.index_topk_blocks
+    M = -(-S // N)
+    params = init_params(base, 0)
+    batch = dict(tokens=tokens, slot_mapping=np.arange(S, dtype=np.int32),
+                 query_lens=np.array([S], np.int32), context_lens=np.array([0], np.int32),
+                 block_table=np.arange(M, dtype=np.int32)[None],
+                 **sampling.batch_arrays(np.array([S - 1])))
+    topk = {}
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        cfg = dataclasses.replace(base, index_cache_dtype=dtype)
+        caches = model.allocate_caches(cfg, M)
+        assert caches["idx"].dtype == jnp.dtype(dtype)
+        _, out = model.forward_step(params, caches, batch, cfg=cfg, num_decode_requests=0,
+                                    decode_query_len=1, collect=("topk",))
+        topk[dtype] = np.asarray(out["topk"][0])                    # first sparse layer
+    a, b = topk["bfloat16"], topk["float8_e4m3fn"]
+    rows = np.arange(S) // N + 1 > K
+    # every visible block selected (in score order): nothing to choose
+    assert (np.sort(a[:, ~rows], -1) == np.sort(b[:, ~rows], -1)).all()
+    sa, sb = np.sort(a[:, rows], -1), np.sort(b[:, rows], -1)
+    same_rows = np.mean(np.all(sa == sb, -1))
+    shared = np.mean([len(np.intersect1d(x, y)) / K for x, y in zip(sa.reshape(-1, K),
+                                                                    sb.reshape(-1, K))])
+    assert shared >= 0.95 and same_rows >= 0.6, (shared, same_rows)

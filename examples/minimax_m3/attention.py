@@ -93,6 +93,8 @@ def write_layer_pages(cache, layer, values, slot_mapping, block_size):
     P = cache.shape[1]
     ok = slot_mapping >= 0
     page = jnp.where(ok, slot_mapping // block_size, P)                 # P: out of range, dropped
+    if cache.dtype == jnp.float8_e4m3fn:     # E4M3 has no Inf: saturate instead of NaN
+        values = jnp.clip(values.astype(jnp.float32), -448.0, 448.0)
     return cache.at[layer, page, slot_mapping % block_size].set(values.astype(cache.dtype),
                                                                 mode="drop")
 

@@ -71,6 +71,7 @@ class ModelConfig:
     reference_dtype: str = "bfloat16"          # the reference stream's caches (or "float32")
     reference_selection: str = "served"        # its block selections: "served" or "own"
     moe_impl: str = "auto"                     # routed experts: moe.IMPLS ("auto", "dense", ...)
+    index_cache_dtype: str = "bfloat16"        # the index keys' cache: or "float8_e4m3fn"
 
     def __post_init__(self):
         L = self.num_hidden_layers
@@ -96,6 +97,9 @@ class ModelConfig:
                                  "tokamax"):                                # moe.IMPLS
             raise ValueError(f"moe_impl {self.moe_impl!r}: 'auto', 'dense', 'dense_batched', "
                              f"'gather', 'ragged' or 'tokamax'")
+        if self.index_cache_dtype not in ("bfloat16", "float8_e4m3fn"):
+            raise ValueError(f"index_cache_dtype {self.index_cache_dtype!r}: 'bfloat16' or "
+                             f"'float8_e4m3fn' (what jax_m3sparse.select_blocks reads)")
         if self.reference_selection not in ("served", "own"):
             raise ValueError(f"reference_selection {self.reference_selection!r}: 'served' or 'own'")
         if self.index_block_size != 128:

@@ -184,7 +184,7 @@ def allocate_caches(cfg: ModelConfig, num_pages: int) -> dict:
     """
     spec = m3.KVCacheSpec(cfg.cache_kv_heads, cfg.head_dim, cfg.block_size)
     return dict(kv=m3.allocate_kv_cache(spec, num_pages, cfg.num_layers, KV_LAYOUT),
-                idx=jnp.zeros(index_cache_shape(cfg, num_pages), jnp.bfloat16))
+                idx=jnp.zeros(index_cache_shape(cfg, num_pages), cfg.index_cache_dtype))
 
 
 def index_cache_shape(cfg: ModelConfig, num_pages: int) -> tuple[int, ...]:

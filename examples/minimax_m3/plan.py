@@ -50,12 +50,13 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
     pages = batch * -(-context_len // cfg.block_size)
     spec = m3.KVCacheSpec(cfg.cache_kv_heads // tp, cfg.head_dim, cfg.block_size)
     kv_bytes = cfg.num_layers * pages * spec.page_bytes
-    idx_bytes = len(cfg.sparse_layers) * pages * cfg.block_size * cfg.index_head_dim * 2  # bf16
+    idx_bytes = (len(cfg.sparse_layers) * pages * cfg.block_size * cfg.index_head_dim
+                 * jnp.dtype(cfg.index_cache_dtype).itemsize)
     traced = _trace(cfg, shapes, weight_dtype, pages)
     out = dict(tp=tp, context_len=context_len, batch=batch, pages=pages,
                parameters=total_weights, weight_dtype=str(jnp.dtype(weight_dtype)),
                weight_bytes_per_device=weight_bytes, kv_cache_bytes_per_device=kv_bytes,
-               index_cache_bytes_per_device=idx_bytes,
+               index_cache_bytes_per_device=idx_bytes, index_cache_dtype=cfg.index_cache_dtype,
                total_bytes_per_device=weight_bytes + kv_bytes + idx_bytes,
                cache_kv_heads=cfg.cache_kv_heads, step_logits=traced)
     if device_memory_gb:
@@ -150,7 +151,7 @@ def format_plan(p: dict) -> str:
         f"  weights per device:        {gb(p['weight_bytes_per_device'])}",
         f"  NVFP4 K/V cache per device: {gb(p['kv_cache_bytes_per_device'])} "
         f"({p['cache_kv_heads']} KV heads stored, {p['cache_kv_heads'] // p['tp']} per device)",
-        f"  index-key cache per device: {gb(p['index_cache_bytes_per_device'])} (bf16, replicated)",
+        f"  index-key cache per device: {gb(p['index_cache_bytes_per_device'])} ({p['index_cache_dtype']}, replicated)",
         f"  total per device:           {gb(p['total_bytes_per_device'])}"
         + (f" of {gb(p['device_memory_bytes'])}: {'fits' if p['fits'] else 'does NOT fit'} "
            f"with {gb(p['reserve_bytes'])} kept for activations" if "fits" in p else ""),
