@@ -16,7 +16,8 @@ def sparse_attention(q, kv_cache, topk_indices, metadata: SparseAttentionMetadat
       q: ``[T, Hq, D]``; rows ``[0, metadata.num_decode_tokens)`` are decode rows
         (SPEC §5.3), the rest prefill tokens (SPEC §5.4).
       kv_cache, k_scale, v_scale, scale, layer, layout: as :func:`sparse_decode`.
-      topk_indices: ``int32[Hkv, T, K]`` over all rows.
+      topk_indices: ``int32[Hkv, T, K]`` over all rows (KV head first; a ``[T, Hkv, K]``
+        array has the same shape when T == Hkv, and the shapes cannot tell).
       metadata: from :func:`build_attention_metadata`.
 
     Returns:

@@ -40,7 +40,9 @@ def sparse_decode(q, kv_cache, topk_indices, block_table, seq_lens, k_scale, v_s
         ``T = R · decode_query_len``.
       kv_cache: ``uint8`` NVFP4 cache, 4-D or 5-D (see :func:`pack_kv_pages`). Only read.
       topk_indices: ``int32[Hkv, T, K]`` logical block ids (indices into the request's
-        ``block_table`` row); −1 / out-of-range / future blocks are skipped.
+        ``block_table`` row); −1 / out-of-range / future blocks are skipped. KV head
+        first: a ``[T, Hkv, K]`` array has the same shape when T == Hkv and the shapes
+        cannot tell.
       block_table: ``int32[R, max_blocks]`` page of each logical block; entries outside
         ``[0, P)`` are skipped.
       seq_lens: ``int32[R]`` tokens of each request including this step's; 0 marks a padded

@@ -36,7 +36,9 @@ def sparse_prefill(q, kv_cache, topk_indices, block_table, query_req_id, query_a
     Args:
       q: ``[T, Hq, D]`` float32/bfloat16/float16 (the cuda kernels: bfloat16/float16).
       kv_cache: ``uint8`` NVFP4 cache, 4-D or 5-D (see :func:`pack_kv_pages`). Only read.
-      topk_indices: ``int32[Hkv, T, K]`` logical block ids per (KV head, token).
+      topk_indices: ``int32[Hkv, T, K]`` logical block ids per (KV head, token); KV head
+        first: a ``[T, Hkv, K]`` array has the same shape when T == Hkv and the shapes
+        cannot tell.
       block_table: ``int32[R, max_blocks]``; rows indexed by ``query_req_id``.
       query_req_id, query_abs_pos: ``int32[T]``.
       k_scale, v_scale: fp32 scalar global scales (operands, may be traced).
