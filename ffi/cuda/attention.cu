@@ -707,18 +707,9 @@ cudaError_t launch_typed(const AttentionParams& p, cudaStream_t stream) {
     sparse_attention_kernel<T, kCvt, 1><<<unsigned(rows), kThreads, kSmemRow, stream>>>(p);
     return cudaGetLastError();
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(rows * cluster), 1, 1);
-  cfg.blockDim = dim3(kThreads, 1, 1);
-  cfg.dynamicSmemBytes = smem_split(cluster);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  ClusterLaunch launch(unsigned(rows * cluster), kThreads, smem_split(cluster), unsigned(cluster),
+                       stream);
+  const cudaLaunchConfig_t& cfg = launch.cfg;
   return cluster == 2 ? cudaLaunchKernelEx(&cfg, sparse_attention_kernel<T, kCvt, 2>, p)
                       : cudaLaunchKernelEx(&cfg, sparse_attention_kernel<T, kCvt, kRounds>, p);
 }

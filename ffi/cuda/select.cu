@@ -46,6 +46,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "device_utils.cuh"
 #include "m3sparse_cuda.h"
 
 namespace cg = cooperative_groups;
@@ -605,18 +606,8 @@ cudaError_t launch_typed(const SelectParams& p, cudaStream_t stream) {
   if (!info[dev].configured) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemMax);
     if (err != cudaSuccess) return err;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(kCluster, 1, 1);
-    cfg.blockDim = dim3(kThreadsSel, 1, 1);
-    cfg.dynamicSmemBytes = kSmemMax;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = kCluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    err = cudaOccupancyMaxActiveClusters(&info[dev].clusters, kernel, &cfg);
+    ClusterLaunch one(kCluster, kThreadsSel, kSmemMax, kCluster);
+    err = cudaOccupancyMaxActiveClusters(&info[dev].clusters, kernel, &one.cfg);
     if (err != cudaSuccess) return err;
     if (info[dev].clusters < 1) info[dev].clusters = 1;
     info[dev].configured = true;
@@ -628,19 +619,8 @@ cudaError_t launch_typed(const SelectParams& p, cudaStream_t stream) {
   const int ncl = int(max_pieces < info[dev].clusters ? max_pieces : info[dev].clusters);
   l = make_layout(rp, PARTS, DI, p.max_blocks, int((max_pieces + ncl - 1) / ncl));
   if (l.total > kSmemMax) return cudaErrorInvalidValue;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(ncl * kCluster), 1, 1);
-  cfg.blockDim = dim3(kThreadsSel, 1, 1);
-  cfg.dynamicSmemBytes = size_t(l.total);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = kCluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, p, l);
+  ClusterLaunch launch(unsigned(ncl * kCluster), kThreadsSel, size_t(l.total), kCluster, stream);
+  return cudaLaunchKernelEx(&launch.cfg, kernel, p, l);
 }
 
 template <int DI>
