@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "device_utils.cuh"
+#include "harness_util.cuh"
 #include "m3sparse/cache.h"
 #include "m3sparse/common.h"
 #include "m3sparse/nvfp4.h"
@@ -29,16 +30,6 @@
 
 using namespace m3sparse;
 using namespace m3sparse::cuda;
-
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, \
-              __LINE__, #x);                                                           \
-      exit(2);                                                                         \
-    }                                                                                  \
-  } while (0)
 
 static int g_failures = 0;
 static int g_num_sms = 132;
@@ -806,68 +797,6 @@ __global__ void fill_bench(uint8_t* c, uint64_t n) {
 
 static uint8_t* g_bench_cache = nullptr;
 static uint64_t g_bench_bytes = 0;
-
-static double copy_bandwidth() {
-  const size_t bytes = size_t(2) << 30;
-  void *a, *b;
-  CK(cudaMalloc(&a, bytes));
-  CK(cudaMalloc(&b, bytes));
-  CK(cudaMemset(a, 1, bytes));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
-  std::vector<float> ts;
-  for (int i = 0; i < 5; ++i) {
-    CK(cudaEventRecord(e0));
-    CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    ts.push_back(ms);
-  }
-  std::sort(ts.begin(), ts.end());
-  CK(cudaFree(a));
-  CK(cudaFree(b));
-  return 2.0 * bytes / (ts[2] * 1e-3) / 1e12;  // TB/s, read + write
-}
-
-// Times `launch` (which enqueues one call on input set v) as a CUDA graph of n calls; median of
-// `reps` replays, microseconds per call.
-template <typename F>
-static double time_graph(F launch, int nvariants, int n = 20, int reps = 9) {
-  cudaStream_t s;
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  for (int i = 0; i < 3; ++i) launch(i % nvariants, s);  // warm up (and attribute setup)
-  CK(cudaStreamSynchronize(s));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  for (int i = 0; i < n; ++i) launch(i % nvariants, s);
-  CK(cudaStreamEndCapture(s, &graph));
-  CK(cudaGraphInstantiate(&exec, graph, 0));
-  CK(cudaGraphLaunch(exec, s));
-  CK(cudaStreamSynchronize(s));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  std::vector<float> ts;
-  for (int r = 0; r < reps; ++r) {
-    CK(cudaEventRecord(e0, s));
-    CK(cudaGraphLaunch(exec, s));
-    CK(cudaEventRecord(e1, s));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    ts.push_back(ms);
-  }
-  CK(cudaGraphExecDestroy(exec));
-  CK(cudaGraphDestroy(graph));
-  CK(cudaStreamDestroy(s));
-  std::sort(ts.begin(), ts.end());
-  return ts[reps / 2] * 1e3 / n;
-}
 
 struct BenchDecode {
   int T, dql, Hkv, K;

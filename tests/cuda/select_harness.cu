@@ -20,19 +20,10 @@
 #include "m3sparse/common.h"
 #include "m3sparse/nvfp4.h"
 #include "m3sparse_cuda.h"
+#include "harness_util.cuh"
 
 using namespace m3sparse;
 using namespace m3sparse::cuda;
-
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, \
-              __LINE__, #x);                                                           \
-      exit(2);                                                                         \
-    }                                                                                  \
-  } while (0)
 
 static int g_failures = 0;
 static void report(bool ok, const std::string& what, const std::string& detail = "") {
@@ -366,64 +357,9 @@ __global__ void fill_random(uint8_t* p, uint64_t n, bool fp8) {
   }
 }
 
-static double copy_bandwidth() {
-  const size_t bytes = size_t(2) << 30;
-  void *a, *b;
-  CK(cudaMalloc(&a, bytes));
-  CK(cudaMalloc(&b, bytes));
-  CK(cudaMemset(a, 1, bytes));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
-  std::vector<float> ts;
-  for (int i = 0; i < 5; ++i) {
-    CK(cudaEventRecord(e0));
-    CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    ts.push_back(ms);
-  }
-  std::sort(ts.begin(), ts.end());
-  CK(cudaFree(a));
-  CK(cudaFree(b));
-  return 2.0 * bytes / (ts[2] * 1e-3) / 1e12;
-}
-
 // microseconds per launch: a CUDA graph of n launches, median of reps replays
 static double time_graph(const SelectParams& p, int n = 20, int reps = 7) {
-  cudaStream_t s;
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  for (int i = 0; i < 2; ++i) CK(launch_select_blocks(p, s));
-  CK(cudaStreamSynchronize(s));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  for (int i = 0; i < n; ++i) CK(launch_select_blocks(p, s));
-  CK(cudaStreamEndCapture(s, &graph));
-  CK(cudaGraphInstantiate(&exec, graph, 0));
-  CK(cudaGraphLaunch(exec, s));
-  CK(cudaStreamSynchronize(s));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  std::vector<float> ts;
-  for (int r = 0; r < reps; ++r) {
-    CK(cudaEventRecord(e0, s));
-    CK(cudaGraphLaunch(exec, s));
-    CK(cudaEventRecord(e1, s));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    ts.push_back(ms);
-  }
-  CK(cudaGraphExecDestroy(exec));
-  CK(cudaGraphDestroy(graph));
-  CK(cudaStreamDestroy(s));
-  std::sort(ts.begin(), ts.end());
-  return ts[reps / 2] * 1e3 / n;
+  return time_graph([&](int, cudaStream_t s) { CK(launch_select_blocks(p, s)); }, 1, n, reps, 2);
 }
 
 static uint8_t* g_pool = nullptr;
