@@ -389,27 +389,12 @@ ffi::Future SelectBlocks(ffi::ThreadPool pool, ffi::AnyBuffer idx_q, ffi::AnyBuf
                          ffi::Buffer<ffi::S32> query_abs_pos, ffi::BufferR0<ffi::S32> layer,
                          ffi::Result<ffi::Buffer<ffi::S32>> topk, int64_t topk_blocks,
                          int64_t local_blocks) {
-  auto qd = idx_q.dimensions();
-  auto kd = idx_k_cache.dimensions();
-  auto bd = block_table.dimensions();
-  auto od = topk->dimensions();
-  if (qd.size() != 3) return ready_future(invalid("idx_q must be [T, Hkv, Di]"));
-  if (idx_q.element_type() != ffi::DataType::F32 && idx_q.element_type() != ffi::DataType::BF16)
-    return ready_future(invalid("idx_q must be float32 or bfloat16"));
-  if (kd.size() != 3 && kd.size() != 4)
-    return ready_future(invalid("idx_k_cache must be [P, N, Di] or [L, P, N, Di]"));
-  if (idx_k_cache.element_type() != ffi::DataType::BF16 &&
-      idx_k_cache.element_type() != ffi::DataType::F8E4M3FN)
-    return ready_future(invalid("idx_k_cache must be bfloat16 or float8_e4m3fn"));
-  const size_t kr = kd.size();
-  if (kd[kr - 1] != qd[2]) return ready_future(invalid("idx_k_cache's Di must equal idx_q's"));
-  if (bd.size() != 2) return ready_future(invalid("block_table must be [R, M]"));
-  if (query_req_id.element_count() != qd[0] || query_abs_pos.element_count() != qd[0])
-    return ready_future(invalid("query_req_id and query_abs_pos must be [T]"));
-  if (topk_blocks < 1 || local_blocks < 1)
-    return ready_future(invalid("topk_blocks and local_blocks must be >= 1"));
-  if (od.size() != 3 || od[0] != qd[1] || od[1] != qd[0] || od[2] != topk_blocks)
-    return ready_future(invalid("topk_indices must be [Hkv, T, topk_blocks]"));
+  SelectGeometry g;
+  if (auto e = decode_select_geometry(idx_q, idx_k_cache, block_table, query_req_id,
+                                      query_abs_pos, topk->dimensions(), topk_blocks,
+                                      local_blocks, &g);
+      e.failure())
+    return ready_future(std::move(e));
   CpuPath path;
   if (!current_cpu_path(&path)) return ready_future(invalid(cpu_path_error()));
 
@@ -422,15 +407,15 @@ ffi::Future SelectBlocks(ffi::ThreadPool pool, ffi::AnyBuffer idx_q, ffi::AnyBuf
   a.req = query_req_id.typed_data();
   a.pos = query_abs_pos.typed_data();
   a.out = topk->typed_data();
-  a.T = qd[0];
-  a.Hkv = qd[1];
-  a.Di = qd[2];
+  a.T = g.num_tokens;
+  a.Hkv = g.num_kv_heads;
+  a.Di = g.index_dim;
   a.Dp = (a.Di + kLanes - 1) / kLanes * kLanes;
-  a.L = kr == 4 ? kd[0] : 1;
-  a.P = kd[kr - 3];
-  a.N = kd[kr - 2];
-  a.R = bd[0];
-  a.M = bd[1];
+  a.L = g.num_layers;
+  a.P = g.num_pages;
+  a.N = g.block_size;
+  a.R = g.num_requests;
+  a.M = g.max_blocks;
   a.K = topk_blocks;
   a.local = local_blocks;
   a.layer = *layer.typed_data();

@@ -174,31 +174,19 @@ ffi::Error SelectBlocks(cudaStream_t stream, ffi::AnyBuffer idx_q, ffi::AnyBuffe
                         ffi::Buffer<ffi::S32> query_abs_pos, ffi::BufferR0<ffi::S32> layer,
                         ffi::Result<ffi::Buffer<ffi::S32>> topk, int64_t topk_blocks,
                         int64_t local_blocks) {
-  SelectParams p = {};
-  auto qd = idx_q.dimensions();
-  if (qd.size() != 3) return invalid("idx_q must be [T, Hkv, Di]");
-  if (idx_q.element_type() == ffi::DataType::F32) p.q_dtype = DType::kF32;
-  else if (idx_q.element_type() == ffi::DataType::BF16) p.q_dtype = DType::kBF16;
-  else return invalid("idx_q must be float32 or bfloat16");
-  auto kd = idx_k_cache.dimensions();
-  if (kd.size() != 3 && kd.size() != 4) return invalid("idx_k_cache must be [P, N, Di] or [L, P, N, Di]");
-  if (idx_k_cache.element_type() == ffi::DataType::BF16) p.key_fp8 = 0;
-  else if (idx_k_cache.element_type() == ffi::DataType::F8E4M3FN) p.key_fp8 = 1;
-  else return invalid("idx_k_cache must be bfloat16 or float8_e4m3fn");
-  const size_t r = kd.size();
-  if (kd[r - 1] != qd[2]) return invalid("idx_k_cache's last dim must equal idx_q's Di");
-  auto bd = block_table.dimensions();
-  if (bd.size() != 2) return invalid("block_table must be [R, M]");
-  const int64_t T = qd[0];
-  if (int64_t(query_req_id.element_count()) != T || int64_t(query_abs_pos.element_count()) != T)
-    return invalid("query_req_id and query_abs_pos must be [T]");
-  if (topk_blocks < 1 || local_blocks < 1) return invalid("topk_blocks and local_blocks must be >= 1");
-  auto od = topk->dimensions();
-  if (od.size() != 3 || od[0] != qd[1] || od[1] != T || od[2] != topk_blocks)
-    return invalid("topk_indices must be [Hkv, T, topk_blocks]");
-  const char* why = select_unsupported(qd[2], kd[r - 2], bd[1]);
+  SelectGeometry g;
+  if (auto e = decode_select_geometry(idx_q, idx_k_cache, block_table, query_req_id,
+                                      query_abs_pos, topk->dimensions(), topk_blocks,
+                                      local_blocks, &g);
+      e.failure())
+    return e;
+  const char* why = select_unsupported(g.index_dim, g.block_size, g.max_blocks);
   if (why[0] != '\0') return invalid(why);
-  if (T * qd[1] > int64_t(0x3FFFFFFF)) return invalid("select_blocks: T * Hkv must be below 2^30");
+  if (g.num_tokens * g.num_kv_heads > int64_t(0x3FFFFFFF))
+    return invalid("select_blocks: T * Hkv must be below 2^30");
+  SelectParams p = {};
+  p.q_dtype = g.q_f32 ? DType::kF32 : DType::kBF16;
+  p.key_fp8 = g.key_fp8 ? 1 : 0;
   p.idx_q = idx_q.untyped_data();
   p.idx_k = idx_k_cache.untyped_data();
   p.block_table = block_table.typed_data();
@@ -206,14 +194,14 @@ ffi::Error SelectBlocks(cudaStream_t stream, ffi::AnyBuffer idx_q, ffi::AnyBuffe
   p.query_abs_pos = query_abs_pos.typed_data();
   p.layer = layer.typed_data();
   p.topk_indices = topk->typed_data();
-  p.num_tokens = T;
-  p.num_kv_heads = int32_t(qd[1]);
-  p.head_dim = int32_t(qd[2]);
-  p.num_layers = r == 4 ? kd[0] : 1;
-  p.num_pages = kd[r - 3];
-  p.block_size = kd[r - 2];
-  p.num_requests = int32_t(bd[0]);
-  p.max_blocks = int32_t(bd[1]);
+  p.num_tokens = g.num_tokens;
+  p.num_kv_heads = int32_t(g.num_kv_heads);
+  p.head_dim = int32_t(g.index_dim);
+  p.num_layers = g.num_layers;
+  p.num_pages = g.num_pages;
+  p.block_size = g.block_size;
+  p.num_requests = int32_t(g.num_requests);
+  p.max_blocks = int32_t(g.max_blocks);
   p.topk = topk_blocks;
   p.local_blocks = local_blocks;
   return cuda_error(launch_select_blocks(p, stream), "select_blocks launch");

@@ -300,29 +300,19 @@ ffi::Error SelectBlocks(hipStream_t stream, int32_t device, ffi::ScratchAllocato
                         ffi::Buffer<ffi::S32> query_req_id, ffi::Buffer<ffi::S32> query_abs_pos,
                         ffi::BufferR0<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::S32>> topk_indices,
                         int64_t topk_blocks, int64_t local_blocks) {
-  auto qd = idx_q.dimensions();
-  if (qd.size() != 3 || qd[2] != kIndexDim)
-    return refuse(kSelectTarget, "idx_q must be [T, Hkv, 128] on gfx950, got " + dims_text(qd));
-  if (idx_q.element_type() != ffi::DataType::BF16 && idx_q.element_type() != ffi::DataType::F32)
-    return refuse(kSelectTarget, "idx_q must be bfloat16 or float32");
-  auto kd = idx_k_cache.dimensions();
-  const ffi::DataType kt = idx_k_cache.element_type();
-  if ((kd.size() != 3 && kd.size() != 4) || kd[kd.size() - 2] != kBlockSize || kd[kd.size() - 1] != kIndexDim)
+  SelectGeometry g;
+  if (auto e = decode_select_geometry(idx_q, idx_k_cache, block_table, query_req_id,
+                                      query_abs_pos, topk_indices->dimensions(), topk_blocks,
+                                      local_blocks, &g);
+      e.failure())
+    return e;
+  if (g.index_dim != kIndexDim || g.block_size != kBlockSize)
     return refuse(kSelectTarget, "idx_k_cache must be [P, 128, 128] or [L, P, 128, 128] on gfx950, got " +
-                                     dims_text(kd));
-  if (kt != ffi::DataType::BF16 && kt != ffi::DataType::F8E4M3FN)
-    return refuse(kSelectTarget, "idx_k_cache must be bfloat16 or float8_e4m3fn");
-  const int64_t tokens = qd[0], hkv = qd[1];
-  const int64_t layers = kd.size() == 4 ? kd[0] : 1, pages = kd[kd.size() - 3];
-  auto bd = block_table.dimensions();
-  if (bd.size() != 2) return refuse(kSelectTarget, "block_table must be [R, M]");
-  const int64_t requests = bd[0], max_blocks = bd[1];
-  if (int64_t(query_req_id.element_count()) != tokens || int64_t(query_abs_pos.element_count()) != tokens)
-    return refuse(kSelectTarget, "query_req_id and query_abs_pos must be [T]");
-  auto od = topk_indices->dimensions();
-  if (od.size() != 3 || od[0] != hkv || od[1] != tokens || od[2] != topk_blocks)
-    return refuse(kSelectTarget, "topk_indices must be [Hkv, T, topk_blocks], got " + dims_text(od));
-  if (topk_blocks < 1 || topk_blocks > kI32Max || local_blocks < 1 || local_blocks > kI32Max)
+                                     dims_text(idx_k_cache.dimensions()));
+  const ffi::DataType kt = idx_k_cache.element_type();
+  const int64_t tokens = g.num_tokens, hkv = g.num_kv_heads, layers = g.num_layers,
+                pages = g.num_pages, requests = g.num_requests, max_blocks = g.max_blocks;
+  if (topk_blocks > kI32Max || local_blocks > kI32Max)
     return refuse(kSelectTarget, "topk_blocks and local_blocks must be in [1, 2^31)");
   const int64_t page_stride = kBlockSize * kIndexDim * (kt == ffi::DataType::BF16 ? 2 : 1);
   if (!fits_i32(tokens * hkv * kIndexDim * float_bytes(idx_q.element_type())) ||

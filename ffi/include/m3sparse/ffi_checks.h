@@ -43,4 +43,49 @@ inline ffi::Error decode_cache_geometry(const ffi::AnyBuffer& cache, int64_t lay
   return ffi::Error::Success();
 }
 
+// The shapes of a select_blocks call (SPEC §8; docs/ffi_targets.md), read from its buffers.
+struct SelectGeometry {
+  int64_t num_tokens, num_kv_heads, index_dim;          // idx_q [T, Hkv, Di]
+  int64_t num_layers, num_pages, block_size;            // idx_k_cache [(L,) P, N, Di]
+  int64_t num_requests, max_blocks;                     // block_table [R, M]
+  bool q_f32, key_fp8;                                  // else bf16 q, bf16 keys
+};
+
+// Checks a select_blocks call's operands against each other and decodes their geometry: the
+// one contract every backend's handler serves (backends add their own kernel limits after).
+inline ffi::Error decode_select_geometry(const ffi::AnyBuffer& idx_q,
+                                         const ffi::AnyBuffer& idx_k_cache,
+                                         const ffi::Buffer<ffi::S32>& block_table,
+                                         const ffi::Buffer<ffi::S32>& query_req_id,
+                                         const ffi::Buffer<ffi::S32>& query_abs_pos,
+                                         ffi::Span<const int64_t> topk_dims, int64_t topk_blocks,
+                                         int64_t local_blocks, SelectGeometry* geo) {
+  auto qd = idx_q.dimensions();
+  if (qd.size() != 3) return invalid("idx_q must be [T, Hkv, Di]");
+  if (idx_q.element_type() != ffi::DataType::F32 && idx_q.element_type() != ffi::DataType::BF16)
+    return invalid("idx_q must be float32 or bfloat16");
+  auto kd = idx_k_cache.dimensions();
+  if (kd.size() != 3 && kd.size() != 4)
+    return invalid("idx_k_cache must be [P, N, Di] or [L, P, N, Di]");
+  if (idx_k_cache.element_type() != ffi::DataType::BF16 &&
+      idx_k_cache.element_type() != ffi::DataType::F8E4M3FN)
+    return invalid("idx_k_cache must be bfloat16 or float8_e4m3fn");
+  const size_t r = kd.size();
+  if (kd[r - 1] != qd[2]) return invalid("idx_k_cache's last dim must equal idx_q's Di");
+  auto bd = block_table.dimensions();
+  if (bd.size() != 2) return invalid("block_table must be [R, M]");
+  if (int64_t(query_req_id.element_count()) != qd[0] ||
+      int64_t(query_abs_pos.element_count()) != qd[0])
+    return invalid("query_req_id and query_abs_pos must be [T]");
+  if (topk_blocks < 1 || local_blocks < 1)
+    return invalid("topk_blocks and local_blocks must be >= 1");
+  if (topk_dims.size() != 3 || topk_dims[0] != qd[1] || topk_dims[1] != qd[0] ||
+      topk_dims[2] != topk_blocks)
+    return invalid("topk_indices must be [Hkv, T, topk_blocks]");
+  *geo = SelectGeometry{qd[0], qd[1], qd[2], r == 4 ? kd[0] : 1, kd[r - 3], kd[r - 2], bd[0],
+                        bd[1], idx_q.element_type() == ffi::DataType::F32,
+                        idx_k_cache.element_type() == ffi::DataType::F8E4M3FN};
+  return ffi::Error::Success();
+}
+
 }  // namespace m3sparse
