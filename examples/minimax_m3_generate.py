@@ -65,7 +65,7 @@ def parse_args(argv=None):
                        help="random model: per-expert (and shared-expert) width; the dense MLP "
                             "is 4x (as in M3)")
     model.add_argument("--weight-seed", type=int, default=0, help="random-weight seed")
-    model.add_argument("--reference-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+    model.add_argument("--baseline-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                        help="the comparison (baseline) stream's caches")
     model.add_argument("--index-cache-dtype", default="bfloat16",
                        choices=("bfloat16", "float8_e4m3fn"),
@@ -116,7 +116,7 @@ def model_config(args) -> ModelConfig:
     from minimax_m3.config import DENSE_MLP, FULL, MOE, SPARSE, from_hf_config  # noqa: PLC0415
     source = args.checkpoint or args.config
     if source:
-        return from_hf_config(source, reference_dtype=args.reference_dtype,
+        return from_hf_config(source, baseline_dtype=args.baseline_dtype,
                               index_cache_dtype=args.index_cache_dtype)
     L = args.layers
     return ModelConfig(hidden_size=args.hidden, num_hidden_layers=L,
@@ -128,7 +128,7 @@ def model_config(args) -> ModelConfig:
                        dense_intermediate_size=4 * args.intermediate,
                        layer_types=(FULL,) + (SPARSE,) * (L - 1),
                        mlp_layer_types=(DENSE_MLP,) + (MOE,) * (L - 1),
-                       reference_dtype=args.reference_dtype,
+                       baseline_dtype=args.baseline_dtype,
                        index_cache_dtype=args.index_cache_dtype)
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face transformers reference fixtures for the MiniMax M3 example (test-only helper).
+"""Hugging Face transformers fixtures for the MiniMax M3 example (test-only helper).
 
 transformers (5.24, ``transformers.models.minimax_m3_vl``) and torch are test dependencies
 only; nothing under ``examples/`` or ``jax_m3sparse/`` imports this module.
@@ -12,7 +12,7 @@ API
   (the dequantized model when ``fp8=True``).
 * ``dequantized_twin(path_fp8, path_out)``  the FP8 directory with every FP8 weight replaced
   by its exact fp32 dequantization (same layout, names, shards); returns that model.
-* ``reference_outputs(model, input_ids, max_new_tokens)``  numpy arrays to compare against.
+* ``hf_outputs(model, input_ids, max_new_tokens)``  numpy arrays to compare against.
 * ``prompt_ids(n, vocab, seed)``       a deterministic prompt.
 
 Seeded init (``init_weights``)
@@ -54,7 +54,7 @@ generation_config.json; one ``model.safetensors`` or ``model-0000k-of-0000n.safe
 layout "upstream" (the published naming; written here by renaming the text state dict,
 which gives exactly the names ``MiniMaxM3SparseForConditionalGeneration.save_pretrained``
 writes -- transformers 5.24 reverses the "minimax_m3_vl" conversion mapping on save;
-``test_m3_reference`` checks the name sets agree).  config.json is a ``MiniMaxM3VLConfig``
+``test_hf_fixtures`` checks the name sets agree).  config.json is a ``MiniMaxM3VLConfig``
 (model_type ``minimax_m3_vl``, text config under ``text_config``, tiny ``vision_config``)::
 
     language_model.model.embed_tokens.weight           [512, 128]
@@ -84,11 +84,11 @@ the correction bias, vision and mtp tensors stay fp32.  In the transformers layo
 supported) the 3-D experts ``experts.gate_up_proj [E, 2I, H]`` get ``experts.gate_up_proj_scale_inv``
 ``[E, ceil(2I/128), ceil(H/128)]`` (transformers' finegrained-FP8 naming) -- note the fused gate/up
 is blocked as one [2I, H] matrix there, while upstream blocks w1 and w3 separately, so the
-two layouts' dequantized values differ (each is its own reference).  transformers 5.24 loads the
+two layouts' dequantized values differ (each is its own ground truth).  transformers 5.24 loads the
 upstream FP8 directory on CPU (it dequantizes) to exactly the returned model's logits, but NOT the
 transformers-layout FP8 one (it reports the 3-D ``*_scale_inv`` as unexpected and uses raw FP8).
 
-hidden_states (``reference_outputs``): ``[L+1, S, H]``; index 0 is the embedding output
+hidden_states (``hf_outputs``): ``[L+1, S, H]``; index 0 is the embedding output
 (input of layer 0), index i (1 <= i < L) the residual stream after layer i-1, and index L
 is AFTER the final norm (transformers overwrites the last entry with ``last_hidden_state``).
 The last layer's pre-norm output is returned separately as ``layer_outputs[L-1]``
@@ -469,7 +469,7 @@ def save_checkpoint(model: MiniMaxM3VLForCausalLM, path: str, *, layout: str = "
             H = model.config.hidden_size
             g = torch.Generator().manual_seed(seed + 2)
             tensors[MTP_KEY] = torch.randn(H, 2 * H, generator=g) / math.sqrt(2 * H)
-    reference = model
+    saved = model
     if fp8:
         deq = {}
         for k in list(tensors):
@@ -480,10 +480,10 @@ def save_checkpoint(model: MiniMaxM3VLForCausalLM, path: str, *, layout: str = "
         text = {**tensors, **deq} if layout == "transformers" else _text_from_upstream(
             {**{k: v for k, v in tensors.items() if v.dtype != torch.float8_e4m3fn}, **deq}, model.config)
         text = {k: v for k, v in text.items() if not k.endswith("_scale_inv")}
-        reference = _model_with(model, text)
+        saved = _model_with(model, text)
     write_safetensors_dir(tensors, path, max_shard_size)
     _write_config(model.config if layout == "transformers" else vl_config(model.config), path, fp8)
-    return reference
+    return saved
 
 
 def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
@@ -544,7 +544,7 @@ def load_transformers(path: str) -> torch.nn.Module:
     return cls.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
 
 
-# --------------------------------------------------------------------------- reference outputs
+# --------------------------------------------------------------------------- transformers' outputs
 
 def prompt_ids(n: int = 400, vocab: int = 512, seed: int = 0) -> np.ndarray:
     """A deterministic prompt: ``int32 [n]`` uniform in [0, vocab)."""
@@ -576,7 +576,7 @@ def _gaps(logits: torch.Tensor) -> np.ndarray:
     return (t[..., 0] - t[..., 1]).numpy()
 
 
-def reference_outputs(model: torch.nn.Module, input_ids, max_new_tokens: int = 16) -> dict:
+def hf_outputs(model: torch.nn.Module, input_ids, max_new_tokens: int = 16) -> dict:
     """transformers' outputs for one prompt (batch 1), as numpy:
 
     * ``hidden_states`` f32 [L+1, S, H]: [0] embeddings, [i] output of layer i-1, [L] after the final norm.
@@ -650,21 +650,3 @@ def reference_outputs(model: torch.nn.Module, input_ids, max_new_tokens: int = 1
         "top2_gap": {"prompt": gp, "prompt_min": float(gp.min()), "generated": gg, "generated_min": float(gg.min())},
     }
 
-
-def decisive_prompt(model, n: int = 400, vocab: int | None = None, *, min_gap: float = 0.01,
-                    seeds=range(16), max_new_tokens: int = 16):
-    """``(seed, ids, reference_outputs)`` for the first prompt seed whose greedy steps all have a
-    top-1/top-2 gap >= ``min_gap`` (else the seed with the largest minimum).  A random model's
-    prompt positions always include near-ties (the min over ~400 positions is ~1e-3 at logit std 1),
-    so compare prompt logits with a tolerance and greedy tokens only where the gap allows."""
-    vocab = vocab or model.config.get_text_config().vocab_size
-    best = None
-    for seed in seeds:
-        ids = prompt_ids(n, vocab, seed)
-        ref = reference_outputs(model, ids, max_new_tokens)
-        g = ref["top2_gap"]["generated_min"]
-        if best is None or g > best[2]["top2_gap"]["generated_min"]:
-            best = (seed, ids, ref)
-        if g >= min_gap:
-            break
-    return best

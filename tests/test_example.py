@@ -258,7 +258,7 @@ def test_plot(batched, tmp_path):
 
 
 def test_cli_with_checkpoint_and_prompt_files(tmp_path):
-    """The entry point end to end: --checkpoint, repeated --prompt-file (no reference stream,
+    """The entry point end to end: --checkpoint, repeated --prompt-file (no baseline stream,
     which keeps its compilations cheap)."""
     import minimax_m3_generate as cli
     ckpt = str(tmp_path / "ckpt")

@@ -1,4 +1,4 @@
-"""Checks of the transformers reference fixtures themselves (tests/m3_reference.py)."""
+"""Checks of the transformers fixtures themselves (tests/hf_fixtures.py)."""
 import json
 import os
 
@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers.models.minimax_m3_vl")
 
-import m3_reference as R  # noqa: E402
+import hf_fixtures as R  # noqa: E402
 
 S, T = 400, 16
 
@@ -24,13 +24,13 @@ def ids():
 
 
 @pytest.fixture(scope="module")
-def ref(model, ids):
-    return R.reference_outputs(model, ids, max_new_tokens=T)
+def hf_out(model, ids):
+    return R.hf_outputs(model, ids, max_new_tokens=T)
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory, model):
-    base = tmp_path_factory.mktemp("m3ref")
+    base = tmp_path_factory.mktemp("hf")
     out = {}
     out["tx"] = (str(base / "tx"), R.save_checkpoint(model, str(base / "tx")))
     out["tx_sharded"] = (str(base / "txs"), R.save_checkpoint(model, str(base / "txs"), max_shard_size="200KB"))
@@ -59,31 +59,31 @@ def test_config_shapes():
     assert c.index_n_heads == 1
 
 
-def test_reference_outputs(model, ref, ids):
+def test_hf_outputs(model, hf_out, ids):
     L, H = 4, 128
-    assert ref["hidden_states"].shape == (L + 1, S, H) and ref["layer_outputs"].shape == (L, S, H)
-    np.testing.assert_array_equal(ref["hidden_states"][1:L], ref["layer_outputs"][: L - 1])
+    assert hf_out["hidden_states"].shape == (L + 1, S, H) and hf_out["layer_outputs"].shape == (L, S, H)
+    np.testing.assert_array_equal(hf_out["hidden_states"][1:L], hf_out["layer_outputs"][: L - 1])
     # index L is after the final norm: the logits are lm_head of it
     W = model.lm_head.weight.detach().numpy()
-    np.testing.assert_allclose(ref["hidden_states"][L] @ W.T, ref["logits"], rtol=1e-4, atol=1e-4)
-    assert not np.allclose(ref["hidden_states"][L], ref["layer_outputs"][L - 1])
-    assert ref["generated"].shape == (T,) and ref["generated"][0] == ref["logits"][-1].argmax()
-    np.testing.assert_array_equal(ref["generated_logits"].argmax(-1), ref["generated"])
-    assert sorted(ref["selections"]) == [1, 3] and sorted(ref["router_choices"]) == [1, 2]
-    for sel in ref["selections"].values():
+    np.testing.assert_allclose(hf_out["hidden_states"][L] @ W.T, hf_out["logits"], rtol=1e-4, atol=1e-4)
+    assert not np.allclose(hf_out["hidden_states"][L], hf_out["layer_outputs"][L - 1])
+    assert hf_out["generated"].shape == (T,) and hf_out["generated"][0] == hf_out["logits"][-1].argmax()
+    np.testing.assert_array_equal(hf_out["generated_logits"].argmax(-1), hf_out["generated"])
+    assert sorted(hf_out["selections"]) == [1, 3] and sorted(hf_out["router_choices"]) == [1, 2]
+    for sel in hf_out["selections"].values():
         assert sel.shape == (2, S, 2)
         qb = np.arange(S) // 128
         np.testing.assert_array_equal(sel[:, :, 0], np.broadcast_to(qb, (2, S)))  # local block first
         assert (sel[:, qb == 0, 1] == -1).all()
         assert (sel[:, qb >= 2, 1] >= 0).all() and (sel[:, qb >= 2, 1] < qb[qb >= 2]).all()
         assert len(np.unique(sel[:, qb == 3, 1])) > 1  # blocks really are skipped, and choices differ
-    for rc in ref["router_choices"].values():
+    for rc in hf_out["router_choices"].values():
         assert rc.shape == (S, 2) and (np.diff(rc, axis=-1) > 0).all()
         assert len(np.unique(rc)) == 4
     # full forward of prompt + generated tokens reproduces the cached-decode logits
-    full = np.concatenate([ids, ref["generated"]])
-    np.testing.assert_allclose(_logits(model, full)[S - 1: S + T - 1], ref["generated_logits"], atol=2e-4)
-    assert ref["top2_gap"]["prompt_min"] > 0 and ref["top2_gap"]["generated"].shape == (T,)
+    full = np.concatenate([ids, hf_out["generated"]])
+    np.testing.assert_allclose(_logits(model, full)[S - 1: S + T - 1], hf_out["generated_logits"], atol=2e-4)
+    assert hf_out["top2_gap"]["prompt_min"] > 0 and hf_out["top2_gap"]["generated"].shape == (T,)
 
 
 def test_shards_and_names(dirs, model):
@@ -125,9 +125,9 @@ def test_loads_back_into_transformers(dirs, ids, key):
         # Seen on the H200 host (transformers 5.24): with a GPU visible its FP8 loader keeps
         # the FP8 weights and refuses the fp32 model's shapes; on CPU-only machines it loads.
         pytest.skip("transformers' FP8 loader differs when a CUDA device is visible")
-    path, reference = dirs[key]
+    path, saved = dirs[key]
     loaded = R.load_transformers(path)
-    np.testing.assert_array_equal(_logits(loaded, ids), _logits(reference, ids))
+    np.testing.assert_array_equal(_logits(loaded, ids), _logits(saved, ids))
 
 
 def test_fp8(dirs, model, ids):

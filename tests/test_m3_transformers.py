@@ -1,10 +1,10 @@
 """The M3 example against transformers' MiniMax M3 (``transformers.models.minimax_m3_vl``).
 
 Tiny random M3 models are built with transformers (fp32, eager attention), saved as checkpoint
-directories the way they are published (tests/m3_reference.py: transformers' names and the
+directories the way they are published (tests/hf_fixtures.py: transformers' names and the
 upstream names, sharded and not, tied and untied, FP8 blocks), and loaded by the example's
 loader as they are. The example's baseline stream (compare.py), in float32 with its own index
-keys and selections (``reference_selection="own"``), is an independent JAX twin of
+keys and selections (``baseline_selection="own"``), is an independent JAX twin of
 transformers' model; it must give transformers' per-layer hidden states, logits, block
 selections and greedy tokens.
 The served NVFP4 stream's agreement is printed (it is what the main job's summary reports).
@@ -28,8 +28,8 @@ pytest.importorskip("transformers.models.minimax_m3_vl")   # transformers >= 5.2
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
-import m3_reference as ref  # noqa: E402
-from minimax_m3 import compare, model, parallel, sampling  # noqa: E402
+import hf_fixtures as fixtures  # noqa: E402
+from minimax_m3 import compare, layers, model, parallel, sampling  # noqa: E402
 from minimax_m3.checkpoint import load_params  # noqa: E402
 from minimax_m3.config import from_hf_config  # noqa: E402
 from minimax_m3.engine import Engine, EngineConfig, cosine  # noqa: E402
@@ -53,7 +53,7 @@ def _cos_rows(a, b):
 
 
 def _load(path, **overrides):
-    cfg = from_hf_config(str(path), reference_dtype="float32", reference_selection="own",
+    cfg = from_hf_config(str(path), baseline_dtype="float32", baseline_selection="own",
                          **overrides)
     mesh = parallel.make_mesh(1)
     return cfg, load_params(str(path), cfg, parallel.param_shardings(model.param_shapes(cfg),
@@ -86,19 +86,19 @@ def _generate(cfg, params, tokens, follow):
 @pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
 def case(request, tmp_path_factory):
     name, overrides, save = request.param
-    tcfg = ref.tiny_text_config(**overrides)
-    hf = ref.build_model(tcfg, seed=0)
+    tcfg = fixtures.tiny_text_config(**overrides)
+    hf = fixtures.build_model(tcfg, seed=0)
     path = tmp_path_factory.mktemp(name)
-    ref.save_checkpoint(hf, str(path), **save)
-    tokens = ref.prompt_ids(PROMPT_LEN, tcfg.vocab_size, seed=1)
-    want = ref.reference_outputs(hf, tokens, max_new_tokens=NEW_TOKENS)
+    fixtures.save_checkpoint(hf, str(path), **save)
+    tokens = fixtures.prompt_ids(PROMPT_LEN, tcfg.vocab_size, seed=1)
+    want = fixtures.hf_outputs(hf, tokens, max_new_tokens=NEW_TOKENS)
     cfg, params = _load(path)
     return dict(name=name, cfg=cfg, params=params, tokens=tokens, want=want,
                 got=_prefill(cfg, params, tokens))
 
 
 def test_config_read_as_transformers_does(case):
-    cfg, want_cfg = case["cfg"], ref.tiny_text_config(**CASES[[c[0] for c in CASES].index(
+    cfg, want_cfg = case["cfg"], fixtures.tiny_text_config(**CASES[[c[0] for c in CASES].index(
         case["name"])][1])
     assert cfg.layer_types == tuple(want_cfg.layer_types)
     assert cfg.mlp_layer_types == tuple(want_cfg.mlp_layer_types)
@@ -114,7 +114,7 @@ def test_hidden_states_match_per_layer(case):
     for i in range(L):
         cos = _cos_rows(got[i], want[i])
         assert cos.min() >= 0.9999, (case["name"], i, cos.min(), int(cos.argmin()))
-    normed = np.asarray(model.gemma_rms_norm(got[L], case["params"]["norm"], case["cfg"].rms_norm_eps))
+    normed = np.asarray(layers.gemma_rms_norm(got[L], case["params"]["norm"], case["cfg"].rms_norm_eps))
     assert _cos_rows(normed, want[L]).min() >= 0.9999
     print(f"{case['name']}: min cosine per layer "
           f"{[round(float(_cos_rows(got[i], want[i]).min()), 7) for i in range(L)]}")
@@ -154,13 +154,13 @@ def test_greedy_generation_matches(case):
 def test_fp8_checkpoint_loads_to_its_dequantized_twin(tmp_path):
     """Block-scaled FP8 (float8_e4m3fn + weight_scale_inv per 128 × 128) loads to the logits
     of the same checkpoint written in the dequantized fp32 values."""
-    tcfg = ref.tiny_text_config()
-    hf = ref.build_model(tcfg, seed=2)
-    ref.save_checkpoint(hf, str(tmp_path / "fp8"), layout="upstream", fp8=True)
-    ref.dequantized_twin(str(tmp_path / "fp8"), str(tmp_path / "twin"))
-    tokens = ref.prompt_ids(PROMPT_LEN, tcfg.vocab_size, seed=3)   # the shapes case 1 compiled
-    cfg = from_hf_config(str(tmp_path / "fp8"), reference_dtype="float32",
-                         reference_selection="own")
+    tcfg = fixtures.tiny_text_config()
+    hf = fixtures.build_model(tcfg, seed=2)
+    fixtures.save_checkpoint(hf, str(tmp_path / "fp8"), layout="upstream", fp8=True)
+    fixtures.dequantized_twin(str(tmp_path / "fp8"), str(tmp_path / "twin"))
+    tokens = fixtures.prompt_ids(PROMPT_LEN, tcfg.vocab_size, seed=3)   # the shapes case 1 compiled
+    cfg = from_hf_config(str(tmp_path / "fp8"), baseline_dtype="float32",
+                         baseline_selection="own")
     shardings = parallel.param_shardings(model.param_shapes(cfg), cfg, parallel.make_mesh(1))
     p8 = load_params(str(tmp_path / "fp8"), cfg, shardings, dtype="float32")
     _, p32 = _load(tmp_path / "twin")

@@ -1,9 +1,9 @@
-"""M3 attention pieces in JAX: rotary embedding, q/k/v, the lightning indexer, paged caches.
+"""M3 attention pieces in JAX: q/k/v, the lightning indexer, paged caches.
 
-transformers' ``MiniMaxM3VLAttention`` / ``MiniMaxM3VLIndexer`` / ``apply_rotary_pos_emb``,
-written against a paged cache: K/V of every layer in the NVFP4 cache (``model.py``), the
-indexer's keys in their own key-only paged cache. ``paged_attention_jnp`` is the reference
-stream's attention over a dense-format paged cache.
+transformers' ``MiniMaxM3VLAttention`` / ``MiniMaxM3VLIndexer``, written against a paged
+cache: K/V of every layer in the NVFP4 cache (``model.py``), the indexer's keys in their own
+key-only paged cache (norms and rotary: ``layers.py``). ``paged_attention_jnp`` is the
+baseline stream's attention over a dense-format paged cache (``compare.py``).
 """
 
 from __future__ import annotations
@@ -14,36 +14,7 @@ import jax.numpy as jnp
 from jax_m3sparse import select_blocks
 from jax_m3sparse.sharding import replicate_kv_heads
 
-from .moe import linear
-
-
-def gemma_rms_norm(x, w, eps):
-    """``x · rsqrt(mean(x²) + eps) · (1 + w)`` over the last axis, in fp32."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + w.astype(jnp.float32))
-
-
-def rotary_cos_sin(pos, rotary_dim, theta):
-    """cos, sin ``float32[T, rotary_dim]`` for positions ``pos [T]`` (transformers'
-    ``MiniMaxM3VLRotaryEmbedding``: the frequencies twice, rotate-half order)."""
-    inv_freq = 1.0 / theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)
-    freqs = pos.astype(jnp.float32)[:, None] * inv_freq
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rotary(x, cos, sin):
-    """Rotate-half RoPE on the first ``cos.shape[-1]`` dims of ``x [T, H, d]``; the rest pass."""
-    rd = cos.shape[-1]
-    rot, rest = x[..., :rd], x[..., rd:]
-    half = rd // 2
-    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
-    return jnp.concatenate([rot * cos[:, None] + rotated * sin[:, None], rest], axis=-1)
-
-
-def rope(x, pos, rope_dim, theta):
-    """RoPE on the first ``rope_dim`` dims of ``x [T, H, d]`` at positions ``pos [T]``."""
-    return apply_rotary(x, *rotary_cos_sin(pos, rope_dim, theta))
+from .layers import apply_rotary, gemma_rms_norm, linear
 
 
 def qkv(p, h, cos, sin, cfg):

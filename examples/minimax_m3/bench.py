@@ -685,8 +685,9 @@ class Parts:
         import jax  # noqa: PLC0415
         import jax.numpy as jnp  # noqa: PLC0415
         import jax_m3sparse as m3  # noqa: PLC0415
-        from . import model, moe  # noqa: PLC0415
-        from .attention import gemma_rms_norm, indexer, qkv, rotary_cos_sin, write_layer_pages  # noqa
+        from . import model  # noqa: PLC0415
+        from .attention import indexer, qkv, write_layer_pages  # noqa: PLC0415
+        from .layers import gemma_rms_norm, linear, rotary_cos_sin  # noqa: PLC0415
         cfg, T, H = self.cfg, self.T, self.cfg.hidden_size
         n = self.nlayers(i)
         first = cfg.segments()[i][2]
@@ -710,7 +711,7 @@ class Parts:
                     iq, ik = indexer(pl["self_attn"]["indexer"], h, cos, sin, cfg)
                     idx = write_layer_pages(idx, 0, ik, slots, cfg.block_size)   # in place
                     q = q + jnp.sum(iq) * 0
-                x = x + moe.linear(q.reshape(T, -1), pl["self_attn"]["o_proj"])
+                x = x + linear(q.reshape(T, -1), pl["self_attn"]["o_proj"])
                 x = gemma_rms_norm(x, pl["post_attention_layernorm"], cfg.rms_norm_eps)
                 return (x, kv, idx), None
             x, kv, idx = jax.lax.scan(body, (x, kv, idx), (p, first + jnp.arange(n)))[0]

@@ -412,7 +412,7 @@ def count_tensors(cfg: ModelConfig) -> int:
 def to_hf_config(cfg: ModelConfig) -> dict:
     """A transformers ``config.json`` (``model_type`` minimax_m3_vl_text) for ``cfg``."""
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    for serving in ("kv_replicas", "reference_dtype", "reference_selection", "moe_impl",
+    for serving in ("kv_replicas", "baseline_dtype", "baseline_selection", "moe_impl",
                     "index_cache_dtype",
                     "rope_theta"):
         fields.pop(serving)

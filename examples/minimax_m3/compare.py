@@ -1,9 +1,9 @@
 """The accuracy comparison: the served step and a baseline stream, as a wrapper around the step.
 
 The **baseline** stream is the same model over dense-format paged caches
-(``cfg.reference_dtype``: bf16, or float32 to match transformers' fp32 run) with plain-``jnp``
+(``cfg.baseline_dtype``: bf16, or float32 to match transformers' fp32 run) with plain-``jnp``
 attention (``attention.paged_attention_jnp``), over the served step's block selections
-(``cfg.reference_selection == "served"``: it measures what NVFP4 costs at equal selections) or
+(``cfg.baseline_selection == "served"``: it measures what NVFP4 costs at equal selections) or
 its own index keys and selections (``"own"``: an independent twin of transformers' model, as
 the tests use it). Its weights, tokens and sampling parameters are the served step's; its
 routing is its own.
@@ -33,9 +33,9 @@ PREFIX = "baseline_"     # the baseline's caches in the step's (flat) cache dict
 
 def allocate_caches(cfg: ModelConfig, num_pages: int) -> dict:
     """The served step's caches (``model.allocate_caches``) and the baseline's, in
-    ``cfg.reference_dtype``: ``baseline_k``, ``baseline_v [L, P, Hkv, N, D]``, ``baseline_idx
+    ``cfg.baseline_dtype``: ``baseline_k``, ``baseline_v [L, P, Hkv, N, D]``, ``baseline_idx
     [L_sparse, P, N, Di]``."""
-    dtype = jnp.dtype(cfg.reference_dtype)
+    dtype = jnp.dtype(cfg.baseline_dtype)
     shape = (cfg.num_layers, num_pages, cfg.num_key_value_heads, cfg.block_size, cfg.head_dim)
     return dict(model.allocate_caches(cfg, num_pages),
                 **{PREFIX + "k": jnp.zeros(shape, dtype), PREFIX + "v": jnp.zeros(shape, dtype),
@@ -83,7 +83,7 @@ def _attention(step, p, h, caches, layer, li, sparse, given):
     k_l, v_l = put(caches["k"], k), put(caches["v"], v)
     caches = dict(caches, k=caches["k"].at[layer].set(k_l), v=caches["v"].at[layer].set(v_l))
     topk = given
-    if sparse and cfg.reference_selection == "own":
+    if sparse and cfg.baseline_selection == "own":
         topk, idx_l = _own_selection(step, p["indexer"], h, caches["idx"][li])
         caches["idx"] = caches["idx"].at[li].set(idx_l)
     attn = paged_attention_jnp(q.astype(k_l.dtype), k_l, v_l, topk, step.meta.block_table,
@@ -118,7 +118,7 @@ def baseline_step(params, caches, batch, served, *, cfg, num_decode_requests, de
         p, layer_, li = xs
         sparse = attn_kind == SPARSE
         served_topk = served["topk"][li] if sparse else step.all_blocks
-        given = served_topk if cfg.reference_selection == "served" else step.all_blocks
+        given = served_topk if cfg.baseline_selection == "served" else step.all_blocks
         x, attn, (caches, topk) = model.decoder_layer(
             p, x, lambda pa, h: _attention(step, pa, h, caches, layer_, li, sparse, given), cfg,
             mlp_kind == MOE)

@@ -68,8 +68,8 @@ class ModelConfig:
     mlp_layer_types: tuple[str, ...] = (DENSE_MLP, MOE, MOE, MOE)
     # serving, not architecture
     kv_replicas: int = 1                       # copies of each KV head in the cache (TP > Hkv)
-    reference_dtype: str = "bfloat16"          # the reference stream's caches (or "float32")
-    reference_selection: str = "served"        # its block selections: "served" or "own"
+    baseline_dtype: str = "bfloat16"           # the baseline stream's caches (or "float32")
+    baseline_selection: str = "served"         # its block selections: "served" or "own"
     moe_impl: str = "auto"                     # routed experts: moe.IMPLS ("auto", "dense", ...)
     index_cache_dtype: str = "bfloat16"        # the index keys' cache: or "float8_e4m3fn"
 
@@ -100,8 +100,8 @@ class ModelConfig:
         if self.index_cache_dtype not in ("bfloat16", "float8_e4m3fn"):
             raise ValueError(f"index_cache_dtype {self.index_cache_dtype!r}: 'bfloat16' or "
                              f"'float8_e4m3fn' (what jax_m3sparse.select_blocks reads)")
-        if self.reference_selection not in ("served", "own"):
-            raise ValueError(f"reference_selection {self.reference_selection!r}: 'served' or 'own'")
+        if self.baseline_selection not in ("served", "own"):
+            raise ValueError(f"baseline_selection {self.baseline_selection!r}: 'served' or 'own'")
         if self.index_block_size != 128:
             raise ValueError(f"index_block_size {self.index_block_size}: the NVFP4 cache's "
                              f"pages hold 128 tokens (SPEC §1)")

@@ -178,7 +178,8 @@ class EngineConfig:
 
 class Engine:
     """Continuous batching: admit, chunked prefill, batched decode, sampling in the step (+
-    prompt-lookup speculative decoding), stop tokens."""
+    prompt-lookup speculative decoding), stop tokens. :meth:`on_step` sees every step's output
+    (override it to record more than :class:`RunStats` does)."""
 
     def __init__(self, params, cfg: ModelConfig, ecfg: EngineConfig, model: ModelStep = m3_model):
         # model: a ModelStep (examples/real_model passes its Llama here). With ecfg.compare the
@@ -327,6 +328,7 @@ class Engine:
         self._admit()
         batch, decoding, prefill, drafts = self._build_batch()
         out, seconds, compiled = self._run_step(batch)
+        self.on_step(out, prefill, decoding)
         emitted, rows = self._accept_decodes(decoding, drafts, out)
         prefilled, first_tokens = self._advance_prefills(prefill, out)
         base = out.get("baseline_logits")
@@ -339,6 +341,20 @@ class Engine:
         for r in [r for r in self.running if r.done]:
             self._finish(r)
         return prefilled + emitted + first_tokens
+
+    def on_step(self, out: dict, prefill: list[tuple[Request, int]],
+                decoding: list[Request]) -> None:
+        """The per-step hook: called once per step with what it returned, before the engine
+        takes the sampled tokens. Override it to read more of ``out`` (the default does nothing);
+        ``examples/real_model/quality.py`` scores every prefill row this way.
+
+        ``out``: the model's ``forward_step`` output (:class:`ModelStep`), fetched to the host.
+        ``decoding``: the decode requests; request i's ``decode_query_len`` rows (its last token,
+        then its drafts) are batch rows and samples ``i·dql .. (i + 1)·dql − 1``. ``prefill``:
+        ``(request, n)`` per prefill chunk, in batch order; the chunks' tokens follow one another
+        from batch row ``max_running · decode_query_len``, and each ``request.num_cached`` is
+        still its chunk's first position.
+        """
 
     def _accept_decodes(self, decoding, drafts, out):
         """The decode rows' sampled tokens; drafts are kept while they equal the token sampled

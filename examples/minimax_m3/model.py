@@ -31,8 +31,9 @@ import jax_m3sparse as m3
 from jax_m3sparse.sharding import replicate_kv_heads
 
 from . import moe, sampling
-from .attention import gemma_rms_norm, qkv, rotary_cos_sin, select
+from .attention import qkv, select
 from .config import MOE, SPARSE, ModelConfig
+from .layers import gemma_rms_norm, linear, rotary_cos_sin
 from .parallel import AXIS, is_shape, tp_size
 
 KV_LAYOUT = "LBHNC"
@@ -293,7 +294,7 @@ def decoder_layer(p, x, attention, cfg, is_moe):
     ``(x, attn, extra)``."""
     h = gemma_rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
     attn, extra = attention(p["self_attn"], h)
-    x = x + moe.linear(attn, p["self_attn"]["o_proj"])
+    x = x + linear(attn, p["self_attn"]["o_proj"])
     h = gemma_rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
     return x + moe.mlp(p["mlp"], h, cfg, is_moe), attn, extra
 
@@ -344,8 +345,8 @@ def logits_of(params, h, cfg):
     head = params["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
     x = gemma_rms_norm(h, params["norm"], cfg.rms_norm_eps)
     if tp_size() == 1:
-        return moe.linear(x, head)
-    local = lambda w, x_: jax.lax.all_gather(moe.linear(x_, w), AXIS, axis=1, tiled=True)
+        return linear(x, head)
+    local = lambda w, x_: jax.lax.all_gather(linear(x_, w), AXIS, axis=1, tiled=True)
     return jax.shard_map(local, in_specs=(P(AXIS, None), P()), out_specs=P(),
                          check_vma=False)(head, x)
 

@@ -38,12 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from .layers import linear
 from .parallel import AXIS, leaf_spec
-
-def linear(x, w):
-    """``x @ w.T`` for a PyTorch-layout weight ``[out, in]``, in the weight's dtype with fp32
-    accumulation (bf16 checkpoints stay bf16; fp32 ones compute in fp32)."""
-    return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
 def swiglu_oai(gate_up, alpha, limit):

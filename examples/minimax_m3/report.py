@@ -76,18 +76,18 @@ def format_summary(s: dict, cfg) -> str:
     if "spec_acceptance" in s:
         lines.append(f"speculative: {100 * s['spec_acceptance']:.0f}% of prompt-lookup drafts accepted")
     if "attn_cos" in s:
-        how = ("its own index keys and selections" if cfg.reference_selection == "own"
+        how = ("its own index keys and selections" if cfg.baseline_selection == "own"
                else "the same selections")
         lines.append(f"accuracy of the NVFP4 sparse path vs the same model with a "
-                     f"{cfg.reference_dtype} cache ({how}):")
+                     f"{cfg.baseline_dtype} cache ({how}):")
         for layer, (c, r) in enumerate(zip(s["attn_cos"], s["attn_rel_f"])):
             kind = "sparse" if layer in cfg.sparse_layers else "full  "
             lines.append(f"  layer {layer} ({kind}, {cfg.mlp_layer_types[layer]:6s} MLP) attention "
                          f"output: cosine {c:.5f}, rel-F {r:.4f}")
-        if s.get("same_selection") is not None and cfg.reference_selection == "own":
+        if s.get("same_selection") is not None and cfg.baseline_selection == "own":
             lines.append(f"  block selections: {100 * s['same_selection']:.2f}% of (token, KV head) "
                          f"pairs pick the same set in both streams (bf16 vs "
-                         f"{cfg.reference_dtype} index keys)")
+                         f"{cfg.baseline_dtype} index keys)")
         lines.append(f"  final logits: cosine mean {s['logit_cos']:.5f} (min {s['logit_cos_min']:.5f}); "
                      f"greedy-token agreement {100 * s['agreement']:.1f}%")
     return "\n".join(lines)

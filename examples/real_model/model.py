@@ -14,7 +14,7 @@ The K/V path is chosen by ``LlamaConfig.kv_format`` and ``topk_blocks`` (the stu
   per-layer global scales ``params["kv_scale"] [L, 2]`` (data, calibrated: see
   :func:`calibrated_kv_scales`).
 * ``bf16``: bf16 paged K and V ``[L, P, Hkv, N, D]``, plain-jnp paged attention (the M3
-  example's reference-stream attention, ``paged_attention_jnp``): the unquantized baseline.
+  example's baseline-stream attention, ``paged_attention_jnp``): the unquantized baseline.
   ``f32``: the same in float32 (no K/V rounding at all: the independent check's path).
 * ``topk_blocks = 0`` attends every block; ``K > 0`` selects K blocks of 128 tokens per
   (KV head, token) with :func:`select_by_attention` (SmolLM2 has no trained indexer).
@@ -35,7 +35,8 @@ import numpy as np
 import jax_m3sparse as m3
 from jax_m3sparse import select_blocks
 from minimax_m3 import sampling
-from minimax_m3.attention import paged_attention_jnp, rope
+from minimax_m3.attention import paged_attention_jnp
+from minimax_m3.layers import rope
 from minimax_m3.model import batch_rows
 
 KV_LAYOUT = "LBHNC"

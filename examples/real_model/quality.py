@@ -49,8 +49,8 @@ def windows(tokens, context: int, count: int, offset: int = 0) -> list[list[int]
 
 
 class ScoringEngine(Engine):
-    """The M3 Engine, also scoring every prefill row: NLL of the prompt's next token (and,
-    with ``keep_logits``, the rows' logits)."""
+    """The M3 Engine, also scoring every prefill row (its per-step hook, ``Engine.on_step``):
+    NLL of the prompt's next token (and, with ``keep_logits``, the rows' logits)."""
 
     def __init__(self, *args, keep_logits: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
@@ -59,8 +59,8 @@ class ScoringEngine(Engine):
         self.keep_logits = keep_logits
         self.kv_amax = np.zeros((self.cfg.num_layers, 2))
 
-    def _advance_prefills(self, prefill, out):
-        t = self.ecfg.max_running * self.ecfg.decode_query_len
+    def on_step(self, out, prefill, decoding):
+        t = self.ecfg.max_running * self.ecfg.decode_query_len      # the first prefill row
         for r, n in prefill:
             start, rows = r.num_cached, slice(t, t + n)
             targets = np.asarray(r.prompt[start + 1:start + n + 1])        # the next tokens
@@ -72,7 +72,6 @@ class ScoringEngine(Engine):
                 self.prefill_logits.setdefault(r.rid, []).extend(np.array(logit_rows))
             t += n
         self.kv_amax = np.maximum(self.kv_amax, out["kv_amax"])
-        return super()._advance_prefills(prefill, out)
 
 
 @dataclasses.dataclass

@@ -1,0 +1,46 @@
+"""The building blocks more than one part of the model uses: projections, norms, rotary.
+
+transformers' ``nn.Linear`` (no bias), ``MiniMaxM3VLRMSNorm`` (Gemma style: scale ``1 + w``),
+``MiniMaxM3VLRotaryEmbedding`` and ``apply_rotary_pos_emb``, in JAX. Weights keep PyTorch's
+``[out, in]`` orientation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def linear(x, w):
+    """``x @ w.T`` for a PyTorch-layout weight ``[out, in]``, in the weight's dtype with fp32
+    accumulation (bf16 checkpoints stay bf16; fp32 ones compute in fp32)."""
+    return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def gemma_rms_norm(x, w, eps):
+    """``x · rsqrt(mean(x²) + eps) · (1 + w)`` over the last axis, in fp32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + w.astype(jnp.float32))
+
+
+def rotary_cos_sin(pos, rotary_dim, theta):
+    """cos, sin ``float32[T, rotary_dim]`` for positions ``pos [T]`` (transformers'
+    ``MiniMaxM3VLRotaryEmbedding``: the frequencies twice, rotate-half order)."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)
+    freqs = pos.astype(jnp.float32)[:, None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate-half RoPE on the first ``cos.shape[-1]`` dims of ``x [T, H, d]``; the rest pass."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    return jnp.concatenate([rot * cos[:, None] + rotated * sin[:, None], rest], axis=-1)
+
+
+def rope(x, pos, rope_dim, theta):
+    """RoPE on the first ``rope_dim`` dims of ``x [T, H, d]`` at positions ``pos [T]``."""
+    return apply_rotary(x, *rotary_cos_sin(pos, rope_dim, theta))
