@@ -153,7 +153,7 @@ def import_error(platform: str) -> str | None:
 
 
 OPS = ("pack_kv_pages", "query_token_positions", "sparse_decode", "sparse_prefill",
-       "select_blocks")
+       "select_blocks", "grouped_matmul")
 
 
 def export_disabled_checks(platforms=("cpu", "rocm", "cuda")):

@@ -375,3 +375,27 @@ def select_blocks(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, 
                        query_req_id.astype(jnp.int32), query_abs_pos.astype(jnp.int32),
                        jnp.asarray(0 if layer is None else layer, jnp.int32),
                        topk_blocks=int(topk_blocks), local_blocks=int(local_blocks))
+
+
+# rhs [G, N, K] (PyTorch's [out, in] per group), contracting lhs [M, K] with rhs's last axis.
+_GROUPED_DIMS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+
+
+def grouped_matmul_impl(lhs, rhs, group_sizes):
+    """Primitive-level reference of grouped_matmul (SPEC §9): XLA's ``ragged_dot`` on the
+    sizes made valid (negative counts as 0, rows past M dropped), rows no group covers 0."""
+    M = lhs.shape[0]
+    ends = jnp.minimum(jnp.cumsum(jnp.clip(group_sizes, 0, M)), M)   # no overflow: G·M < 2^31
+    sizes = jnp.diff(ends, prepend=0).astype(jnp.int32)
+    out = jax.lax.ragged_dot_general(lhs, rhs, sizes, _GROUPED_DIMS,
+                                     preferred_element_type=jnp.float32)
+    covered = jnp.arange(M) < (ends[-1] if group_sizes.shape[0] else 0)
+    return jnp.where(covered[:, None], out, 0.0)
+
+
+def grouped_matmul(lhs, rhs, group_sizes):
+    """Reference of :func:`jax_m3sparse.grouped_matmul` (SPEC §9)."""
+    return grouped_matmul_impl(jnp.asarray(lhs), jnp.asarray(rhs),
+                               jnp.asarray(group_sizes, jnp.int32))

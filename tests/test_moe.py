@@ -61,6 +61,18 @@ def test_formulations_equal_dense(rng, T, E, k):
     assert int(np.sum(moe.sort_by_expert(chosen, E)[1] == 0)) == E - len(np.unique(chosen))
 
 
+@pytest.mark.parametrize("T,E,k", [(3, 16, 2), (40, 8, 4)])
+def test_grouped_equals_dense_in_bf16(rng, T, E, k):
+    """moe_impl "grouped" (jax_m3sparse.grouped_matmul; on the CPU its reference lowering)
+    with bf16 weights gives dense dispatch's sum to bf16 rounding of the hidden activations."""
+    p, x, w, chosen = _experts(rng, T, E, k, H=64, I=16)
+    p = {name: v.astype(jnp.bfloat16) for name, v in p.items()}
+    dense = np.asarray(moe.experts(p, x, w, chosen, CFG, impl="dense"))
+    grouped = np.asarray(jax.jit(lambda *a: moe.experts(*a, CFG, impl="grouped"))(
+        p, x, w, chosen))
+    np.testing.assert_allclose(grouped, dense, rtol=0, atol=1e-2 * np.abs(dense).max())
+
+
 def test_ragged_in_scan_and_tensor_parallel(rng):
     """moe.mlp over stacked layers in lax.scan, on a 4-device "tp" mesh (I split, one psum):
     the grouped formulation gives dense dispatch's output."""
@@ -95,10 +107,13 @@ def test_resolve_impl():
     assert moe.resolve_impl("auto", 0.25, "cuda") == "gather"     # T·k <= E: routed experts only
     assert moe.resolve_impl("auto", 4.0, "cuda") == "dense"
     assert moe.resolve_impl("ragged", 8, "cpu") == "ragged"
+    assert moe.resolve_impl("grouped", 8, "cpu") == "grouped"
     with pytest.raises(ValueError, match="moe_impl"):
-        moe.resolve_impl("grouped", 8)
+        moe.resolve_impl("sorted", 8)
     with pytest.raises(ValueError, match="moe_impl"):
-        ModelConfig(moe_impl="grouped")
+        ModelConfig(moe_impl="sorted")
+    with pytest.raises(ValueError, match="bfloat16"):
+        moe.resolve_impl("grouped", 8, "cuda", jnp.float32)
     if not moe.tokamax_available():
         with pytest.raises(ImportError, match="tokamax"):
             moe.experts(*_experts(np.random.default_rng(0), 2, 4, 2, 8, 4), CFG, impl="tokamax")

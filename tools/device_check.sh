@@ -2,7 +2,7 @@
 # One device call for the CUDA backend (H200, kind nvidia-h200): builds the standalone harness
 # and the Python modules, runs correctness (harness + tests/cuda through the public API), then
 # the timings. Logs go to $OUT (the device tool brings them back) or ./out.
-#   tools/device_check.sh [quick|full|sanitize|profile|final|harness|race|tp|cpu|select|m3]
+#   tools/device_check.sh [quick|full|sanitize|profile|final|harness|race|tp|cpu|select|grouped|m3]
 #     m3: the M3 example at real size (python -m examples.minimax_m3.bench; M3_ARGS, and
 #     CUDA_BENCH=1 for bench.cuda --quick --no-ref after it);
 #     quick: smaller benchmark set; sanitize: compute-sanitizer memcheck + racecheck on the
@@ -14,6 +14,8 @@
 #     prefill on 2 cores (CPU_STEPS picks from "test suite sanitize peak decode prefill"; CORES);
 #     select: select_blocks: tests/cuda/select_harness.cu correctness and timings,
 #     pytest tests/cuda -k select_blocks (PYTEST=0 skips), memcheck of the harness (SANITIZE=0 skips);
+#     grouped: the same for grouped_matmul (tests/cuda/grouped_harness.cu); both take
+#     HARNESS_ARGS, and M3_AFTER="<bench args>" runs python -m examples.minimax_m3.bench last;
 #     tp: several GPUs (kind nvidia-h200-x2 and up): bench.cuda --tp N and the M3 example at
 #     --tp 1 and N (N = TP, default every GPU; TP_STEPS picks from "bench example m3 pytest",
 #     and "repeat": the M3-heads example 3 times at each tp, run-to-run token agreement)
@@ -236,8 +238,12 @@ if [ "$MODE" = m3 ]; then  # the M3 example at real size: one TP-8 rank (example
   exit 0
 fi
 
-if [ "$MODE" = select ]; then  # select_blocks: its harness, timings, pytest, memcheck
-  # PYTEST=1 (default): the CUDA module too, then pytest tests/cuda -k select_blocks;
+if [ "$MODE" = select ] || [ "$MODE" = grouped ]; then  # one op: harness, timings, pytest, memcheck
+  case $MODE in
+    select) KSRC=select; HSRC=select_harness; PYK=select_blocks ;;
+    grouped) KSRC=grouped_matmul; HSRC=grouped_harness; PYK=grouped_matmul ;;
+  esac
+  # PYTEST=1 (default): the CUDA module too, then pytest tests/cuda -k $PYK;
   # SANITIZE=1 (default): compute-sanitizer memcheck of the harness tests, last
   if [ "${PYTEST:-1}" = 1 ]; then
     (cmake -S ffi -B "$B/cmake" -G Ninja -DM3SPARSE_ENABLE_CUDA=ON -DM3SPARSE_NATIVE=OFF \
@@ -249,37 +255,43 @@ if [ "$MODE" = select ]; then  # select_blocks: its harness, timings, pytest, me
     CMAKE_PID=$!
   fi
   flags="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda -lineinfo"
-  nvcc $flags -Xptxas -v -c ffi/cuda/select.cu -o "$B/select.o" >"$OUT/ptxas_select.log" 2>&1 &
+  nvcc $flags -Xptxas -v -c ffi/cuda/$KSRC.cu -o "$B/$KSRC.o" >"$OUT/ptxas_$MODE.log" 2>&1 &
   p1=$!
-  nvcc $flags -c tests/cuda/select_harness.cu -o "$B/select_harness.o" || exit 1
-  wait $p1 || { echo "select.cu build failed"; tail -20 "$OUT/ptxas_select.log"; exit 1; }
-  nvcc $flags "$B/select.o" "$B/select_harness.o" -o "$B/select_harness" || exit 1
-  grep -E "registers|spill" "$OUT/ptxas_select.log" | sort | uniq -c
+  nvcc $flags -c tests/cuda/$HSRC.cu -o "$B/$HSRC.o" || exit 1
+  wait $p1 || { echo "$KSRC.cu build failed"; tail -20 "$OUT/ptxas_$MODE.log"; exit 1; }
+  nvcc $flags "$B/$KSRC.o" "$B/$HSRC.o" -o "$B/$HSRC" || exit 1
+  grep -E "registers|spill" "$OUT/ptxas_$MODE.log" | sort | uniq -c
   date -u
-  echo "=== select harness correctness"
-  timeout 120 "$B/select_harness" --no-bench >"$OUT/select_tests.log" 2>&1
-  echo "rc=$? PASS $(grep -c '^PASS' "$OUT/select_tests.log")"
-  grep -E "^FAIL|failure|error" "$OUT/select_tests.log" | cut -c1-400 | tail -12
+  echo "=== $MODE harness correctness"
+  timeout 120 "$B/$HSRC" --no-bench >"$OUT/${MODE}_tests.log" 2>&1
+  echo "rc=$? PASS $(grep -c '^PASS' "$OUT/${MODE}_tests.log")"
+  grep -E "^FAIL|failure|error" "$OUT/${MODE}_tests.log" | cut -c1-400 | tail -12
   date -u
-  echo "=== select harness timings"
-  timeout 120 "$B/select_harness" --bench-only ${SELECT_BENCH_ARGS:-} >"$OUT/select_bench.log" 2>&1
-  echo "rc=$?"; grep -E "TABLE|error" "$OUT/select_bench.log"
+  echo "=== $MODE harness timings"
+  timeout 120 "$B/$HSRC" --bench-only ${HARNESS_ARGS:-} >"$OUT/${MODE}_bench.log" 2>&1
+  echo "rc=$?"; grep -E "TABLE|error" "$OUT/${MODE}_bench.log"; [ $MODE = grouped ] && cat "$OUT/${MODE}_bench.log"
   date -u
   if [ "${PYTEST:-1}" = 1 ]; then
     wait $CMAKE_PID; grep -E "CUDA module built|rror" "$OUT/cmake.log" | head -5
-    echo "=== pytest tests/cuda/test_gpu.py -k select_blocks"
-    PYTHONPATH=$ROOT timeout 150 python3 -m pytest -q tests/cuda/test_gpu.py -k select_blocks \
-      -p no:cacheprovider 2>&1 | tee "$OUT/pytest_select.log" | tail -15
+    echo "=== pytest tests/cuda/test_gpu.py -k $PYK"
+    PYTHONPATH=$ROOT timeout 150 python3 -m pytest -q tests/cuda/test_gpu.py -k $PYK \
+      -p no:cacheprovider 2>&1 | tee "$OUT/pytest_$MODE.log" | tail -15
     date -u
   fi
   if [ "${SANITIZE:-1}" = 1 ]; then
-    echo "=== compute-sanitizer memcheck: select harness --no-bench"
+    echo "=== compute-sanitizer memcheck: $MODE harness --no-bench"
     timeout ${MEM_S:-100} compute-sanitizer --tool memcheck --error-exitcode 9 \
-      "$B/select_harness" --no-bench >"$OUT/sanitize_select.log" 2>&1
-    echo "rc=$?"; grep -E "ERROR SUMMARY|^FAIL|failure" "$OUT/sanitize_select.log" | tail -3
-    grep -m 2 -A 8 -E "^========= (Invalid|Error)" "$OUT/sanitize_select.log"
+      "$B/$HSRC" --no-bench >"$OUT/sanitize_$MODE.log" 2>&1
+    echo "rc=$?"; grep -E "ERROR SUMMARY|^FAIL|failure" "$OUT/sanitize_$MODE.log" | tail -3
+    grep -m 2 -A 8 -E "^========= (Invalid|Error)" "$OUT/sanitize_$MODE.log"
   fi
   date -u
+  if [ -n "${M3_AFTER:-}" ]; then  # then the M3 example at real size with these arguments
+    echo "=== python -m examples.minimax_m3.bench $M3_AFTER"
+    PYTHONPATH=$ROOT timeout ${M3_S:-300} python3 -m examples.minimax_m3.bench $M3_AFTER 2>&1 |
+      grep -vE "^[WI][0-9]{4} " | tee "$OUT/m3_bench.log" | tail -${M3_TAIL:-80}
+    date -u
+  fi
   exit 0
 fi
 

@@ -94,9 +94,9 @@ class ModelConfig:
                              f"({self.num_key_value_heads}): jax_m3sparse's attention takes one "
                              f"block selection per KV head (M3 has 4 and 4)")
         if self.moe_impl not in ("auto", "dense", "dense_batched", "gather", "ragged",
-                                 "tokamax"):                                # moe.IMPLS
+                                 "grouped", "tokamax"):                     # moe.IMPLS
             raise ValueError(f"moe_impl {self.moe_impl!r}: 'auto', 'dense', 'dense_batched', "
-                             f"'gather', 'ragged' or 'tokamax'")
+                             f"'gather', 'ragged', 'grouped' or 'tokamax'")
         if self.index_cache_dtype not in ("bfloat16", "float8_e4m3fn"):
             raise ValueError(f"index_cache_dtype {self.index_cache_dtype!r}: 'bfloat16' or "
                              f"'float8_e4m3fn' (what jax_m3sparse.select_blocks reads)")

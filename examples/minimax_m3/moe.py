@@ -20,6 +20,9 @@ The routed experts have these formulations, chosen by ``cfg.moe_impl`` (:func:`r
   group sizes are data), two ``jax.lax.ragged_dot_general`` calls, the rows weighted and summed
   back per token. Reads only the experts the batch routes to, and computes only routed FLOPs,
   wherever the backend's ``ragged_dot`` is a grouped GEMM;
+* ``"grouped"``: the same sorted rows through :func:`jax_m3sparse.grouped_matmul` (on CUDA our
+  grouped GEMM kernel, which reads each routed expert's weights once and skips the others;
+  elsewhere XLA's ``ragged_dot``). bf16 weights;
 * ``"tokamax"``: the same sorted rows through ``tokamax.ragged_dot_general`` (Pallas Mosaic GPU
   / Triton kernels; optional, imported only when asked for);
 * ``"auto"``: one of those per backend and load (:data:`AUTO`, from measurements).
@@ -37,6 +40,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+import jax_m3sparse
 
 from .layers import linear
 from .parallel import AXIS, leaf_spec
@@ -69,7 +74,7 @@ def route(p, x, cfg):
     return weights / jnp.sum(weights, axis=-1, keepdims=True), experts
 
 
-IMPLS = ("auto", "dense", "dense_batched", "gather", "ragged", "tokamax")
+IMPLS = ("auto", "dense", "dense_batched", "gather", "ragged", "grouped", "tokamax")
 
 # "auto": per backend, the formulation for a call whose load is T·k / E (routed pairs per
 # expert): (largest load or None, impl) pairs, first match wins ("tokamax" skipped where it
@@ -93,24 +98,33 @@ def tokamax_available() -> bool:
     return True
 
 
-def resolve_impl(impl: str, load: float, backend: str | None = None) -> str:
+def resolve_impl(impl: str, load: float, backend: str | None = None,
+                 weight_dtype=jnp.bfloat16) -> str:
     """The formulation ``impl`` names for a call of ``load = T·k / E`` routed (token, expert)
     pairs per expert on ``backend`` (default: JAX's): ``impl`` itself, or for "auto" the first
     :data:`AUTO` entry whose bound admits ``load`` ("tokamax" entries are skipped when it does
-    not import).
+    not import, "grouped" ones when the weights are not bfloat16).
 
     Raises:
-      ValueError: an unknown ``impl``.
+      ValueError: an unknown ``impl``; "grouped" asked for with weights not in bfloat16.
     """
     if impl not in IMPLS:
         raise ValueError(f"moe_impl {impl!r}: one of {IMPLS}")
+    bf16 = jnp.dtype(weight_dtype) == jnp.bfloat16
+    if impl == "grouped" and not bf16:
+        raise ValueError(f"moe_impl 'grouped' (jax_m3sparse.grouped_matmul) takes bfloat16 "
+                         f"expert weights, got {jnp.dtype(weight_dtype)}: use --dtype bfloat16 "
+                         f"or moe_impl 'ragged' / 'dense'")
     if impl != "auto":
         return impl
     backend = backend or jax.default_backend()
     for bound, choice in AUTO.get(backend, AUTO["gpu"] if backend in ("cuda", "rocm") else
                                   AUTO["cpu"]):
-        if (bound is None or load <= bound) and (choice != "tokamax" or tokamax_available()):
-            return choice
+        if not (bound is None or load <= bound):
+            continue
+        if (choice == "tokamax" and not tokamax_available()) or (choice == "grouped" and not bf16):
+            continue
+        return choice
     return "dense"
 
 
@@ -126,7 +140,8 @@ def experts(p, x, weights, chosen, cfg, impl: str | None = None):
       ValueError: unknown impl; ImportError: "tokamax" asked for and not importable.
     """
     load = chosen.shape[0] * chosen.shape[1] / p["gate_up_proj"].shape[0]   # T·k / E
-    impl = resolve_impl(impl or getattr(cfg, "moe_impl", "auto"), load)
+    impl = resolve_impl(impl or getattr(cfg, "moe_impl", "auto"), load,
+                        weight_dtype=p["gate_up_proj"].dtype)
     if impl == "dense":
         return experts_dense(p, x, weights, chosen, cfg)
     if impl == "dense_batched":
@@ -190,6 +205,8 @@ _OUT_IN = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), (
 
 def _grouped_dot(impl: str):
     """``dot(lhs [M, in], rhs [G, out, in], group_sizes [G]) -> fp32 [M, out]``."""
+    if impl == "grouped":
+        return jax_m3sparse.grouped_matmul
     if impl == "ragged":
         general = jax.lax.ragged_dot_general
     elif impl == "tokamax":

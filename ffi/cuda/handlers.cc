@@ -207,6 +207,31 @@ ffi::Error SelectBlocks(cudaStream_t stream, ffi::AnyBuffer idx_q, ffi::AnyBuffe
   return cuda_error(launch_select_blocks(p, stream), "select_blocks launch");
 }
 
+ffi::Error GroupedMatmul(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
+                         ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::S32> group_sizes,
+                         ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  auto ld = lhs.dimensions(), rd = rhs.dimensions(), gd = group_sizes.dimensions();
+  if (ld.size() != 2 || rd.size() != 3 || gd.size() != 1 || gd[0] != rd[0] || rd[2] != ld[1])
+    return invalid("grouped_matmul: lhs [M, K], rhs [G, N, K], group_sizes [G]");
+  auto od = out->dimensions();
+  if (od.size() != 2 || od[0] != ld[0] || od[1] != rd[1])
+    return invalid("grouped_matmul: out must be [M, N]");
+  const char* why = grouped_matmul_unsupported(ld[1]);
+  if (why[0] != '\0') return invalid(why);
+  if (rd[0] > 65534) return invalid("grouped_matmul: G must be below 65535");
+  GroupedMatmulParams p = {};
+  p.lhs = reinterpret_cast<const __nv_bfloat16*>(lhs.typed_data());
+  p.rhs = reinterpret_cast<const __nv_bfloat16*>(rhs.typed_data());
+  p.group_sizes = group_sizes.typed_data();
+  p.out = out->typed_data();
+  p.m = ld[0];
+  p.n = rd[1];
+  p.k = ld[1];
+  p.num_groups = int32_t(rd[0]);
+  if (p.n == 0) return ffi::Error::Success();
+  return cuda_error(launch_grouped_matmul(p, stream), "grouped_matmul launch");
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace m3sparse
@@ -283,4 +308,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_select_blocks_cuda, m3sparse::cuda::Selec
                                   .Ret<xffi::Buffer<xffi::S32>>()       // topk_indices
                                   .Attr<int64_t>("topk_blocks")
                                   .Attr<int64_t>("local_blocks"),
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_grouped_matmul_cuda, m3sparse::cuda::GroupedMatmul,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::Buffer<xffi::BF16>>()      // lhs
+                                  .Arg<xffi::Buffer<xffi::BF16>>()      // rhs
+                                  .Arg<xffi::Buffer<xffi::S32>>()       // group_sizes
+                                  .Ret<xffi::Buffer<xffi::F32>>(),      // out
                               {xffi::Traits::kCmdBufferCompatible});

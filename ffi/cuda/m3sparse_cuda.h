@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "m3sparse/cache.h"
@@ -95,6 +96,24 @@ const char* select_unsupported(int64_t head_dim, int64_t block_size, int64_t max
 
 // Launches select_blocks (asynchronously on `stream`); returns the launch's error code.
 cudaError_t launch_select_blocks(const SelectParams& p, cudaStream_t stream);
+
+// grouped_matmul (SPEC §9; ffi/cuda/grouped_matmul.cu): out[M, N] fp32 = lhs[M, K] · rhs[g]ᵀ per
+// group of consecutive rows. bf16 operands.
+struct GroupedMatmulParams {
+  const __nv_bfloat16* lhs;       // [M, K]
+  const __nv_bfloat16* rhs;       // [G, N, K]
+  const int32_t* group_sizes;     // [G] (negative counts as 0; rows past M are dropped)
+  float* out;                     // [M, N]
+  int64_t m, n, k;
+  int32_t num_groups;             // G
+  int32_t block_m;                // rows per tile: 16 or 128; 0 chosen from M / G (the same bits)
+};
+
+// "" or one sentence naming the unmet requirement (K % 8 == 0).
+const char* grouped_matmul_unsupported(int64_t k);
+// The tile height a launch of p takes (16 or 128).
+int grouped_matmul_block_m(const GroupedMatmulParams& p);
+cudaError_t launch_grouped_matmul(const GroupedMatmulParams& p, cudaStream_t stream);
 
 // One sentence naming every unmet requirement of the attention kernels, or "" when supported.
 // Mirrors jax_m3sparse.spec.unsupported_reason(..., platform="cuda").

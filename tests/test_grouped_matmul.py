@@ -1,0 +1,114 @@
+"""grouped_matmul (SPEC §9) through the public API on the CPU (its reference lowering, XLA's
+ragged_dot) against a float64 NumPy loop over the groups written here; the size rules for
+data-dependent group_sizes; trace-time errors; jit, vmap and the CUDA lowering's custom call.
+The CUDA kernel itself: tests/cuda/test_gpu.py and tests/cuda/grouped_harness.cu."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_m3sparse as m3
+
+
+def oracle(lhs, rhs, sizes):
+    """float64 per group; negative sizes count 0, rows past M dropped, uncovered rows 0."""
+    a = np.asarray(lhs, np.float64)
+    w = np.asarray(rhs, np.float64)
+    out = np.zeros((a.shape[0], w.shape[1]))
+    start = 0
+    for g, s in enumerate(np.asarray(sizes)):
+        end = min(start + max(int(s), 0), a.shape[0])
+        out[start:end] = a[start:end] @ w[g].T
+        start = end
+    return out
+
+
+def operands(rng, M, K, G, N):
+    lhs = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.normal(size=(G, N, K)), jnp.bfloat16)
+    return lhs, rhs
+
+
+@pytest.mark.parametrize("sizes", [
+    [3, 0, 5, 2],        # covers M exactly, one empty group
+    [4, 4, 0, 0],        # rows after the last group: 0
+    [2, -3, 20, 1],      # a negative size counts 0; rows past M dropped
+    [0, 0, 0, 0],        # nothing covered
+])
+def test_matches_oracle(rng, sizes):
+    lhs, rhs, = operands(rng, 10, 24, 4, 16)
+    got = np.asarray(jax.jit(m3.grouped_matmul)(lhs, rhs, jnp.asarray(sizes, jnp.int32)))
+    want = oracle(lhs, rhs, sizes)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert not np.any(got[np.all(want == 0, axis=1)])   # uncovered rows are exact zeros
+
+
+def test_reference_module_agrees(rng):
+    lhs, rhs = operands(rng, 12, 16, 3, 8)
+    sizes = jnp.asarray([5, 0, 7], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(m3.reference.grouped_matmul(lhs, rhs, sizes)),
+                                  np.asarray(m3.grouped_matmul(lhs, rhs, sizes)))
+
+
+def test_moe_rows_sorted_by_expert(rng):
+    """The use it is made for: (token, expert) pairs sorted by expert, one call per
+    projection, equal to each token's experts applied one by one."""
+    T, k, E, H, I = 6, 2, 5, 16, 8
+    x = rng.normal(size=(T, H)).astype(np.float32)
+    w = jnp.asarray(rng.normal(size=(E, I, H)), jnp.bfloat16)
+    chosen = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    order = np.argsort(chosen.reshape(-1), kind="stable")
+    sizes = np.bincount(chosen.reshape(-1), minlength=E).astype(np.int32)
+    rows = jnp.asarray(x[order // k], jnp.bfloat16)
+    got = np.asarray(m3.grouped_matmul(rows, w, jnp.asarray(sizes)))
+    xb = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+    for i, pair in enumerate(order):
+        t, e = divmod(int(pair), k)
+        np.testing.assert_allclose(got[i], xb[t] @ np.asarray(w[chosen[t, e]], np.float64).T,
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_vmap(rng):
+    lhs, rhs = operands(rng, 8, 16, 2, 8)
+    sizes = jnp.asarray([[3, 5], [8, 0], [0, 2]], jnp.int32)
+    got = jax.vmap(m3.grouped_matmul, in_axes=(None, None, 0))(lhs, rhs, sizes)
+    for b in range(3):
+        np.testing.assert_allclose(np.asarray(got[b]), oracle(lhs, rhs, sizes[b]),
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_cuda_lowering_is_the_custom_call(rng):
+    """A program lowered for CUDA on this machine calls our kernel (it is exported from
+    build boxes without the GPU)."""
+    lhs, rhs = operands(rng, 8, 16, 2, 8)
+    sizes = jnp.asarray([3, 5], jnp.int32)
+    exp = jax.export.export(jax.jit(m3.grouped_matmul), platforms=["cuda"],
+                            disabled_checks=m3.export_disabled_checks())(lhs, rhs, sizes)
+    assert "m3sparse_grouped_matmul_cuda" in exp.mlir_module()
+    with pytest.raises(ValueError, match=r"K \(lhs.shape\[1\]\) % 8 == 0"):
+        jax.jit(m3.grouped_matmul).trace(*operands(rng, 8, 12, 2, 8), sizes).lower(
+            lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("args, error, match", [
+    (((8, 16), (2, 8, 12), (2,)), ValueError, "rhs: last dim"),
+    (((8, 16), (3, 8, 16), (2,)), ValueError, "group_sizes: length"),
+    (((8, 16, 1), (2, 8, 16), (2,)), ValueError, "lhs must have rank 2"),
+    (((8, 16), (8, 16), (2,)), ValueError, "rhs must have rank 3"),
+])
+def test_shape_errors(args, error, match):
+    (ls, rs, gs) = args
+    with pytest.raises(error, match=match):
+        m3.grouped_matmul(jnp.zeros(ls, jnp.bfloat16), jnp.zeros(rs, jnp.bfloat16),
+                          jnp.zeros(gs, jnp.int32))
+
+
+def test_dtype_errors():
+    with pytest.raises((TypeError, ValueError), match="lhs"):
+        m3.grouped_matmul(jnp.zeros((8, 16)), jnp.zeros((2, 8, 16), jnp.bfloat16),
+                          jnp.zeros(2, jnp.int32))
+    with pytest.raises((TypeError, ValueError), match="group_sizes"):
+        m3.grouped_matmul(jnp.zeros((8, 16), jnp.bfloat16), jnp.zeros((2, 8, 16), jnp.bfloat16),
+                          jnp.zeros(2, jnp.float32))
