@@ -104,8 +104,10 @@ def test_ragged_in_scan_and_tensor_parallel(rng):
 
 def test_resolve_impl():
     assert moe.resolve_impl("auto", 0.25, "cpu") == "dense"
-    assert moe.resolve_impl("auto", 0.25, "cuda") == "gather"     # T·k <= E: routed experts only
-    assert moe.resolve_impl("auto", 4.0, "cuda") == "dense"
+    assert moe.resolve_impl("auto", 0.25, "cuda") == "grouped"    # the routed experts only
+    assert moe.resolve_impl("auto", 64.0, "cuda") == "grouped"
+    assert moe.resolve_impl("auto", 0.25, "cuda", jnp.float32) == "gather"   # not bf16
+    assert moe.resolve_impl("auto", 4.0, "cuda", jnp.float32) == "dense"
     assert moe.resolve_impl("ragged", 8, "cpu") == "ragged"
     assert moe.resolve_impl("grouped", 8, "cpu") == "grouped"
     with pytest.raises(ValueError, match="moe_impl"):

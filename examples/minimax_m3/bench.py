@@ -54,8 +54,8 @@ def parse_args(argv=None):
                     help="device memory kept for activations and workspace when fitting layers")
     ap.add_argument("--moe-impl", default="auto", help="the step's moe_impl (moe.IMPLS)")
     ap.add_argument("--moe-impls", default=None,
-                    help="formulations timed as parts (default: dense,ragged and tokamax if it "
-                         "imports)")
+                    help="formulations timed as parts (default: --moe-impl's, dense, and "
+                         "tokamax if it imports)")
     ap.add_argument("--batch", default="1,4,8,32,64,128", help="decode batch sizes")
     ap.add_argument("--context", default="2048,16384", help="decode context lengths")
     ap.add_argument("--prefill", type=int, default=2048, help="prefill chunk (0: none)")
@@ -104,7 +104,7 @@ def main(argv=None) -> dict:
 def _impls_requested(args) -> list[str]:
     if args.moe_impls:
         return args.moe_impls.split(",")
-    out = ["dense", "ragged"]
+    out = list(dict.fromkeys([args.moe_impl, "dense"]))   # the step's own, then dense dispatch
     _stub_xprof()
     try:
         import tokamax  # noqa: F401, PLC0415
@@ -672,7 +672,10 @@ class Parts:
             flops = 2 * T * (k * 3 * I * H + 3 * cfg.shared_intermediate_size * H + E * H)
             expected = E * (1 - (1 - k / E) ** T)
             return self.timed(f"moe ({impl})", fn, (x, self.seg(i)["mlp"]), n, nbytes, flops,
-                              resolved=moe.resolve_impl(impl, T * k / E), routed_experts=routed,
+                              resolved=moe.resolve_impl(impl, T * k / E,
+                                                        weight_dtype=self.seg(i)["mlp"][
+                                                            "experts"]["gate_up_proj"].dtype),
+                              routed_experts=routed,
                               expected_routed_experts=expected)
         D = cfg.dense_intermediate_size
         return self.timed("dense MLP", fn, (x, self.seg(i)["mlp"]), n, 3 * D * H * 2,
@@ -763,10 +766,12 @@ def format_row(row) -> str:
     lines = [head]
     for p in row.get("parts", []):
         if "error" in p:
-            lines.append(f"  {p['part']:<22} failed: {p['error']}")
+            lines.append(f"  {p['part']:<26} failed: {p['error']}")
             continue
         k = p.get("kernel_us_per_layer")
-        lines.append(f"  {p['part']:<22} {p['us_per_layer']:10.1f} µs/layer"
+        name = p["part"] + (f" = {p['resolved']}" if p.get("resolved") not in (None, p["part"][5:-1])
+                            else "")
+        lines.append(f"  {name:<26} {p['us_per_layer']:10.1f} µs/layer"
                      + (f" (kernels {k:.1f})" if k else "")
                      + f"   floor {p['floor_us']:8.1f} µs ({p['floor_by']})"
                      + (f"   {p['routed_experts']} experts routed"

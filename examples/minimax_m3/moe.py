@@ -25,7 +25,8 @@ The routed experts have these formulations, chosen by ``cfg.moe_impl`` (:func:`r
   elsewhere XLA's ``ragged_dot``). bf16 weights;
 * ``"tokamax"``: the same sorted rows through ``tokamax.ragged_dot_general`` (Pallas Mosaic GPU
   / Triton kernels; optional, imported only when asked for);
-* ``"auto"``: one of those per backend and load (:data:`AUTO`, from measurements).
+* ``"auto"``: one of those per backend and load (:data:`AUTO`, from measurements): "grouped"
+  on GPUs, dense dispatch on CPUs.
 
 Tensor parallel (``parallel.py``): every MLP's intermediate axis ``I`` is split over the mesh
 axis "tp" (Megatron style; each device holds ``1/tp`` of every expert, never all of one
@@ -78,15 +79,15 @@ IMPLS = ("auto", "dense", "dense_batched", "gather", "ragged", "grouped", "tokam
 
 # "auto": per backend, the formulation for a call whose load is T·k / E (routed pairs per
 # expert): (largest load or None, impl) pairs, first match wins ("tokamax" skipped where it
-# does not import). CPU (Zen 3, jax 0.10.2): ragged_dot is a masked product over every group,
-# slower than dense dispatch at every size measured, and the small default model keeps dense.
-# GPU (one H200, jaxlib 0.11.2, one TP-8 rank of M3: E 128, k 4, H 6144, I 384; the real-size
-# bench, per layer inside a scan over 42 layers): dense dispatch takes 1.68-1.79 ms at every T
-# from 4 to 128 (the weights are 1.81 GB: 426 µs at the copy rate), dense_batched the same;
-# gather 266 µs at T = 4 (16 experts routed), 1.64 ms at T = 32, 1.87 ms at T = 128; XLA's
-# ragged_dot is a padded dense product (2.9 ms at T = 128).
+# does not import, "grouped" where the weights are not bf16). CPU (Zen 3, jax 0.10.2):
+# ragged_dot is a masked product over every group, slower than dense dispatch at every size
+# measured, and the small default model keeps dense. GPU (one H200, jaxlib 0.11.2, one TP-8
+# rank of M3: E 128, k 4, H 6144, I 384; the real-size bench, per layer inside a scan over 42
+# layers): "grouped" (jax_m3sparse.grouped_matmul) 184 µs at T = 4, 499 µs at T = 128, 1.74 ms
+# for a 2048-token prefill chunk; "gather" 266 µs, 1.88 ms, 9.46 ms; dense dispatch 1.67-1.77
+# ms at every decode T and 7.1 ms for the chunk (BENCHMARKS.md).
 AUTO = {"cpu": ((None, "dense"),),
-        "gpu": ((1.0, "gather"), (None, "dense"))}
+        "gpu": ((None, "grouped"), (1.0, "gather"), (None, "dense"))}
 
 
 def tokamax_available() -> bool:

@@ -106,13 +106,18 @@ struct GroupedMatmulParams {
   float* out;                     // [M, N]
   int64_t m, n, k;
   int32_t num_groups;             // G
-  int32_t block_m;                // rows per tile: 16 or 128; 0 chosen from M / G (the same bits)
+  int32_t block_m;                // rows per tile: 16 or 64 (0: chosen from M / G and K)
+  int32_t block_n;                // columns per tile with 16-row tiles: 32, 64 or 128 (0: chosen)
+};                                // every tile shape gives the same bits
+
+struct GroupedMatmulTile {
+  int block_m, block_n;
 };
 
 // "" or one sentence naming the unmet requirement (K % 8 == 0).
 const char* grouped_matmul_unsupported(int64_t k);
-// The tile height a launch of p takes (16 or 128).
-int grouped_matmul_block_m(const GroupedMatmulParams& p);
+// The tile a launch of p takes.
+GroupedMatmulTile grouped_matmul_tile(const GroupedMatmulParams& p);
 cudaError_t launch_grouped_matmul(const GroupedMatmulParams& p, cudaStream_t stream);
 
 // One sentence naming every unmet requirement of the attention kernels, or "" when supported.

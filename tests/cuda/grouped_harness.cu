@@ -86,20 +86,21 @@ struct Device {
     cudaFree(sizes);
     cudaFree(out);
   }
-  GroupedMatmulParams params(const Problem& p, int block_m) const {
+  GroupedMatmulParams params(const Problem& p, int block_m, int block_n = 0) const {
     GroupedMatmulParams q = {};
     q.lhs = static_cast<const __nv_bfloat16*>(lhs);
     q.rhs = static_cast<const __nv_bfloat16*>(rhs);
     q.group_sizes = static_cast<const int32_t*>(sizes);
     q.out = static_cast<float*>(out);
     q.m = p.M, q.n = p.N, q.k = p.K, q.num_groups = p.G, q.block_m = block_m;
+    q.block_n = block_n;
     return q;
   }
   // Runs with p.sizes; out pre-filled with NaN (every element must be written).
-  std::vector<float> run(const Problem& p, int block_m) {
+  std::vector<float> run(const Problem& p, int block_m, int block_n = 0) {
     CK(cudaMemcpy(sizes, p.sizes.data(), p.sizes.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemset(out, 0xFF, p.M * p.N * 4));
-    CK(launch_grouped_matmul(params(p, block_m), nullptr));
+    CK(launch_grouped_matmul(params(p, block_m, block_n), nullptr));
     CK(cudaDeviceSynchronize());
     std::vector<float> h(p.M * p.N);
     CK(cudaMemcpy(h.data(), out, h.size() * 4, cudaMemcpyDeviceToHost));
@@ -131,19 +132,22 @@ static void tests(std::mt19937& rng) {
       {37, 13, 24, 4, {10, 10, 0, 0}, "odd N; rows after the last group are 0"},
       {50, 200, 136, 4, {7, -4, 100, 9}, "a negative size; the running end past M"},
       {64, 136, 64, 3, {0, 0, 0}, "no row covered"},
-      {300, 264, 128, 3, {40, 250, 10}, "several 128-row tiles per group"},
+      {300, 264, 128, 3, {40, 250, 10}, "several 64-row tiles per group"},
       {1, 128, 64, 0, {}, "G = 0: every row uncovered"},
   };
   for (const Shape& s : shapes) {
     Problem p = random_problem(rng, s.M, s.N, s.K, s.G);
     p.sizes = s.sizes;
     Device d(p);
-    const auto a = d.run(p, 16), b = d.run(p, 128), c = d.run(p, 0);
-    check(std::string(s.what) + " (block_m 16)", p, a);
-    check(std::string(s.what) + " (block_m 128)", p, b);
-    report(memcmp(a.data(), b.data(), a.size() * 4) == 0 &&
-               memcmp(a.data(), c.data(), a.size() * 4) == 0,
-           std::string(s.what) + ": block_m 16, 128 and auto bit-identical");
+    const auto a = d.run(p, 16, 128);
+    check(std::string(s.what) + " (16 × 128 tiles)", p, a);
+    bool same = true;
+    for (auto [bm, bn] : {std::pair{16, 32}, {16, 64}, {64, 0}, {0, 0}}) {
+      const auto b = d.run(p, bm, bn);
+      same = same && memcmp(a.data(), b.data(), a.size() * 4) == 0;
+    }
+    report(same, std::string(s.what) + ": tiles 16×32, 16×64, 16×128, 64×128 and the "
+                 "launch's choice bit-identical");
   }
   {  // one TP-8 rank's gate_up shape, 64 tokens routed to 4 of 128 experts; sampled rows
     Problem p = random_problem(rng, 256, 768, 6144, 128);
@@ -161,7 +165,7 @@ static void tests(std::mt19937& rng) {
     Problem p = random_problem(rng, 512, 384, 384, 16);
     for (int g = 0; g < 16; ++g) p.sizes[g] = 32;
     Device d(p);
-    const auto full = d.run(p, 0);  // M / G = 32: 128-row tiles
+    const auto full = d.run(p, 0);  // M / G = 32: 64-row tiles
     Problem alone = p;
     std::fill(alone.sizes.begin(), alone.sizes.end(), 0);
     alone.M = 3;  // rows 0..2 of the lhs as group 5 (the same rows as full's rows 160..162?)
@@ -170,7 +174,7 @@ static void tests(std::mt19937& rng) {
     Device da(alone);
     const auto a = da.run(alone, 0);  // M / G < 32: 16-row tiles
     report(memcmp(a.data(), full.data() + 160 * p.N, a.size() * 4) == 0,
-           "a group's rows alone (16-row tiles) == the same rows in a 512-row batch (128-row "
+           "a group's rows alone (16-row tiles) == the same rows in a 512-row batch (64-row "
            "tiles), bit for bit");
   }
 }
@@ -181,8 +185,8 @@ static void bench() {
   printf("\ndevice-to-device copy: %.2f TB/s (floor below: 4.25 TB/s, 790 TFLOP/s)\n", copy);
   printf("M3 routed experts at one TP-8 rank: E 128, k 4; gate_up N 768 K 6144, down N 6144 "
          "K 384. Tokens routed uniformly (4 distinct experts each); 8 routings cycled.\n");
-  printf("%-8s %6s %4s %10s %10s %10s %10s %7s %7s\n", "proj", "tokens", "U", "bm16 µs",
-         "bm128 µs", "auto µs", "floor µs", "xfloor", "GB/s");
+  printf("%-8s %6s %4s %9s %9s %9s %9s %9s %9s %6s %6s %5s\n", "proj", "tokens", "U", "16x32",
+         "16x64", "16x128", "64x128", "auto µs", "floor µs", "xfloor", "GB/s", "tile");
   std::mt19937 rng(99);
   const int E = 128, k = 4;
   struct Proj { const char* name; int64_t N, K; };
@@ -220,11 +224,12 @@ static void bench() {
         CK(cudaMalloc(&dsizes[v], E * 4));
         CK(cudaMemcpy(dsizes[v], routes[v].data(), E * 4, cudaMemcpyHostToDevice));
       }
-      double us[3];
-      const int bms[3] = {16, 128, 0};
-      for (int b = 0; b < 3; ++b) {
+      constexpr int kTiles = 5;
+      double us[kTiles];
+      const int bms[kTiles] = {16, 16, 16, 64, 0}, bns[kTiles] = {32, 64, 128, 0, 0};
+      for (int b = 0; b < kTiles; ++b) {
         us[b] = time_graph([&](int v, cudaStream_t s) {
-          GroupedMatmulParams gp = d.params(q, bms[b]);
+          GroupedMatmulParams gp = d.params(q, bms[b], bns[b]);
           gp.rhs = static_cast<const __nv_bfloat16*>(rhs);
           gp.group_sizes = dsizes[v];
           CK(launch_grouped_matmul(gp, s));
@@ -232,8 +237,11 @@ static void bench() {
       }
       const double bytes = touched * pr.N * pr.K * 2 + double(M) * pr.K * 2 + double(M) * pr.N * 4;
       const double floor_us = std::max(bytes / 4.25e12, 2.0 * M * pr.N * pr.K / 790e12) * 1e6;
-      printf("%-8s %6d %4.0f %10.1f %10.1f %10.1f %10.1f %7.2f %7.0f\n", pr.name, T, touched,
-             us[0], us[1], us[2], floor_us, us[2] / floor_us, bytes / (us[2] * 1e-6) / 1e9);
+      const GroupedMatmulTile tile = grouped_matmul_tile(d.params(q, 0));
+      const double best = us[kTiles - 1];
+      printf("%-8s %6d %4.0f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %6.2f %6.0f %dx%d\n",
+             pr.name, T, touched, us[0], us[1], us[2], us[3], best, floor_us,
+             best / floor_us, bytes / (best * 1e-6) / 1e9, tile.block_m, tile.block_n);
       for (auto* x : dsizes) CK(cudaFree(x));
     }
     CK(cudaFree(rhs));
