@@ -70,7 +70,7 @@ def _register_stand_ins(platform: str) -> None:
         cpu = importlib.import_module(_MODULES["cpu"][0])
     except ImportError:  # no CPU module either: said already; XLA's own error it is
         return
-    for op in OPS:
+    for op in ops_of(platform):
         jax.ffi.register_ffi_target(target_name(op, platform), cpu.missing_module_handler(platform),
                                     platform=_MODULES[platform][1])
 
@@ -154,6 +154,13 @@ def import_error(platform: str) -> str | None:
 
 OPS = ("pack_kv_pages", "query_token_positions", "sparse_decode", "sparse_prefill",
        "select_blocks", "grouped_matmul")
+# Ops with a kernel on some platforms only (the others lower them to the reference).
+_ONLY_ON = {"grouped_matmul": ("cuda",)}
+
+
+def ops_of(platform: str) -> tuple[str, ...]:
+    """The ops whose FFI target ``platform``'s module registers (docs/ffi_targets.md)."""
+    return tuple(op for op in OPS if platform in _ONLY_ON.get(op, (platform,)))
 
 
 def export_disabled_checks(platforms=("cpu", "rocm", "cuda")):
