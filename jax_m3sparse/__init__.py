@@ -14,6 +14,7 @@ Public API (SPEC.md sections in each docstring):
 * :func:`export_disabled_checks` for ``jax.export`` of functions that call these ops
 * :mod:`jax_m3sparse.sharding`: PartitionSpecs and KV-head replication for many devices
 * :func:`native_platforms`: which platforms run the compiled modules (the others the reference);
+  :func:`native_module`: a platform's module and why it did not load;
   :func:`cpu_attention_paths`: which CPU attention path (generic, avx2, avx512, amx) runs
 * :mod:`jax_m3sparse.reference`: pure-jnp versions of all of these.
 
@@ -21,7 +22,7 @@ The ops are inference-only: they have no derivative (SPEC §7).
 """
 
 from jax_m3sparse import reference, sharding
-from jax_m3sparse._ffi import cpu_attention_paths, export_disabled_checks, native_platforms
+from jax_m3sparse._ffi import cpu_attention_paths, export_disabled_checks, native_module, native_platforms
 from jax_m3sparse.faults import check_inputs
 from jax_m3sparse.metadata import SparseAttentionMetadata, build_attention_metadata
 from jax_m3sparse.nvfp4 import nvfp4_dequantize, nvfp4_quantize
@@ -39,7 +40,8 @@ __version__ = "0.1.0"
 __all__ = [
     "KVCacheSpec", "SparseAttentionMetadata", "allocate_kv_cache", "build_attention_metadata",
     "check_inputs", "cpu_attention_paths", "export_disabled_checks", "grouped_matmul",
-    "native_platforms", "nvfp4_dequantize", "nvfp4_quantize", "pack_kv_pages",
-    "query_token_positions", "reference", "select_blocks", "sharding", "sparse_attention", "sparse_decode", "sparse_prefill", "unpack_kv_pages",
+    "native_module", "native_platforms", "nvfp4_dequantize", "nvfp4_quantize", "pack_kv_pages",
+    "query_token_positions", "reference", "select_blocks", "sharding", "sparse_attention",
+    "sparse_decode", "sparse_prefill", "unpack_kv_pages",
     "unsupported_reason",
 ]

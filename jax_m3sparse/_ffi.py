@@ -119,6 +119,17 @@ def native_platforms() -> tuple[str, ...]:
     return tuple(p for p in _MODULES if registered_targets(p))
 
 
+def native_module(platform: str) -> tuple[str, str | None]:
+    """The compiled module of ``platform`` ("cpu", "rocm", "cuda"): (its import name, e.g.
+    ``"jax_m3sparse._m3sparse_cpu"``; why it did not load, or None if it is loaded). Loads it
+    if not tried yet. Raises ValueError for another platform name.
+    """
+    if platform not in _MODULES:
+        raise ValueError(f"unknown platform {platform!r}; expected one of {sorted(_MODULES)}")
+    loaded = bool(registered_targets(platform))
+    return _MODULES[platform][0], None if loaded else (import_error(platform) or "not built")
+
+
 def cpu_attention_paths() -> tuple[tuple[str, ...], str] | None:
     """The CPU module's attention paths (BUILD.md "CPU paths"): (every path this CPU supports,
     narrowest first, from "generic", "avx2", "avx512", "amx"; the one a call takes now — the

@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 
+# A worker run as a script in a fresh process (test_m3_loader.py): pytest's pythonpath does not reach it.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 from minimax_m3.config import DENSE_MLP, FULL, MOE, ModelConfig  # noqa: E402

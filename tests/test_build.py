@@ -31,3 +31,36 @@ def test_export_needs_only_the_core_dependencies():
     text = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     core = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M).group(1)
     assert re.search(r'"flatbuffers[<>=!~ ]', core), core
+
+
+def test_package_stands_alone():
+    """What the wheel ships imports nothing from the source checkout (tests/, ffi/, tools/,
+    benchmarks/), edits no sys.path, and only the bench loads the bench's loop module; the
+    bench reads the native modules through the public API."""
+    import ast
+    import pathlib
+    root = pathlib.Path(m3.__file__).parent
+    bad = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root.parent).as_posix()
+        text = path.read_text()
+        if "sys.path" in text:
+            bad.append(f"{rel}: sys.path")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):     # `from a import b` may import module a.b
+                here = rel[:-3].replace("/", ".").rsplit(".", node.level)[0] if node.level else ""
+                module = ".".join(p for p in (here, node.module) if p)
+                names = [module] + [f"{module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] in {"tests", "ffi", "tools", "benchmarks"}:
+                    bad.append(f"{rel}: imports {name}")
+                if "bench" in path.parts and name == "jax_m3sparse._ffi":
+                    bad.append(f"{rel}: imports the private {name}")
+        if "_m3sparse_cpu_bench" in text and "bench" not in path.parts:
+            bad.append(f"{rel}: loads the bench module")
+    assert not bad, bad
+    assert m3.native_module("cpu") == ("jax_m3sparse._m3sparse_cpu", None)

@@ -8,23 +8,20 @@ really skip blocks; sparse and full attention, MoE and dense MLPs interleaved). 
 from __future__ import annotations
 
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+from minimax_m3 import parallel, report, text
+from minimax_m3.checkpoint import load_params, save_checkpoint
+from minimax_m3.config import DENSE_MLP, FULL, MOE, SPARSE, ModelConfig, from_hf_config
+from minimax_m3.engine import Engine, EngineConfig, cosine, propose_drafts
+from minimax_m3.model import init_params, param_shapes
 
-from minimax_m3 import parallel, report, text  # noqa: E402
-from minimax_m3.checkpoint import load_params, save_checkpoint  # noqa: E402
-from minimax_m3.config import DENSE_MLP, FULL, MOE, SPARSE, ModelConfig, from_hf_config  # noqa: E402
-from minimax_m3.engine import Engine, EngineConfig, cosine, propose_drafts  # noqa: E402
-from minimax_m3.model import init_params, param_shapes  # noqa: E402
-
-import jax_m3sparse as m3  # noqa: E402
-from jax_m3sparse.select import select_blocks  # noqa: E402
+import jax_m3sparse as m3
+from jax_m3sparse.select import select_blocks
 
 CFG = ModelConfig(hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=1, index_n_heads=1, dense_intermediate_size=256,

@@ -4,19 +4,15 @@ and every MLP (dense, shared expert, each routed expert) split over the devices.
 
 import dataclasses
 import math
-import pathlib
 import re
-import sys
 
 import jax
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-
-import minimax_m3_generate  # noqa: E402
-from minimax_m3 import model, parallel  # noqa: E402
-from minimax_m3.engine import Engine, EngineConfig  # noqa: E402
+import minimax_m3_generate
+from minimax_m3 import model, parallel
+from minimax_m3.engine import Engine, EngineConfig
 
 TINY = ["--layers", "3", "--hidden", "128", "--intermediate", "64", "--experts", "4",
         "--max-new-tokens", "4", "--max-prompt-tokens", "200", "--no-compare"]

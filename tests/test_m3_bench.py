@@ -9,10 +9,9 @@ import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+from minimax_m3 import bench
 
-from minimax_m3 import bench  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_module_entry_point():

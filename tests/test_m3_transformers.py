@@ -17,16 +17,11 @@ fractions (≥ 99 %) and generation token for token.
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import jax
 import numpy as np
 import pytest
 
 pytest.importorskip("transformers.models.minimax_m3_vl")   # transformers >= 5.24
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
 import hf_fixtures as fixtures  # noqa: E402
 from minimax_m3 import compare, layers, model, parallel, sampling  # noqa: E402

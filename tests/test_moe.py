@@ -8,19 +8,15 @@ the tensor-parallel ``shard_map``; ``init_params`` on the device and its size ch
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import resource
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-
-from minimax_m3 import model, moe, parallel  # noqa: E402
-from minimax_m3.config import M3_TEXT, ModelConfig  # noqa: E402
+from minimax_m3 import model, moe, parallel
+from minimax_m3.config import M3_TEXT, ModelConfig
 
 CFG = ModelConfig()
 

@@ -15,13 +15,10 @@ import math
 import os
 import pathlib
 import re
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
 if not os.environ.get("CI"):   # CI must run these: a missing package fails there
     pytest.importorskip("gguf")

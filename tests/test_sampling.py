@@ -8,20 +8,17 @@ reproducibility (same seed: same tokens, alone or batched, with or without specu
 from __future__ import annotations
 
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-
-from minimax_m3 import sampling, text  # noqa: E402
-from minimax_m3.config import DENSE_MLP, FULL, MOE, SPARSE, ModelConfig  # noqa: E402
-from minimax_m3.engine import Engine, EngineConfig  # noqa: E402
-from minimax_m3.model import init_params  # noqa: E402
-from minimax_m3.sampling import SamplingParams  # noqa: E402
+from minimax_m3 import sampling, text
+from minimax_m3.config import DENSE_MLP, FULL, MOE, SPARSE, ModelConfig
+from minimax_m3.engine import Engine, EngineConfig
+from minimax_m3.model import init_params
+from minimax_m3.sampling import SamplingParams
 
 CFG = ModelConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=1, index_n_heads=1, dense_intermediate_size=256,

@@ -60,7 +60,7 @@ if [ "$MODE" = tp ]; then  # several GPUs: tensor parallel over KV heads
     cmake -S ffi -B "$B/cmake" -G Ninja -DM3SPARSE_ENABLE_CUDA=ON -DM3SPARSE_NATIVE=OFF \
       -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/cmake.log" 2>&1
     (cmake --build "$B/cmake" -j 24 --target _m3sparse_cpu >>"$OUT/cmake.log" 2>&1 &&
-      cp "$B"/cmake/_m3sparse_cpu*.so jax_m3sparse/ || echo "CPU module build failed") &
+      cp "$B"/cmake/_m3sparse_cpu.*.so jax_m3sparse/ || echo "CPU module build failed") &
     CPU_PID=$!
     cmake --build "$B/cmake" -j 24 --target _m3sparse_cuda >>"$OUT/cmake.log" 2>&1 &&
       cp "$B"/cmake/cuda/_m3sparse_cuda*.so jax_m3sparse/ ||
@@ -142,8 +142,8 @@ if [ "$MODE" = cpu ]; then  # the host CPU's attention paths (AVX-512 BF16, AMX)
   # run time either way)
   cmake -S ffi -B "$B/cpu" -G Ninja -DM3SPARSE_NATIVE=ON \
     -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/cmake_cpu.log" 2>&1 &&
-    cmake --build "$B/cpu" -j "$(nproc)" --target _m3sparse_cpu >>"$OUT/cmake_cpu.log" 2>&1 &&
-    cp "$B"/cpu/_m3sparse_cpu*.so jax_m3sparse/ ||
+    cmake --build "$B/cpu" -j "$(nproc)" --target _m3sparse_cpu _m3sparse_cpu_bench >>"$OUT/cmake_cpu.log" 2>&1 &&
+    cp "$B"/cpu/_m3sparse_cpu.*.so jax_m3sparse/ && cp "$B"/cpu/_m3sparse_cpu_bench.*.so jax_m3sparse/bench/ ||
     { echo "CPU module build failed"; tail -30 "$OUT/cmake_cpu.log"; exit 1; }
   lscpu | grep -E "Model name|^CPU\(s\)"
   grep -o -w -E "avx512f|avx512_bf16|amx_tile|amx_bf16" /proc/cpuinfo | sort | uniq -c
@@ -221,7 +221,7 @@ if [ "$MODE" = m3 ]; then  # the M3 example at real size: one TP-8 rank (example
   cmake -S ffi -B "$B/cmake" -G Ninja -DM3SPARSE_ENABLE_CUDA=ON -DM3SPARSE_NATIVE=OFF \
     -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/cmake.log" 2>&1 &&
     cmake --build "$B/cmake" -j 16 >>"$OUT/cmake.log" 2>&1 &&
-    cp "$B"/cmake/_m3sparse_cpu*.so "$B"/cmake/cuda/_m3sparse_cuda*.so jax_m3sparse/ ||
+    cp "$B"/cmake/_m3sparse_cpu.*.so "$B"/cmake/cuda/_m3sparse_cuda*.so jax_m3sparse/ ||
     { echo "module build failed"; tail -30 "$OUT/cmake.log"; exit 1; }
   date -u
   echo "=== python -m examples.minimax_m3.bench ${M3_ARGS:---quick}"
@@ -251,7 +251,7 @@ if [ "$MODE" = select ] || [ "$MODE" = grouped ]; then  # one op: harness, timin
       cmake --build "$B/cmake" -j 12 --target _m3sparse_cuda >>"$OUT/cmake.log" 2>&1 &&
       cp "$B"/cmake/cuda/_m3sparse_cuda*.so jax_m3sparse/ && echo "CUDA module built" >>"$OUT/cmake.log"
       cmake --build "$B/cmake" -j 4 --target _m3sparse_cpu >>"$OUT/cmake.log" 2>&1 &&
-      cp "$B"/cmake/_m3sparse_cpu*.so jax_m3sparse/) &
+      cp "$B"/cmake/_m3sparse_cpu.*.so jax_m3sparse/) &
     CMAKE_PID=$!
   fi
   flags="-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda -lineinfo"
@@ -300,7 +300,7 @@ if [ "$MODE" = harness ]; then  # harness only: correctness, then the timings
     (cmake -S ffi -B "$B/cmake" -G Ninja -DM3SPARSE_ENABLE_CUDA=ON -DM3SPARSE_NATIVE=OFF \
       -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/cmake.log" 2>&1 &&
       cmake --build "$B/cmake" -j 12 >>"$OUT/cmake.log" 2>&1 &&
-      cp "$B"/cmake/_m3sparse_cpu*.so "$B"/cmake/cuda/_m3sparse_cuda*.so jax_m3sparse/) &
+      cp "$B"/cmake/_m3sparse_cpu.*.so "$B"/cmake/cuda/_m3sparse_cuda*.so jax_m3sparse/) &
     CMAKE_PID=$!
   fi
   build_harness -lineinfo || exit 1
@@ -357,7 +357,7 @@ fi
   cmake -S ffi -B "$B/cmake" -G Ninja -DM3SPARSE_ENABLE_CUDA=ON -DM3SPARSE_NATIVE=OFF \
     -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/cmake.log" 2>&1 &&
     cmake --build "$B/cmake" -j 12 >>"$OUT/cmake.log" 2>&1 &&
-    cp "$B"/cmake/_m3sparse_cpu*.so "$B"/cmake/cuda/_m3sparse_cuda*.so jax_m3sparse/ &&
+    cp "$B"/cmake/_m3sparse_cpu.*.so "$B"/cmake/cuda/_m3sparse_cuda*.so jax_m3sparse/ &&
     echo "modules built" >>"$OUT/cmake.log"
 ) &
 CMAKE_PID=$!

@@ -25,7 +25,7 @@ SITE=$B/site
 rm -rf "$SITE" && mkdir -p "$SITE"
 cp -r jax_m3sparse "$SITE/"
 find "$SITE" \( -name '*.so' -o -name __pycache__ \) -prune -exec rm -rf {} +
-cp "$B"/_m3sparse_cpu*.so "$SITE/jax_m3sparse/"
+cp "$B"/_m3sparse_cpu.*.so "$SITE/jax_m3sparse/"
 
 # 3. Run from outside the repository root: python -S skips site-packages' .pth files (the
 #    editable install's import hook would bring back the normal module), so site-packages
@@ -53,8 +53,9 @@ LOG=$B/sanitize.log
 status=0
 pytest_logged() {
   # --capture=sys: pytest must not capture fd 2, where the sanitizers write (a process that
-  # dies would take a captured report along with it).
-  "$PY" -S -m pytest -q -p no:cacheprovider --capture=sys "$@" 2>&1 | tee -a "$LOG" || status=$?
+  # dies would take a captured report along with it). -o pythonpath=: the repository root
+  # (pyproject.toml's pythonpath) would put its unbuilt jax_m3sparse before $SITE's.
+  "$PY" -S -m pytest -q -p no:cacheprovider --capture=sys -o pythonpath= "$@" 2>&1 | tee -a "$LOG" || status=$?
 }
 if [ $# -eq 0 ]; then
   # The CI selection: the native implementation on small shapes (not the 2 GiB cache, not the

@@ -20,11 +20,6 @@ XLA_FFI_Error* m3sparse_missing_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_missing_rocm(XLA_FFI_CallFrame*);
 }
 
-namespace m3sparse {
-double peak_gflops(const std::string& kind, int threads);
-double kernel_gflops(const std::string& path, bool cached);
-}
-
 namespace {
 template <typename F>
 nb::capsule capsule(F* fn) {
@@ -63,9 +58,5 @@ NB_MODULE(_m3sparse_cpu, m) {
       throw nb::value_error(m3sparse::cpu_path_error().c_str());
     return nb::str(m3sparse::kCpuPathNames[int(path)]);
   });
-  m.def("peak_gflops", &m3sparse::peak_gflops,
-        "GFLOP/s of a register-resident multiply-add loop on `threads` threads (bench only).");
-  m.def("kernel_gflops", &m3sparse::kernel_gflops,
-        "GFLOP/s of one CPU path's per-block attention math on one thread (bench only).");
   m.attr("XLA_FFI_API_VERSION") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
 }

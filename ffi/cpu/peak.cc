@@ -1,6 +1,6 @@
 // Machine ceilings for the bench (`python -m jax_m3sparse.bench peak`): register-resident
 // multiply-add loops on every core, one per tile-math instruction the attention paths use.
-// Not used by any handler.
+// Built into the bench module _m3sparse_cpu_bench (ffi/bindings/cpu_bench_module.cc), not the ops'.
 #include <algorithm>
 #include <chrono>
 #include <random>

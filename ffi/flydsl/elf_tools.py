@@ -1,6 +1,6 @@
 """Small ELF64 helpers for the gfx950 export checks (no third-party ELF library needed).
 
-`export.py`, the tests in tests/rocm and `jax_m3sparse.bench.gfx950_static` use these to pull the
+`export.py`, tools/rocm, the tests in tests/rocm and `benchmarks/gfx950_static.py` use these to pull the
 gfx950 code object (symbol `<name>__kernels_binary`) and the JSON metadata (symbol
 `<name>__metadata`) out of the x86-64 object that FlyDSL's `export_to_c` writes, and to read the
 AMDGPU resource notes of the code object with `llvm-readelf-22 --notes`.

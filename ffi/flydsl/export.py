@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     os.environ["FLYDSL_GPU_ARCH"] = args.arch
     os.environ["ARCH"] = args.arch
     ensure_linker()
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE))     # the kernel modules import each other by plain name
     args.out.mkdir(parents=True, exist_ok=True)
     for name in names:
         meta = export_one(name, args.out, args.arch)

@@ -1,1 +1,1 @@
-"""Benchmarks: ``python -m jax_m3sparse.bench {pack,decode,prefill,gfx950-static}``."""
+"""Benchmarks: ``python -m jax_m3sparse.bench {peak,pack,decode,prefill,select,all}``."""

@@ -1,10 +1,12 @@
-"""``python -m jax_m3sparse.bench {peak,pack,decode,prefill,select,gfx950-static,gfx950-traffic,all} [--platform P] [--quick]``
+"""``python -m jax_m3sparse.bench {peak,pack,decode,prefill,select,all} [--platform P] [--quick]``
 
 Prints tables (speed is measured here, never in tests). ``peak`` measures the machine's
 ceilings (multiply-add loops per instruction set on the CPU, copy and read bandwidth); ``all``
-prints them first. ``--platform`` picks the JAX backend
-(cpu, cuda, rocm); ``gfx950-static`` needs no device (FlyDSL's AOT export, see BUILD.md);
-``gfx950-traffic`` counts the gfx950 kernels' memory traffic on the ISA emulator (a repository checkout).
+prints them first. ``--platform`` picks the JAX backend (cpu, cuda, rocm).
+
+The gfx950 kernels' static report and their memory traffic counted on the ISA emulator need the
+source checkout: ``python -m benchmarks.gfx950_static`` and ``python -m benchmarks.gfx950_traffic``
+from the repository root (see BUILD.md).
 """
 
 from __future__ import annotations
@@ -16,16 +18,10 @@ import sys
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m jax_m3sparse.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["peak", "pack", "decode", "prefill", "select", "gfx950-static", "gfx950-traffic", "all"])
+    parser.add_argument("what", choices=["peak", "pack", "decode", "prefill", "select", "all"])
     parser.add_argument("--platform", default=None, help="JAX platform (default: JAX's default)")
     parser.add_argument("--quick", action="store_true", help="smallest shapes only (a smoke run)")
-    args, rest = parser.parse_known_args(argv)
-    if args.what == "gfx950-static":
-        from jax_m3sparse.bench import gfx950_static  # noqa: PLC0415 (needs flydsl)
-        return gfx950_static.main(rest)
-    if args.what == "gfx950-traffic":
-        from jax_m3sparse.bench import gfx950_traffic  # noqa: PLC0415 (needs flydsl and the emulator)
-        return gfx950_traffic.main(rest + (["--quick"] if args.quick else []))
+    args = parser.parse_args(argv)
     print(timed_path(args.platform), flush=True)
     if args.platform == "cuda":
         # CUDA: per-call device time amortized over many calls in one jit (bench/cuda.py);
@@ -47,12 +43,12 @@ def timed_path(platform=None) -> str:
     """Which implementation "ours" is on ``platform``: the compiled module or the reference."""
     import jax  # noqa: PLC0415
 
-    from jax_m3sparse import _ffi  # noqa: PLC0415
+    import jax_m3sparse as m3  # noqa: PLC0415
     platform = platform or jax.default_backend()
     if platform == "gpu":
         platform = "rocm" if "rocm" in jax.devices()[0].client.platform_version.lower() else "cuda"
-    if platform in _ffi.native_platforms():
-        module = _ffi._MODULES[platform][0]
+    module, why = m3.native_module(platform)
+    if why is None:
         line = f"timed path on {platform}: native module {module} (FFI custom calls)"
         if platform == "cpu":
             from jax_m3sparse.bench import timing  # noqa: PLC0415
@@ -60,7 +56,6 @@ def timed_path(platform=None) -> str:
             line += (f"; CPU attention paths timed: {', '.join(paths)} "
                      f"(a call takes {paths[-1]}; M3SPARSE_CPU_ISA caps it)")
         return line
-    why = _ffi.import_error(platform) or "not built"
     return (f"timed path on {platform}: THE PURE-JAX REFERENCE, no native module ({why}); "
             "'ours' below is the reference, not the kernels")
 

@@ -127,11 +127,11 @@ PATH_LOOPS = {"generic": "fp32_fma_avx2", "avx2": "fp32_fma_avx2",
 def cpu_peaks():
     """{name: GFLOP/s} of the register-resident multiply-add loops in ffi/cpu/peak.cc on all
     cores, for the instructions this machine has."""
-    from jax_m3sparse import _m3sparse_cpu  # noqa: PLC0415
+    from jax_m3sparse.bench import _m3sparse_cpu_bench  # noqa: PLC0415
     threads = os.cpu_count() or 1
     out = {}
     for kind in ("fp32_fma_avx2", "fp32_fma_avx512", "bf16_dot_avx512", "bf16_amx"):
-        g = max(_m3sparse_cpu.peak_gflops(kind, threads) for _ in range(3))
+        g = max(_m3sparse_cpu_bench.peak_gflops(kind, threads) for _ in range(3))
         if g > 0:
             out[kind] = g
     return out
@@ -144,7 +144,7 @@ def bench_peak(device, quick=False):
     if device.platform == "cpu":
         for kind, g in cpu_peaks().items():
             print(f"{kind} | {g:8.1f} GFLOP/s")
-        from jax_m3sparse import _m3sparse_cpu  # noqa: PLC0415
+        from jax_m3sparse.bench import _m3sparse_cpu_bench  # noqa: PLC0415
         print("\nattention block math, one thread (no jit, no DRAM): each block's K/V tiles "
               "dequantized, then one tile dequantized once and folded in every time (the block "
               "math alone); % of the path's own multiply-add loop on one thread, measured just "
@@ -153,9 +153,9 @@ def bench_peak(device, quick=False):
               + "-" * 84)
         for path in cpu_paths(device):
             kind = PATH_LOOPS.get(path, "fp32_fma_avx2")
-            loop = _m3sparse_cpu.peak_gflops(kind, 1)
-            g = _m3sparse_cpu.kernel_gflops(path, False)
-            c = f"{_m3sparse_cpu.kernel_gflops(path, True):7.1f}"
+            loop = _m3sparse_cpu_bench.peak_gflops(kind, 1)
+            g = _m3sparse_cpu_bench.kernel_gflops(path, False)
+            c = f"{_m3sparse_cpu_bench.kernel_gflops(path, True):7.1f}"
             pct = f"{100 * g / loop:5.0f}%" if loop > 0 else "  n/a"
             print(f"{path} | {g:7.1f} | {kind} | {loop:7.1f} | {pct} | {c}")
         print()

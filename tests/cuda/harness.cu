@@ -935,9 +935,9 @@ static void bench_decode(std::mt19937& rng, const BenchDecode& b, double copy_tb
 }
 
 // Prefill of T tokens after ctx. Selections: independent uniform draws per token (correlated =
-// false: no two tokens need share a block), or the model of `python -m jax_m3sparse.bench
-// gfx950-traffic` (neighbouring tokens select mostly the same blocks, as an indexer's scores of
-// neighbouring queries do): block b of head g has relevance r_gb ~ N(0, 1); token t scores
+// false: no two tokens need share a block), or the model of `python -m benchmarks.gfx950_traffic`
+// (neighbouring tokens select mostly the same blocks, as an indexer's scores of neighbouring
+// queries do): block b of head g has relevance r_gb ~ N(0, 1); token t scores
 // r_gb + 0.35·n_tgb with n an AR(1) process along t (rho 0.95) and takes its local block and the
 // 15 best others.
 static void bench_prefill(std::mt19937& rng, int T, int ctx, double copy_tbs, bool correlated = false) {

@@ -4,17 +4,13 @@ SPEC §6) and the CPU backend (bit-exact pack)."""
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-import oracle  # noqa: E402
+import oracle  # noqa: E402  (tests/, on the path through tests/conftest.py)
 
 import jax_m3sparse as m3  # noqa: E402
 from jax_m3sparse import _ffi  # noqa: E402

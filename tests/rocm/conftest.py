@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from rocm_common import EXPORT, Exported, Kernel, toolchain_missing  # noqa: E402
+from tools.rocm.toolchain import EXPORT, Exported, Kernel, toolchain_missing
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Each fix of tests/rocm/emu_fixes.py against the instruction's documented CDNA4 behaviour.
+"""Each fix of tools/rocm/emu_fixes.py against the instruction's documented CDNA4 behaviour.
 
 Tiny programs, assembled by LLVM's own assembler (llvm-mc-22 for gfx950, an encoder independent of
 the emulator's decoder), load per-lane inputs, run the instruction under test once and store the
@@ -19,8 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import emu_fixes
-import emu_launch
+from tools.rocm import emu_fixes, emu_launch
 
 LLVM_MC = shutil.which("llvm-mc-22") or shutil.which("/usr/lib/llvm-22/bin/llvm-mc")
 pytestmark = pytest.mark.skipif(emu_launch.emulator_missing() is not None or LLVM_MC is None,

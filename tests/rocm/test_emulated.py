@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import emu_launch
 import jax_m3sparse as m3
 from attention_problems import decode_problem, prefill_problem
+from tools.rocm import emu_launch
 
 pytestmark = pytest.mark.skipif(emu_launch.emulator_missing() is not None,
                                 reason=emu_launch.emulator_missing() or "")
@@ -249,7 +249,7 @@ def test_union_prefill_reads_each_tile_union_once(gpu, rng, G):
     where a row of the wave stops short of the entry's staged keys (its own masked V pass); the
     per-token kernel on the same rows would read each token's valid slots (a larger sum here).
     Two requests share a tile."""
-    import emu_traffic
+    from tools.rocm import emu_traffic
     p = prefill_problem(rng, 1, G, (24, 9), (3000, 2100), pad=3, dtype=jnp.float16, extra_pages=1)
     Hkv, T, _ = p.topk.shape
     M, P = p.block_table.shape[1], p.cache.shape[0]
@@ -417,7 +417,7 @@ def test_select_blocks_reads_each_run_keys_once(gpu, rng):
     one request, its visible blocks with a valid page once (32 KiB each), whatever its rows and KV
     heads: MTP rows, a 66-row prefill chunk that crosses the score kernel's 64-row tile, a lone
     row; an invalid page is never read."""
-    import emu_traffic
+    from tools.rocm import emu_traffic
     q, keys, bt, req, pos = select_case(rng, jnp.bfloat16, jnp.bfloat16, [(3, 300), (66, 130), (1, 50)],
                                         P=10, M=4, hkv=2)
     bt[0, 1] = -1

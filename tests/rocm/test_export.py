@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from rocm_common import elf_tools
+from ffi.flydsl import elf_tools
 
 # Instructions each kernel family must contain (the reason is in each kernel's docstring).
 EXPECTED = {
@@ -204,7 +204,7 @@ def test_export_is_deterministic(exported, tmp_path):
     import subprocess
     import sys
 
-    from rocm_common import EXPORT
+    from tools.rocm.toolchain import EXPORT
 
     subprocess.run([sys.executable, str(EXPORT), "--arch", "gfx950", "--out", str(tmp_path),
                     "--only", "query_token_positions"], check=True, capture_output=True)

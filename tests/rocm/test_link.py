@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rocm_common import REPO
+from tools.rocm.toolchain import REPO
 
 ROCM_DIR = REPO / "ffi" / "rocm"
 HIP_HEADER_DIRS = [Path(os.environ.get("ROCM_PATH", "/opt/rocm")) / "include", Path("/opt/rocm/include"),

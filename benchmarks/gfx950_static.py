@@ -1,4 +1,4 @@
-"""``python -m jax_m3sparse.bench gfx950-static [--kernels DIR]``: static report of the gfx950 kernels.
+"""``python -m benchmarks.gfx950_static [--kernels DIR]`` (from the repository root): static report of the gfx950 kernels.
 
 No GPU needed. Compiles every FlyDSL kernel for gfx950 with ffi/flydsl/export.py (or reads the
 objects a previous export wrote to DIR), then prints, per GPU kernel (G = 16 and the G = 8 `_g8_`
@@ -7,7 +7,7 @@ scratch, spills, the occupancy bound in waves per SIMD, and counts of MFMA, buff
 conversion instructions in the disassembly (llvm-objdump-22 --mcpu=gfx950). Then the MI355X
 roofline floors (8 TB/s HBM, 2.5 PFLOP/s dense bf16/fp16) for MiniMax M3 decode and prefill.
 
-Needs a source checkout (ffi/flydsl/), `pip install flydsl==0.5.0 torch` and Debian's lld-22 and
+Needs the source checkout (ffi/flydsl/), `pip install flydsl==0.5.0 torch` and Debian's lld-22 and
 llvm-22 (see BUILD.md, "ROCm / gfx950").
 """
 
@@ -20,7 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-FLYDSL_DIR = Path(__file__).resolve().parents[2] / "ffi" / "flydsl"
+from ffi.flydsl import elf_tools
+
+FLYDSL_DIR = Path(__file__).resolve().parents[1] / "ffi" / "flydsl"
 
 # MI355X (gfx950) figures for the roofline floor.
 HBM_BYTES_PER_S = 8.0e12
@@ -44,15 +46,6 @@ COLUMNS = [
     ("ds_rd", r"ds_read\w*"),
     ("ds_wr", r"ds_write\w*"),
 ]
-
-
-def _elf_tools():
-    if not FLYDSL_DIR.is_dir():
-        raise SystemExit("gfx950-static needs a source checkout (ffi/flydsl/ was not found)")
-    sys.path.insert(0, str(FLYDSL_DIR))
-    import elf_tools  # noqa: PLC0415
-
-    return elf_tools
 
 
 def export(out: Path) -> list[str]:
@@ -83,7 +76,7 @@ def count(mnemonics: list[str], pattern: str) -> int:
     return sum(1 for m in mnemonics if rx.match(m))
 
 
-def kernel_rows(elf_tools, out: Path, names: list[str]):
+def kernel_rows(out: Path, names: list[str]):
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
@@ -137,23 +130,22 @@ def print_roofline(g: int = G) -> None:
     redundant = PREFILL_TOKENS * HKV * TOPK * N * TOKEN_BYTES * 2
     print(f"(prefill bytes = the context's distinct K/V; a per-token kernel reads each token's selection "
           f"separately, {redundant:,d} B = {redundant / HBM_BYTES_PER_S * 1e6:.0f} us at HBM rate; the union-tile "
-          "prefill reads each 16-token tile's union once: `python -m jax_m3sparse.bench gfx950-traffic`)")
+          "prefill reads each 16-token tile's union once: `python -m benchmarks.gfx950_traffic`)")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jax_m3sparse.bench gfx950-static", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gfx950_static", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", type=Path, help="folder written by ffi/flydsl/export.py (default: export now)")
     args = ap.parse_args(argv)
-    elf_tools = _elf_tools()
     if args.kernels:
         names = sorted(p.stem for p in args.kernels.glob("*.o"))
         out = args.kernels
-        rows = kernel_rows(elf_tools, out, names)
+        rows = kernel_rows(out, names)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             names = export(Path(tmp))
-            rows = kernel_rows(elf_tools, Path(tmp), names)
+            rows = kernel_rows(Path(tmp), names)
     print("gfx950 kernels (FlyDSL 0.5.0 AOT; fn = GPU kernel index in the module (pack launches K and V);"
           " waves/SIMD from VGPR+AGPR and LDS)")
     print_kernels(rows)

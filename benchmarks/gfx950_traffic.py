@@ -1,11 +1,11 @@
-"""``python -m jax_m3sparse.bench gfx950-traffic [--quick]``: what the gfx950 attention kernels read,
+"""``python -m benchmarks.gfx950_traffic [--quick]`` (from the repository root): what the gfx950 attention kernels read,
 counted on the ISA emulator, beside what the selections need, and an MI355X time model.
 
-Needs the repository checkout (ffi/flydsl, tests/rocm), FlyDSL, lld/llvm-22, clang and tinygrad's
-CDNA emulator (see tests/rocm/emu_launch.py): the kernels are exported exactly as the build
+Needs the repository checkout (ffi/flydsl, tools/rocm, tests/attention_problems.py), FlyDSL, lld/llvm-22, clang and tinygrad's
+CDNA emulator (see tools/rocm/emu_launch.py): the kernels are exported exactly as the build
 exports them and launched as ffi/rocm/handlers.cc launches them. **Nothing here ran on gfx950
 hardware**: bytes and MFMAs are counted per executed instruction on the emulator
-(tests/rocm/emu_traffic.py), and times are a model.
+(tools/rocm/emu_traffic.py), and times are a model.
 
 Selections. Neighbouring tokens of a request select mostly the same blocks (their queries are
 alike and a block's pooled index key is fixed). The model: block b of KV head g has a relevance
@@ -25,23 +25,24 @@ it assumes the grid fills the machine and hides latency (it does not model occup
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
+import jax_m3sparse as m3
+from ffi.flydsl import elf_tools
+from tests.attention_problems import build, decode_problem
+from tools.rocm import emu_launch, emu_traffic
+from tools.rocm.toolchain import EXPORT, toolchain_missing
+
 BLOCK_BYTES = 2 * 128 * 72                      # K + V of one (page, KV head): 18432
 HBM, MFMA_PEAK, LDS_BW = 8e12, 2.5e15, 256 * 128 * 2.4e9
-
-
-def _paths():
-    for sub in ("tests/rocm", "tests", "ffi/flydsl"):
-        path = str(REPO / sub)
-        if path not in sys.path:
-            sys.path.insert(0, path)
 
 
 # ---- selections ------------------------------------------------------------------------------
@@ -149,10 +150,7 @@ def adjacent_overlap(topk):
 
 def missing() -> str | None:
     """Why this bench cannot run here (before any work), or None."""
-    _paths()
-    from emu_launch import emulator_missing  # noqa: PLC0415
-    from rocm_common import toolchain_missing  # noqa: PLC0415
-    why = [w for w in (toolchain_missing(), emulator_missing()) if w]
+    why = [w for w in (toolchain_missing(), emu_launch.emulator_missing()) if w]
     return "; ".join(why) or None
 
 
@@ -160,18 +158,12 @@ class Kernels:
     """The exported kernels (exported once into a temporary folder) behind emu_launch.Handlers."""
 
     def __init__(self, names):
-        _paths()
-        import os  # noqa: PLC0415
-        import subprocess  # noqa: PLC0415
-
-        import elf_tools  # noqa: PLC0415
-        import emu_launch  # noqa: PLC0415
         self.out = Path(tempfile.mkdtemp(prefix="gfx950_traffic_"))
-        proc = subprocess.run([sys.executable, str(REPO / "ffi/flydsl/export.py"), "--arch", "gfx950", "--out",
+        proc = subprocess.run([sys.executable, str(EXPORT), "--arch", "gfx950", "--out",
                                str(self.out), "--only", *names], capture_output=True, text=True,
                               env={**os.environ, "FLYDSL_GPU_ARCH": "gfx950", "ARCH": "gfx950"})
         if proc.returncode:
-            raise SystemExit(f"gfx950-traffic: export.py failed:\n{proc.stdout}{proc.stderr[-4000:]}")
+            raise SystemExit(f"gfx950_traffic: export.py failed:\n{proc.stdout}{proc.stderr[-4000:]}")
         self.loaded = {}
 
         def modules(name):
@@ -184,7 +176,6 @@ class Kernels:
 
 
 def count(fn, regions):
-    import emu_traffic  # noqa: PLC0415
     t0 = time.perf_counter()
     with emu_traffic.counting(regions) as c:
         out = fn()
@@ -212,8 +203,6 @@ HEADER = ("| kernel | case | K/V read (MB) | ÷ tile unions | ÷ per-token sum |
 
 
 def prefill_case(rng, hkv, G, q_len, kv_len, sigma, rho, dtype):
-    import jax.numpy as jnp  # noqa: PLC0415
-    from attention_problems import build  # noqa: PLC0415
     req = np.zeros(q_len, np.int32)
     pos = np.arange(kv_len - q_len, kv_len, dtype=np.int32)
     p = build(rng, hkv, G, [kv_len], (req, pos), dtype=getattr(jnp, dtype), extra_pages=1)
@@ -222,7 +211,7 @@ def prefill_case(rng, hkv, G, q_len, kv_len, sigma, rho, dtype):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jax_m3sparse.bench gfx950-traffic", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gfx950_traffic", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one small prefill case (a smoke run)")
     ap.add_argument("--sigma", type=float, default=0.35)
@@ -230,12 +219,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     why = missing()
     if why:
-        raise SystemExit(f"gfx950-traffic needs the repository checkout, `pip install -e .[rocm]` (FlyDSL, CPU torch), "
+        raise SystemExit(f"gfx950_traffic needs the repository checkout, `pip install -e .[rocm]` (FlyDSL, CPU torch), "
                          f"Debian's lld-22 llvm-22 clang-22 and tinygrad's emulator (M3SPARSE_TINYGRAD): {why}")
-    import jax.numpy as jnp  # noqa: PLC0415
-    from attention_problems import decode_problem  # noqa: PLC0415
-
-    import jax_m3sparse as m3  # noqa: PLC0415
     scale = 1 / np.sqrt(128)
     names = ["sparse_prefill_f16", "sparse_prefill_g8_f16", "sparse_decode_bf16", "sparse_decode_g8_bf16",
              "sparse_decode_union_bf16"]
@@ -332,3 +317,7 @@ def full_size(rng, sigma, rho, lds_per_mfma, hkv=4, q_len=2048, kv_len=8192, G=1
     lines.append(f"Compute floor (the selections' MFMAs at 2.5 PFLOP/s): {floor:.0f} µs. Union kernel's LDS: "
                  f"{lds_per_mfma:.0f} bytes per MFMA (the emulated G = 16 cases' largest).")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,9 +1,10 @@
-"""Helpers of the gfx950 static checks (imported by conftest.py and the tests; a module name of its
-own, so it never collides with tests/conftest.py).
+"""The gfx950 export toolchain: whether FlyDSL's export can run here, and the exported kernels'
+code objects, disassembly and resources (tests/rocm's fixtures, benchmarks/gfx950_traffic.py).
 
-These tests run on a CPU-only machine (CI). They need `pip install flydsl==0.5.0 torch` (CPU
-torch) and Debian's `lld-22` and `llvm-22` (llvm-objdump-22, llvm-readelf-22); without them they
-skip with the reason. No test here touches a GPU (tests/rocm/test_device.py does, where one is).
+The static checks (tests/rocm) run on a CPU-only machine (CI). They need `pip install
+flydsl==0.5.0 torch` (CPU torch) and Debian's `lld-22` and `llvm-22` (llvm-objdump-22,
+llvm-readelf-22); without them they skip with the reason. None of them touches a GPU
+(tests/rocm/test_device.py does, where one is).
 """
 
 from __future__ import annotations
@@ -13,18 +14,15 @@ import json
 import os
 import re
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from ffi.flydsl import elf_tools  # no third-party imports
 
 REPO = Path(__file__).resolve().parents[2]
 FLYDSL_DIR = REPO / "ffi" / "flydsl"
 EXPORT = FLYDSL_DIR / "export.py"
-sys.path.insert(0, str(FLYDSL_DIR))
-
-import elf_tools  # noqa: E402  (ffi/flydsl/elf_tools.py: no third-party imports)
 
 
 def toolchain_missing() -> str | None:

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-import emu_launch
+from tools.rocm import emu_launch
 
 WAVE = 64
 EXEC_LO = 126

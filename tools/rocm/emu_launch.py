@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-import emu_fixes
+from tools.rocm import emu_fixes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,7 @@ def load_emulator():
         if why:
             raise RuntimeError(why)
         root = str(tinygrad_dir())
-        if root not in sys.path:
+        if root not in sys.path:     # a tinygrad checkout used in place, not an installed package
             sys.path.insert(0, root)
         # tinygrad's `test` package must win over the standard library's `test`
         if "test" in sys.modules and not getattr(sys.modules["test"], "__file__", "").startswith(root):
