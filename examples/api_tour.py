@@ -99,3 +99,17 @@ keys, values = m3.unpack_kv_pages(cache, jnp.array([5], jnp.int32), 1.0, 1.0, la
                                layout="LBHNC")
 print("page 5 dequantized:", keys.shape, "rel. error vs bf16 K:",
       float(jnp.linalg.norm(keys[0, 0] - k[:128, 0]) / jnp.linalg.norm(k[:128, 0].astype(jnp.float32))))
+
+# A mixture of experts' routed experts: (token, expert) pairs sorted by expert, one grouped
+# matmul per projection; each expert's weights are read once (on CUDA), unrouted ones never.
+E, TOPK, H, I = 8, 2, 64, 32
+x = jnp.asarray(rng.standard_normal((5, H)), jnp.bfloat16)
+chosen = np.array([[0, 3], [3, 5], [1, 0], [7, 3], [5, 6]], np.int32)       # [T, k] experts
+order = np.argsort(chosen.reshape(-1), kind="stable")
+sizes = jnp.asarray(np.bincount(chosen.reshape(-1), minlength=E), jnp.int32)
+w_up = jnp.asarray(rng.standard_normal((E, I, H)) * H ** -0.5, jnp.bfloat16)   # [E, out, in]
+up = m3.grouped_matmul(x[order // TOPK], w_up, sizes)                # float32 [T·k, I]
+print("grouped matmul", up.shape, "row 0 is token", order[0] // TOPK, "through expert",
+      chosen.reshape(-1)[order[0]], ":", bool(jnp.allclose(
+          up[0], x[order[0] // TOPK].astype(jnp.float32) @ w_up[0].astype(jnp.float32).T,
+          rtol=1e-5, atol=1e-4)))
