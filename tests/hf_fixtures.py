@@ -650,3 +650,129 @@ def hf_outputs(model: torch.nn.Module, input_ids, max_new_tokens: int = 16) -> d
         "top2_gap": {"prompt": gp, "prompt_min": float(gp.min()), "generated": gg, "generated_min": float(gg.min())},
     }
 
+
+
+# --------------------------------------------------------------------------- published formats
+# The quantized checkpoints serving stacks run (MXFP8, ModelOpt NVFP4 experts, Quark MXFP4),
+# written here from a model's upstream tensors with torch quantizers of their own, beside a
+# "twin" directory holding the exact dequantized values (the loader's oracle).
+E2M1_VALUES = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float32)
+PUBLISHED = {
+    "mxfp8": {"quant_method": "mxfp8", "activation_scheme": "dynamic",
+              "weight_block_size": [1, 32], "ignored_layers": ["lm_head"]},
+    "nvfp4": {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
+              "exclude_modules": ["lm_head"]},                  # + quantized_layers per tensor
+    "mxfp4": {"quant_method": "quark", "exclude": ["lm_head"],
+              "global_quant_config": {"weight": {"dtype": "fp4", "qscheme": "per_group",
+                                                 "group_size": 32, "scale_format": "e8m0"}}},
+}
+
+
+def _groups(w, g):
+    return w.float().reshape(*w.shape[:-1], w.shape[-1] // g, g)
+
+
+def _e8m0(amax, emax):
+    """OCP MX shared exponent code per group: floor(log2(amax)) - emax + 127 (amax 0 -> 2^-126)."""
+    e = torch.floor(torch.log2(amax.clamp(min=2.0 ** -126))) - emax
+    return (e + 127).clamp(0, 254).to(torch.uint8)
+
+
+def _e2m1(x):
+    """Nearest E2M1 code (bit 3 the sign) of each element of x (already divided by its scale)."""
+    idx = (x.abs().clamp(max=6.0)[..., None] - E2M1_VALUES).abs().argmin(-1)
+    return idx | ((x < 0).to(torch.int64) << 3)
+
+
+def _signed_e2m1(codes):
+    v = E2M1_VALUES[codes & 7]
+    return torch.where(codes >= 8, -v, v)
+
+
+def _pack(codes):
+    """codes [..., n] -> uint8 [..., n/2], element 2i in the low nibble."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+
+
+def quantize_mxfp8(w):
+    g = _groups(w, 32)
+    e = _e8m0(g.abs().amax(-1), 8)                          # E4M3's largest exponent: 8
+    scale = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.to(torch.int32) - 127)
+    q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    deq = (q.float() * scale[..., None]).reshape(w.shape)
+    return {"weight": q.reshape(w.shape), "weight_scale_inv": e}, deq
+
+
+def quantize_mxfp4(w):
+    g = _groups(w, 32)
+    e = _e8m0(g.abs().amax(-1), 2)                          # E2M1's largest exponent: 2
+    scale = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.to(torch.int32) - 127)
+    codes = _e2m1(g / scale[..., None])
+    deq = (_signed_e2m1(codes) * scale[..., None]).reshape(w.shape)
+    return {"weight": _pack(codes.reshape(w.shape)), "weight_scale": e}, deq
+
+
+def quantize_nvfp4(w, scale_2):
+    g = _groups(w, 16)
+    s = ((g.abs().amax(-1) / 6.0) / scale_2).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    step = s.float() * scale_2                               # the loader's product, same order
+    codes = _e2m1(torch.where(step[..., None] > 0, g / step[..., None], torch.zeros_like(g)))
+    deq = (_signed_e2m1(codes) * step[..., None]).reshape(w.shape)
+    return {"weight": _pack(codes.reshape(w.shape)), "weight_scale": s,
+            "weight_scale_2": torch.tensor(scale_2, dtype=torch.float32),
+            "input_scale": torch.tensor(1.0, dtype=torch.float32)}, deq
+
+
+def _published_kind(name: str, fmt: str, shape) -> str | None:
+    if not is_fp8_target(name, "upstream", shape):
+        return None
+    routed = re.search(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$", name)
+    if fmt == "mxfp8":
+        return "mxfp8"
+    if fmt == "nvfp4":
+        return "nvfp4" if routed else "mxfp8"
+    return "mxfp4" if routed or ".shared_experts." in name else None
+
+
+def save_published(model: MiniMaxM3VLForCausalLM, path: str, fmt: str, twin: str) -> None:
+    """``path``: ``model`` (upstream names, VL config) in published format ``fmt`` ("mxfp8",
+    "nvfp4": ModelOpt's MIXED_PRECISION, "mxfp4": Quark); ``twin``: the same names holding the
+    exact fp32 dequantized values, no quantization_config."""
+    tensors = upstream_state_dict(model)
+    stored, plain = {}, {}
+    # ModelOpt: w1 and w3 of one expert share weight_scale_2 (amax over both / (448 · 6))
+    pair_amax = {}
+    for k, v in tensors.items():
+        m = re.match(r"(.*\.experts\.\d+\.)w[13]\.weight$", k)
+        if m:
+            pair_amax[m.group(1)] = max(pair_amax.get(m.group(1), 0.0), float(v.abs().max()))
+    layers = {}
+    for k, v in tensors.items():
+        kind = _published_kind(k, fmt, v.shape)
+        if kind is None:
+            stored[k] = plain[k] = v
+            continue
+        if kind == "nvfp4":
+            m = re.match(r"(.*\.experts\.\d+\.)w[13]\.weight$", k)
+            amax = pair_amax[m.group(1)] if m else float(v.abs().max())
+            parts, deq = quantize_nvfp4(v, amax / (FP8_MAX * 6.0) or 1.0)
+            layers[k[:-len(".weight")]] = {"quant_algo": "NVFP4", "group_size": 16}
+        else:
+            parts, deq = (quantize_mxfp8 if kind == "mxfp8" else quantize_mxfp4)(v)
+            layers[k[:-len(".weight")]] = {"quant_algo": "MXFP8"}
+        base = k[:-len("weight")]
+        stored.update({base + suffix: t.contiguous() for suffix, t in parts.items()})
+        plain[k] = deq
+    write_safetensors_dir(stored, path)
+    write_safetensors_dir(plain, twin)
+    qc = copy.deepcopy(PUBLISHED[fmt])
+    if fmt == "nvfp4":
+        qc["quantized_layers"] = layers
+    for where, extra in ((path, {"quantization_config": qc}), (twin, {})):
+        _write_config(vl_config(model.config), where, False)
+        cp = os.path.join(where, "config.json")
+        with open(cp) as f:
+            c = json.load(f)
+        c.update(extra)
+        with open(cp, "w") as f:
+            json.dump(c, f, indent=2, sort_keys=True)

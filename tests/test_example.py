@@ -228,6 +228,49 @@ def test_hf_config_fields_and_errors():
         from_hf_config(dict(base, rope_parameters=dict(rope_type="yarn", rope_theta=1.0)))
 
 
+# The released M3 config.json's text model (MiniMaxAI/MiniMax-M3*: model_type minimax_m3_vl; no
+# layer_types, the pattern in sparse_attention_freq / moe_layer_freq, partial_rotary_factor at
+# the top level), as the public loaders (vLLM, SGLang) read it.
+RELEASED_TEXT = dict(
+    vocab_size=200064, hidden_size=6144, num_hidden_layers=60, num_attention_heads=64,
+    num_key_value_heads=4, head_dim=128, intermediate_size=3072, dense_intermediate_size=12288,
+    shared_intermediate_size=3072, num_local_experts=128, num_experts_per_tok=4,
+    hidden_act="swigluoai", use_gemma_norm=True, qk_norm_type="per_head", rotary_dim=64,
+    partial_rotary_factor=0.5, rope_theta=5e6, max_position_embeddings=1048576,
+    moe_layer_freq=[0, 0, 0] + [1] * 57, num_mtp_modules=1,
+    sparse_attention_config=dict(
+        sparse_attention_freq=[0, 0, 0] + [1] * 57, sparse_num_index_heads=4, sparse_index_dim=128,
+        sparse_topk_blocks=16, sparse_block_size=128, sparse_local_block=1, sparse_init_block=0,
+        sparse_score_type="max", sparse_disable_index_value=[0, 0, 0] + [1] * 57))
+
+
+def test_released_config_and_unmodelled_values():
+    """The released layer pattern (3 full + dense MLP, then 57 sparse + MoE) and geometry are
+    read; a value this model does not implement is an error naming its key."""
+    import copy
+    cfg = from_hf_config(dict(model_type="minimax_m3_vl", text_config=RELEASED_TEXT))
+    assert cfg.layer_types == (FULL,) * 3 + (SPARSE,) * 57
+    assert cfg.mlp_layer_types == (DENSE_MLP,) * 3 + (MOE,) * 57
+    assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk_blocks, cfg.index_local_blocks,
+            cfg.rotary_dim) == (4, 128, 16, 1, 64)
+    bad = [(("sparse_attention_config", "sparse_score_type"), "mean", "sparse_score_type"),
+           (("sparse_attention_config", "sparse_init_block"), 2, "sparse_init_block"),
+           (("sparse_attention_config", "sparse_disable_index_value"), [0] * 60,
+            r"sparse layers \[3, 4"),
+           (("hidden_act",), "gelu", "hidden_act"),
+           (("qk_norm_type",), "per_layer", "qk_norm_type"),
+           (("use_gemma_norm",), False, "use_gemma_norm"),
+           (("moe_layer_freq",), [1] * 59, "59 entries")]
+    for path, value, match in bad:
+        text_cfg = copy.deepcopy(RELEASED_TEXT)
+        d = text_cfg
+        for key in path[:-1]:
+            d = d[key]
+        d[path[-1]] = value
+        with pytest.raises(ValueError, match=match):
+            from_hf_config(dict(model_type="minimax_m3_vl", text_config=text_cfg))
+
+
 def test_propose_drafts():
     assert propose_drafts([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]
     assert propose_drafts([5, 6, 7], 3) == [7, 7, 7]

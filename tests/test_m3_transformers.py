@@ -17,6 +17,8 @@ fractions (≥ 99 %) and generation token for token.
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -165,3 +167,39 @@ def test_fp8_checkpoint_loads_to_its_dequantized_twin(tmp_path):
     bf16 = load_params(str(tmp_path / "fp8"), cfg, shardings)
     assert bf16["segments"][0]["self_attn"]["q_proj"].dtype == "bfloat16"   # FP8 -> bf16 default
     assert cosine(_prefill(cfg, bf16, tokens)["baseline_logits"], b["baseline_logits"]) >= 0.999
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "mxfp4"])
+def test_published_format_loads_to_its_dequantized_values(tmp_path, fmt):
+    """MiniMax M3 as published quantized — MXFP8 (E4M3 + an E8M0 exponent per 32 inputs),
+    ModelOpt NVFP4 routed experts (packed E2M1, E4M3 scale per 16, fp32 scale_2; the rest
+    MXFP8), Quark MXFP4 experts (packed E2M1, E8M0 per 32) — loads to exactly the values the
+    fixture's own torch dequantization wrote into a plain twin (every parameter, fp32)."""
+    hf = fixtures.build_model(fixtures.tiny_text_config(), seed=2)
+    fixtures.save_published(hf, str(tmp_path / fmt), fmt, twin=str(tmp_path / "twin"))
+    cfg = from_hf_config(str(tmp_path / fmt))
+    shardings = parallel.param_shardings(model.param_shapes(cfg), cfg, parallel.make_mesh(1))
+    got = load_params(str(tmp_path / fmt), cfg, shardings, dtype="float32")
+    want = load_params(str(tmp_path / "twin"), cfg, shardings, dtype="float32")
+    leaves = jax.tree_util.tree_leaves_with_path(jax.tree_util.tree_map(
+        lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), got, want))
+    assert all(same for _, same in leaves), [jax.tree_util.keystr(p) for p, s in leaves if not s]
+    bf16 = load_params(str(tmp_path / fmt), cfg, shardings)
+    assert bf16["segments"][1]["mlp"]["experts"]["gate_up_proj"].dtype == "bfloat16"
+
+
+def test_published_format_mismatch_is_named(tmp_path):
+    """A tensor format the quant_method does not name, or an unknown quant_method, is an error
+    naming it before any weight is read."""
+    hf = fixtures.build_model(fixtures.tiny_text_config(), seed=2)
+    path = tmp_path / "nvfp4"
+    fixtures.save_published(hf, str(path), "nvfp4", twin=str(tmp_path / "twin"))
+    cfg = from_hf_config(str(path))
+    shardings = parallel.param_shardings(model.param_shapes(cfg), cfg, parallel.make_mesh(1))
+    config = json.loads((path / "config.json").read_text())
+    for qc, match in (({"quant_method": "mxfp8"}, r"w1\.weight: stored as nvfp4"),
+                      ({"quant_method": "awq"}, "quant_method 'awq'"),
+                      ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, "quant_algo")):
+        (path / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+        with pytest.raises(ValueError, match=match):
+            load_params(str(path), cfg, shardings)

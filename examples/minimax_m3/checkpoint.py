@@ -14,11 +14,23 @@ A checkpoint directory holds ``config.json`` and ``model.safetensors`` or shards
   ``mlp.{gate,up,down}_proj.weight``, ``self_attn.index_{q,k}_{proj,norm}.weight``,
   ``language_model.lm_head.weight``. ``mtp.*`` and the vision tower are skipped.
 
-Tied embeddings (``tie_word_embeddings``) need no ``lm_head.weight``. Block-scaled FP8
-(``float8_e4m3fn`` weights with a ``weight_scale_inv`` per 128 × 128 block, the
-``quantization_config`` of published MiniMax checkpoints) is dequantized on load, block by
-block, to bf16 (or the ``dtype`` asked for): real M3 in bf16 fits TP 8 on 192 GB devices
-(``plan.py``), and XLA has no block-scaled FP8 matmul on every backend we serve.
+Tied embeddings (``tie_word_embeddings``) need no ``lm_head.weight``. Quantized weights are
+recognised by the scale tensors stored beside them (never by name) and dequantized on load, to
+bf16 (or the ``dtype`` asked for), each format as its ``quantization_config.quant_method`` says:
+
+* ``"fp8"``: ``float8_e4m3fn`` + ``weight_scale_inv`` (float) per 128 × 128 block: ``w · s``;
+* ``"mxfp8"`` (``MiniMaxAI/MiniMax-M3-MXFP8``): ``float8_e4m3fn`` + ``weight_scale_inv`` **U8**,
+  an E8M0 exponent per 32 inputs (not an inverse, despite the name): ``w · 2^(e − 127)``;
+* ``"modelopt"`` (``nvidia/MiniMax-M3-NVFP4``): the routed experts NVFP4 — ``weight`` U8
+  ``[out, in/2]`` (element 2i in the low nibble, E2M1), ``weight_scale`` E4M3 per 16 inputs,
+  ``weight_scale_2`` fp32: ``e2m1 · scale · scale_2`` — and the other linears MXFP8;
+* ``"quark"`` (``amd/MiniMax-M3-MXFP4``): the experts MXFP4 — ``weight`` U8 ``[out, in/2]``,
+  ``weight_scale`` U8 E8M0 per 32 inputs: ``e2m1 · 2^(e − 127)`` — the rest bf16.
+
+A format the ``quant_method`` does not name, a scale of the wrong shape or an unknown
+``quant_method`` is an error naming it before anything is read. Real M3 in bf16 fits TP 8 on
+192 GB devices (``plan.py``); keeping the experts quantized on the device needs a grouped
+matmul that dequantizes in its inner loop (BENCHMARKS.md §1 says where that stands).
 
 Lazy: every parameter is built with ``jax.make_array_from_callback`` for its
 ``NamedSharding`` on its devices and filled there from pieces of at most ``PIECE_BYTES`` (cut
@@ -54,6 +66,26 @@ PIECE_BYTES = 64 << 20      # per-layer slice placed per device transfer (> glib
                             # mmap threshold, so a freed piece returns to the OS)
 _SKIP = re.compile(r"(^|\.)mtp\.|^(model\.)?(vision_tower|multi_modal_projector|patch_merge_mlp)\.")
 _FP8_BLOCK = 128
+# E2M1 codes (bit 3 the sign) -> values
+_E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+# quant_method -> the stored weight formats it may hold (besides plain tensors)
+QUANT_FORMATS = {"fp8": ("fp8_block",), "mxfp8": ("mxfp8",), "modelopt": ("mxfp8", "nvfp4"),
+                 "quark": ("mxfp4",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightFormat:
+    """How one quantized weight is stored: ``kind`` (fp8_block, mxfp8, nvfp4, mxfp4), inputs per
+    scale along the last axis (``group``; 128 × 128 blocks for fp8_block), the scale tensors."""
+
+    kind: str
+    group: int
+    scale: str
+    scale_2: str | None = None
+    extra: tuple[str, ...] = ()        # stored beside it and not needed (input_scale)
+
+    def companions(self) -> tuple[str, ...]:
+        return (self.scale, *((self.scale_2,) if self.scale_2 else ()), *self.extra)
 
 
 # ----------------------------------------------------------------------------- files
@@ -86,6 +118,32 @@ class CheckpointFiles:
                     self.dtype[name] = s.get_dtype()
             if any(self.dtype[n] == "F8_E4M3" for n in self.file if self.file[n] == fn):
                 self.fp8_offset.update(_fp8_offsets(fn))
+        self.format = {n: f for n in self.file if (f := self._detect(n)) is not None}
+        self.stored_shape = dict(self.shape)
+        for n, f in self.format.items():      # packed FP4: two inputs per byte
+            if f.kind in ("nvfp4", "mxfp4"):
+                self.shape[n] = (*self.shape[n][:-1], 2 * self.shape[n][-1])
+
+    def _detect(self, name) -> WeightFormat | None:
+        """The quantized format of ``name`` from the scale tensors beside it, or None."""
+        dt = self.dtype[name]
+        if dt == "F8_E4M3" and name + "_scale_inv" in self.file:
+            mx = self.dtype[name + "_scale_inv"] == "U8"
+            return WeightFormat("mxfp8" if mx else "fp8_block", 32 if mx else _FP8_BLOCK,
+                                name + "_scale_inv", extra=self._input_scale(name))
+        base = name[:-len("weight")] if name.endswith(".weight") else None
+        if dt == "U8" and base and base + "weight_scale" in self.file:
+            if self.dtype[base + "weight_scale"] == "F8_E4M3" and base + "weight_scale_2" in self.file:
+                return WeightFormat("nvfp4", 16, base + "weight_scale", base + "weight_scale_2",
+                                    self._input_scale(name))
+            if self.dtype[base + "weight_scale"] == "U8":
+                return WeightFormat("mxfp4", 32, base + "weight_scale",
+                                    extra=self._input_scale(name))
+        return None
+
+    def _input_scale(self, name):
+        n = name[:-len("weight")] + "input_scale" if name.endswith(".weight") else None
+        return (n,) if n in self.file else ()
 
     def names(self) -> set[str]:
         return set(self.file)
@@ -97,12 +155,40 @@ class CheckpointFiles:
         row_bytes = max(int(np.prod(out.shape[1:], dtype=np.int64)), 1) * self._itemsize(name)
         step = max(1, CHUNK_BYTES // row_bytes)
         first = index[0].start
+        fmt = self.format.get(name)
         for r0 in range(first, index[0].stop, step):
             rows = (slice(r0, min(r0 + step, index[0].stop)), *index[1:])
-            chunk = self._read_chunk(name, rows)
-            if self.dtype[name] == "F8_E4M3":
-                chunk = self._dequantize(name, rows, chunk)
+            if fmt is None:
+                chunk = self._read_chunk(name, rows)
+            elif fmt.kind == "fp8_block":
+                chunk = self._dequantize(name, rows, self._read_chunk(name, rows))
+            else:
+                chunk = self._read_grouped(name, fmt, rows)
             out[r0 - first:rows[0].stop - first] = chunk
+
+    def _read_grouped(self, name, fmt: WeightFormat, index):
+        """``tensor[index]`` in fp32 for a per-group-scaled weight: the groups covering the
+        last axis' slice are read, widened, scaled, and cut to the slice."""
+        *lead, c = index
+        g = fmt.group
+        a0, a1 = c.start // g * g, min(-(-c.stop // g) * g, self.shape[name][-1])
+        if fmt.kind == "mxfp8":
+            values = self._read_chunk(name, (*lead, slice(a0, a1))).astype(np.float32)
+        else:                                  # packed E2M1, element 2i in the low nibble
+            packed = self._read_chunk(name, (*lead, slice(a0 // 2, a1 // 2)))
+            values = np.stack([_E2M1[packed & 15], _E2M1[packed >> 4]], -1).reshape(
+                *packed.shape[:-1], a1 - a0)
+        scale = self._read_chunk(fmt.scale, (*lead, slice(a0 // g, a1 // g)))
+        if fmt.kind == "nvfp4":
+            with safe_open(self.file[fmt.scale_2], framework="numpy") as f:
+                scale_2 = np.float32(f.get_tensor(fmt.scale_2).reshape(-1)[0])
+            scale = scale.astype(np.float32) * scale_2
+        else:                                  # E8M0: 2^(e - 127); 255 is NaN
+            e = scale.astype(np.int32)
+            scale = np.where(e == 255, np.float32(np.nan),
+                             np.ldexp(np.float32(1), e - 127).astype(np.float32))
+        values = values * np.repeat(scale, g, axis=-1)
+        return values[..., c.start - a0:c.stop - a0]
 
     def _dequantize(self, name, index, values):
         """FP8 ``values`` (``tensor[index]``) times their 128 × 128 blocks' scales (fp32)."""
@@ -116,7 +202,7 @@ class CheckpointFiles:
         return values.astype(np.float32) * scale[..., r.start - r0:r.stop - r0, c.start - c0:c.stop - c0]
 
     def _itemsize(self, name):
-        return {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1}.get(self.dtype[name], 4)
+        return {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "U8": 1}.get(self.dtype[name], 4)
 
     def _read_chunk(self, name, index):
         if self.dtype[name] == "F8_E4M3":   # safetensors' numpy reader has no fp8 dtype
@@ -127,7 +213,7 @@ class CheckpointFiles:
     def _read_fp8(self, name, index):
         """FP8 bytes through a memory map of the tensor's data, viewed as ``float8_e4m3fn``."""
         data = np.memmap(self.file[name], np.uint8, "r", offset=self.fp8_offset[name],
-                         shape=self.shape[name])
+                         shape=self.stored_shape[name])
         out = np.array(data[index]).view(ml_dtypes.float8_e4m3fn)
         del data
         return out
@@ -271,8 +357,9 @@ def detect_layout(names) -> str:
     return "upstream" if any(n.startswith("language_model.") for n in names) else "transformers"
 
 
-def _check(files: CheckpointFiles, top, segments, fp8: bool) -> None:
-    """Raises ValueError naming every missing, unexpected or mis-shaped tensor."""
+def _check(files: CheckpointFiles, top, segments, method: str | None) -> None:
+    """Raises ValueError naming every missing, unexpected or mis-shaped tensor, and every
+    quantized weight whose format or scales ``method`` (the quant_method) does not allow."""
     leaves = jax.tree_util.tree_leaves((top, segments), is_leaf=lambda x: isinstance(x, Source))
     want = {n: s for src in leaves for n, s in zip(src.names, src.stored)}
     have = files.names()
@@ -280,12 +367,28 @@ def _check(files: CheckpointFiles, top, segments, fp8: bool) -> None:
     problems += [f"{n}: expected shape {want[n]}, got {files.shape[n]}"
                  for n in sorted(set(want) & have) if files.shape[n] != want[n]]
     used = set(want)
-    if fp8:
-        used |= {n + "_scale_inv" for n in want if files.dtype.get(n) == "F8_E4M3"}
-        problems += [f"missing {n}_scale_inv (FP8 weight)" for n in sorted(want)
-                     if files.dtype.get(n) == "F8_E4M3" and n + "_scale_inv" not in have]
-    elif any(files.dtype.get(n) == "F8_E4M3" for n in want):
-        problems.append("FP8 tensors but no quantization_config in config.json")
+    allowed = QUANT_FORMATS.get(method, ())
+    for n in sorted(set(want) & have):
+        fmt = files.format.get(n)
+        if fmt is None:
+            if files.dtype[n] in ("F8_E4M3", "U8"):
+                problems.append(f"{n}: stored as {files.dtype[n]} without the scale tensors of a "
+                                f"format we read")
+            continue
+        used |= set(fmt.companions())
+        if fmt.kind not in allowed:
+            problems.append(f"{n}: stored as {fmt.kind}, which quantization_config "
+                            f"(quant_method {method!r}) does not name")
+            continue
+        if fmt.kind != "fp8_block":
+            expect = (*files.shape[n][:-1], files.shape[n][-1] // fmt.group)
+            if files.shape[n][-1] % fmt.group or files.shape[fmt.scale] != expect:
+                problems.append(f"{fmt.scale}: expected shape {expect} (one scale per "
+                                f"{fmt.group} inputs of {n} {files.shape[n]}), got "
+                                f"{files.shape[fmt.scale]}")
+        if fmt.scale_2 and math.prod(files.shape[fmt.scale_2]) != 1:
+            problems.append(f"{fmt.scale_2}: expected one fp32 scale, got shape "
+                            f"{files.shape[fmt.scale_2]}")
     extra = sorted(n for n in have - used if not _SKIP.search(n)
                    and not n.endswith("lm_head.weight"))        # a tied model may carry one
     problems += [f"unexpected {n}" for n in extra]
@@ -293,6 +396,42 @@ def _check(files: CheckpointFiles, top, segments, fp8: bool) -> None:
         shown = problems[:40] + ([f"... and {len(problems) - 40} more"] if len(problems) > 40 else [])
         raise ValueError(f"checkpoint {files.path} does not fit its config.json "
                          f"({len(problems)} problems):\n  " + "\n  ".join(shown))
+
+
+def quant_method(qc: dict | None) -> str | None:
+    """The checkpoint's ``quant_method`` after checking every ``quantization_config`` key we
+    read (None: unquantized). Raises ValueError naming a method, algorithm, block or group
+    size that this loader does not read."""
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method not in QUANT_FORMATS:
+        raise ValueError(f"quantization_config.quant_method {method!r}: this loader reads "
+                         f"{sorted(QUANT_FORMATS)}")
+
+    def need(what, value, ok):
+        if value is not None and value not in ok:
+            raise ValueError(f"quantization_config.{what} {value!r}: only {ok} is read "
+                             f"(quant_method {method!r})")
+
+    if method == "fp8":
+        need("weight_block_size", qc.get("weight_block_size"), ([128, 128],))
+        need("fmt", qc.get("fmt"), ("e4m3",))
+    elif method == "mxfp8":
+        need("weight_block_size", qc.get("weight_block_size"), ([1, 32],))
+    elif method == "modelopt":
+        need("quant_algo", qc.get("quant_algo"), ("MIXED_PRECISION", "NVFP4", "MXFP8"))
+        for name, layer in (qc.get("quantized_layers") or {}).items():
+            need(f"quantized_layers[{name!r}].quant_algo", layer.get("quant_algo"),
+                 ("MXFP8", "NVFP4"))
+            if layer.get("quant_algo") == "NVFP4":
+                need(f"quantized_layers[{name!r}].group_size", layer.get("group_size"), (16,))
+    else:                                                   # quark
+        weight = (qc.get("global_quant_config") or {}).get("weight") or {}
+        need("global_quant_config.weight.dtype", weight.get("dtype"), ("fp4",))
+        need("global_quant_config.weight.group_size", weight.get("group_size"), (32,))
+        need("global_quant_config.weight.scale_format", weight.get("scale_format"), ("e8m0",))
+    return method
 
 
 # ----------------------------------------------------------------------------- placing
@@ -372,21 +511,24 @@ def load_params(path: str, cfg: ModelConfig, shardings, dtype=None, progress=Non
       cfg: the model config (``config.from_hf_config(path)`` for a directory).
       shardings: a pytree of ``NamedSharding`` like ``param_shapes(cfg)``
         (``parallel.param_shardings``).
-      dtype: None keeps each tensor's stored dtype (FP8 becomes bf16); else cast to it.
+      dtype: None keeps each tensor's stored dtype (quantized weights become bf16); else cast
+        to it.
       progress: optional callable(n) told after each stored tensor group is placed (tqdm).
 
     Returns:
       The params, each leaf on its devices with its sharding.
 
     Raises:
-      ValueError naming every missing, unexpected or mis-shaped tensor, before reading any.
+      ValueError naming every missing, unexpected or mis-shaped tensor, an unknown or
+      unsupported ``quantization_config``, a quantized format its ``quant_method`` does not
+      name, or a scale of the wrong shape — before reading any weight.
     """
     from .model import param_shapes  # noqa: PLC0415 (model -> parallel; keeps imports one way)
     files = CheckpointFiles(path)
     layout = detect_layout(files.names())
     top, segments = _sources(cfg, layout)
-    fp8 = bool(os.path.isdir(path) and (quantization_config(path) or {}).get("quant_method") == "fp8")
-    _check(files, top, segments, fp8)
+    method = quant_method(quantization_config(path) if os.path.isdir(path) else None)
+    _check(files, top, segments, method)
     shapes = param_shapes(cfg)
     tick = progress or (lambda n: None)
     out = {key: _fill(files, src, shapes[key], shardings[key], _out_dtype(files, src, dtype), tick)

@@ -172,8 +172,11 @@ def from_hf_config(source, **overrides) -> ModelConfig:
     mlp_types = c.get("mlp_layer_types")
     if mlp_types is None and c.get("moe_layer_freq") is not None:
         mlp_types = [MOE if f else DENSE_MLP for f in c["moe_layer_freq"]]
+    _check_modelled(c, sparse_cfg, L, layer_types, mlp_types)
     rope = dict(c.get("rope_parameters") or {})
     rope.setdefault("rope_theta", c.get("rope_theta", 5e6))
+    if "partial_rotary_factor" in c:      # the released config's top-level form (transformers
+        rope.setdefault("partial_rotary_factor", c["partial_rotary_factor"])   # moves it there)
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"rope_parameters.rope_type {rope['rope_type']!r}: only 'default' "
                          f"(M3's) is implemented")
@@ -194,6 +197,41 @@ def from_hf_config(source, **overrides) -> ModelConfig:
                                        or c.get("tie_word_embeddings", False)))
     kw.update(overrides)
     return ModelConfig(**kw)
+
+
+def _check_modelled(c: dict, sparse_cfg: dict, L: int, layer_types, mlp_types) -> None:
+    """Raises ValueError naming a config.json key whose value this model does not implement
+    (each checked where the released config puts it: the text config or its
+    ``sparse_attention_config``); an absent key takes M3's value."""
+    def get(key):
+        return c.get(key, sparse_cfg.get(key))
+
+    def need(key, ok, why):
+        if get(key) is not None and get(key) not in ok:
+            raise ValueError(f"config.json: {key} {get(key)!r} is not implemented here "
+                             f"(only {ok}: {why})")
+
+    need("sparse_score_type", ("max",), "a block scores the max over its keys, SPEC §8")
+    need("sparse_init_block", (0,), "no always-selected initial blocks")
+    # transformers' config writes "silu" and computes the swiglu-oai gate inline whatever it says
+    need("hidden_act", ("swigluoai", "silu"), "the MLPs' swiglu-oai gate, as transformers runs it")
+    need("qk_norm_type", ("per_head",), "q_norm / k_norm over each head's D")
+    need("use_gemma_norm", (True,), "RMSNorm weights applied as 1 + w")
+    for key, kinds in (("layer_types", layer_types), ("mlp_layer_types", mlp_types)):
+        if kinds is not None and len(kinds) != L:
+            raise ValueError(f"config.json: {key} (or its *_freq form) has {len(kinds)} "
+                             f"entries for num_hidden_layers {L}")
+    disable = get("sparse_disable_index_value")
+    if disable is not None:
+        if len(disable) != L or any(v not in (0, 1) for v in disable):
+            raise ValueError(f"config.json: sparse_disable_index_value must hold 0 or 1 per "
+                             f"layer ({L}), got {disable!r}")
+        kinds = layer_types or [FULL] * L
+        bad = [i for i, (v, k) in enumerate(zip(disable, kinds)) if k == SPARSE and not v]
+        if bad:
+            raise ValueError(f"config.json: sparse_disable_index_value is 0 for sparse layers "
+                             f"{bad}: an indexer with value projections is not implemented "
+                             f"(M3's indexer scores keys only: 1 on every sparse layer)")
 
 
 def quantization_config(source) -> dict | None:
