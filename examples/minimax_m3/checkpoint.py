@@ -152,7 +152,9 @@ class CheckpointFiles:
         """``out[...] = tensor[index]`` (one slice per axis), cast to ``out``'s dtype, in row
         chunks of at most CHUNK_BYTES; FP8 weights times their ``weight_scale_inv`` blocks."""
         index = tuple(slice(*s.indices(n)) for s, n in zip(index, self.shape[name]))
-        row_bytes = max(int(np.prod(out.shape[1:], dtype=np.int64)), 1) * self._itemsize(name)
+        # quantized weights are widened to fp32 per chunk: size the chunk by that
+        unit = 4 if name in self.format else self._itemsize(name)
+        row_bytes = max(int(np.prod(out.shape[1:], dtype=np.int64)), 1) * unit
         step = max(1, CHUNK_BYTES // row_bytes)
         first = index[0].start
         fmt = self.format.get(name)
