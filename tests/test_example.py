@@ -345,32 +345,6 @@ def test_bf16_baseline_attention_matches_library_reference():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
-def test_full_attention_unpacked_matches_library_reference(layout):
-    """The GPUs' full-attention path (pages dequantized once, then the one-request walk) equals
-    jax_m3sparse.reference with every block selected, on a 5-D NVFP4 cache, with a prefill
-    chunk, decode rows, a padding row, an invalid and an out-of-range table entry."""
-    from minimax_m3.attention import full_attention_unpacked
-    rng = np.random.default_rng(3)
-    P, L, Hkv, G, D, N = 9, 2, 2, 4, 128, 128
-    cache = m3.allocate_kv_cache(m3.KVCacheSpec(Hkv, D, N), P, num_layers=L, layout=layout)
-    kv = jnp.asarray(rng.normal(size=(2, P * N, Hkv, D)), jnp.float32)
-    cache = m3.pack_kv_pages(cache, kv[0], kv[1], jnp.arange(P * N, dtype=jnp.int32), 1.0, 1.0,
-                             layer=1, layout=layout)
-    table = jnp.asarray([[5, 2, 7, 0, 4], [1, 6, -1, 3, 12]], jnp.int32)
-    req = jnp.asarray([0] * 20 + [1, 1, -1, 0], jnp.int32)
-    pos = jnp.asarray(list(range(500, 520)) + [300, 630, -1, 90], jnp.int32)
-    q = jnp.asarray(rng.normal(size=(len(req), Hkv * G, D)), jnp.bfloat16)
-    every = jnp.broadcast_to(jnp.arange(table.shape[1], dtype=jnp.int32), (Hkv, len(req), 5))
-    want = m3.reference.sparse_prefill(q.astype(jnp.float32), cache, every, table, req, pos,
-                                       1.0, 1.0, layer=jnp.int32(1), layout=layout)
-    got = jax.jit(lambda q, c: full_attention_unpacked(q, c, table, req, pos, 1.0, 1.0,
-                                                       D ** -0.5, layer=jnp.int32(1),
-                                                       layout=layout))(q, cache)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-5)
-    assert not np.any(np.asarray(got)[22])                     # the padding row: zeros
-
-
 def test_speculative_decoding_matches_plain_greedy(params):
     """Prompt-lookup drafts verified in one step give the tokens plain greedy decoding gives
     (random weights soon repeat themselves, so some drafts are accepted)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-import jax_m3sparse as m3
 from jax_m3sparse import select_blocks
 from jax_m3sparse.sharding import replicate_kv_heads
 
@@ -167,25 +166,3 @@ def paged_attention_jnp(q, k_cache, v_cache, topk, block_table, req, pos, scale,
         return jax.lax.cond(same, one_request, per_token, xs)
 
     return jax.lax.map(one_chunk, (qs, ts, rs, ps)).reshape(n * chunk, Hq, D)[:T]
-
-
-def full_attention_unpacked(q, kv_cache, block_table, req, pos, k_scale, v_scale, scale, *,
-                            layer, layout):
-    """A full-attention layer over the NVFP4 cache where the attention kernels cannot serve
-    K = every block (CUDA and gfx950 take K <= 64 / 16): the step's pages (``block_table``'s
-    ``R·M`` entries) dequantized once to bf16 — exact when the global scales are powers of two
-    (the example's are 1): NVFP4 · E4M3 needs 5 significant bits — then :func:`paged_attention_jnp`, which walks
-    a one-request chunk's pages once with an online softmax instead of gathering every
-    token's keys. Same arguments and result as ``sparse_attention`` with every block selected
-    (fp32 ``[T, Hq, D]``); invalid table entries attend nothing (SPEC §5.2)."""
-    R, M = block_table.shape
-    k, v = m3.unpack_kv_pages(kv_cache, block_table.reshape(-1), k_scale, v_scale, layer=layer,
-                              layout=layout)                               # [R·M, Hkv, N, D]
-    P = kv_cache.shape[1] if kv_cache.ndim == 5 and layout == "LBHNC" else kv_cache.shape[0]
-    table = jnp.where((block_table >= 0) & (block_table < P),
-                      jnp.arange(R * M, dtype=jnp.int32).reshape(R, M), -1)
-    topk = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (k.shape[1], q.shape[0], M))
-    # Larger token chunks for prefill-sized calls: fewer sequential walks over the pages.
-    chunk = 32 if q.shape[0] <= 256 else 128
-    return paged_attention_jnp(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), topk, table,
-                               req, pos, scale, chunk=chunk)

@@ -581,27 +581,21 @@ class Parts:
         import jax.numpy as jnp  # noqa: PLC0415
         import jax_m3sparse as m3  # noqa: PLC0415
         from . import model  # noqa: PLC0415
-        from .attention import full_attention_unpacked  # noqa: PLC0415
         cfg, T = self.cfg, self.T
         topk, K = self.topk(sparse)
         first = cfg.segments()[i][2]
         n = self.nlayers(i)
         q = jax.random.normal(jax.random.key(1), (T, cfg.num_attention_heads, cfg.head_dim),
                               jnp.bfloat16)
-        meta, req, pos = self.meta, self.req, self.pos
-
-        def attend(q, kv, topk, layer):       # as model.served_attention does
-            if sparse or not self.b.gpu:
-                return m3.sparse_attention(q, kv, topk, meta, model.K_SCALE, model.V_SCALE,
-                                           scale=cfg.head_dim ** -0.5, layer=layer,
-                                           layout=model.KV_LAYOUT)
-            return full_attention_unpacked(q, kv, meta.block_table, req, pos, model.K_SCALE,
-                                           model.V_SCALE, cfg.head_dim ** -0.5, layer=layer,
-                                           layout=model.KV_LAYOUT)
+        attend = (m3.sparse_attention if sparse or not self.b.gpu
+                  else m3.reference.sparse_attention)
+        meta = self.meta
 
         def fn(q, kv, topk):
             def body(c, l):
-                o = attend((q + c).astype(jnp.bfloat16), kv, topk, l)
+                o = attend((q + c).astype(jnp.bfloat16), kv, topk, meta, model.K_SCALE,
+                           model.V_SCALE, scale=cfg.head_dim ** -0.5, layer=l,
+                           layout=model.KV_LAYOUT)
                 return c + jnp.sum(o.astype(jnp.float32)).astype(jnp.bfloat16) * 0, None
             return jax.lax.scan(body, jnp.bfloat16(0), first + jnp.arange(n))[0]
 

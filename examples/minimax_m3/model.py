@@ -31,7 +31,7 @@ import jax_m3sparse as m3
 from jax_m3sparse.sharding import replicate_kv_heads
 
 from . import moe, sampling
-from .attention import full_attention_unpacked, qkv, select
+from .attention import qkv, select
 from .config import MOE, SPARSE, ModelConfig
 from .layers import gemma_rms_norm, linear, rotary_cos_sin
 from .parallel import AXIS, is_shape, tp_size
@@ -216,8 +216,7 @@ def token_rows(meta: m3.SparseAttentionMetadata, num_tokens: int):
 
 
 def _cpu() -> bool:
-    """The CPU kernels serve any K; the GPU kernels K <= 64 (CUDA) or 16 (gfx950), so full
-    layers there take attention.full_attention_unpacked."""
+    """The GPU kernels serve K = 16 only (SPEC §1): elsewhere full layers use the jnp reference."""
     return jax.default_backend() == "cpu"
 
 
@@ -256,14 +255,9 @@ class _Step:
         topk, idx = self.selection(p, h, caches["idx"], li, sparse)
         topk = topk if sparse else rep(topk, axis=0)      # [Hkv', T, K]: the stored heads
         caches = dict(caches, kv=kv, idx=idx)
-        if sparse or _cpu():
-            attn = m3.sparse_attention(q.astype(jnp.bfloat16), kv, topk, self.meta, K_SCALE,
-                                       V_SCALE, scale=cfg.head_dim ** -0.5, layer=layer,
-                                       layout=KV_LAYOUT)
-        else:   # K = every block: beyond the GPU kernels (SPEC §1)
-            attn = full_attention_unpacked(q.astype(jnp.bfloat16), kv, self.meta.block_table,
-                                           self.req, self.pos, K_SCALE, V_SCALE,
-                                           cfg.head_dim ** -0.5, layer=layer, layout=KV_LAYOUT)
+        attend = m3.sparse_attention if sparse or _cpu() else m3.reference.sparse_attention
+        attn = attend(q.astype(jnp.bfloat16), kv, topk, self.meta, K_SCALE, V_SCALE,
+                      scale=cfg.head_dim ** -0.5, layer=layer, layout=KV_LAYOUT)
         return attn.astype(jnp.float32).reshape(h.shape[0], -1), caches, topk[::cfg.kv_replicas]
 
     def layer(self, attn_kind, mlp_kind, carry, xs):
