@@ -51,6 +51,16 @@ def test_kernels_compile(tmp_path, name):
     _nvcc(CUDA / name, tmp_path / (name + ".o"))
 
 
+def test_grouped_matmul_resources(tmp_path):
+    """The grouped GEMM's four tiles (16 × 32, 16 × 64, 16 × 128 rows × columns: 4 CTAs per SM,
+    so at most 128 registers at 4 warps; 64 × 128: 2 CTAs per SM), none spilling."""
+    res = _resources(_nvcc(CUDA / "grouped_matmul.cu", tmp_path / "gm.o", "-Xptxas", "-v"))
+    kernels = {k: v for k, v in res.items() if "grouped_matmul_kernel" in k}
+    assert len(kernels) == 4 and len(res) == 4, res
+    for name, r in kernels.items():
+        assert r["spill_stores"] == 0, (name, r)
+
+
 def test_attention_resources(tmp_path):
     res = _resources(_nvcc(CUDA / "attention.cu", tmp_path / "attention.o", "-Xptxas", "-v"))
     kernels = {k: v for k, v in res.items() if "sparse_attention_kernel" in k}
@@ -74,7 +84,7 @@ def test_handlers_compile(tmp_path):
     _nvcc(CUDA / "handlers.cc", tmp_path / "handlers.o", "-isystem", jax.ffi.include_dir())
 
 
-@pytest.mark.parametrize("name", ["harness.cu", "select_harness.cu"])
+@pytest.mark.parametrize("name", ["harness.cu", "select_harness.cu", "grouped_harness.cu"])
 def test_harness_compiles(tmp_path, name):
     _nvcc(ROOT / "tests" / "cuda" / name, tmp_path / (name + ".o"))
 
