@@ -70,8 +70,9 @@ print("prefill rows:", np.asarray(req_id), np.asarray(abs_pos),
 # keys first (the token's own block scores its own key), then select for the same chunk.
 DI = 128
 idx_k = jnp.asarray(rng.standard_normal((len(slot_mapping), DI)), jnp.bfloat16)
+page = jnp.where(slot_mapping >= 0, slot_mapping // N, 16)   # a padding slot (-1) writes nothing
 idx_k_cache = jnp.zeros((4, 16, N, DI), jnp.bfloat16).at[
-    layer, slot_mapping // N, slot_mapping % N].set(idx_k)
+    layer, page, slot_mapping % N].set(idx_k, mode="drop")
 idx_q = jnp.asarray(rng.standard_normal((8, HKV, DI)), jnp.bfloat16)   # [T, Hkv, Di]
 topk_sel = m3.select_blocks(idx_q, idx_k_cache, block_table, req_id, abs_pos, topk_blocks=4,
                             layer=layer)                              # int32 [Hkv, T, 4]
@@ -87,6 +88,8 @@ print("prefill over the selected blocks", out_sel.shape, "padding rows select no
 # A serving engine's mixed batch: decode requests first, then prefill chunks, in one call.
 meta = m3.build_attention_metadata(np.array([1, 5], np.int32), np.array([299, 995], np.int32),
                                    block_table, num_decode_requests=1, num_tokens=8)
+req_all, pos_all = meta.token_rows()          # every row's request and position (select_blocks)
+print("mixed batch rows: requests", np.asarray(req_all), "positions", np.asarray(pos_all))
 q_mix = jnp.concatenate([q[:1], q_pre[:7]])
 topk_mix = np.concatenate([topk_indices[:, :1], topk_pre[:, :7]], axis=1)
 out_mix = m3.sparse_attention(q_mix, cache, topk_mix, meta, 1.0, 1.0, layer=layer, layout="LBHNC")

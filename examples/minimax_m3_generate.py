@@ -71,6 +71,11 @@ def parse_args(argv=None):
                        choices=("bfloat16", "float8_e4m3fn"),
                        help="the index keys' paged cache (FP8 halves its bytes and the "
                             "selection's reads)")
+    model.add_argument("--moe-impl", default="auto",
+                       choices=("auto", "dense", "dense_batched", "gather", "ragged", "grouped",
+                                "tokamax"),
+                       help="the routed experts' formulation (minimax_m3/moe.py; auto: dense "
+                            "on the CPU, grouped on GPUs)")
     plan = p.add_argument_group("dry run (no weights)")
     plan.add_argument("--config", metavar="PATH", help="a config.json (or its directory): the "
                       "model's shapes (with random weights unless --dry-run)")
@@ -117,7 +122,7 @@ def model_config(args) -> ModelConfig:
     source = args.checkpoint or args.config
     if source:
         return from_hf_config(source, baseline_dtype=args.baseline_dtype,
-                              index_cache_dtype=args.index_cache_dtype)
+                              index_cache_dtype=args.index_cache_dtype, moe_impl=args.moe_impl)
     L = args.layers
     return ModelConfig(hidden_size=args.hidden, num_hidden_layers=L,
                        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
@@ -129,7 +134,7 @@ def model_config(args) -> ModelConfig:
                        layer_types=(FULL,) + (SPARSE,) * (L - 1),
                        mlp_layer_types=(DENSE_MLP,) + (MOE,) * (L - 1),
                        baseline_dtype=args.baseline_dtype,
-                       index_cache_dtype=args.index_cache_dtype)
+                       index_cache_dtype=args.index_cache_dtype, moe_impl=args.moe_impl)
 
 
 def main(argv=None):

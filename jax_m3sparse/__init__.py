@@ -22,7 +22,8 @@ The ops are inference-only: they have no derivative (SPEC §7).
 """
 
 from jax_m3sparse import reference, sharding
-from jax_m3sparse._ffi import cpu_attention_paths, export_disabled_checks, native_module, native_platforms
+from jax_m3sparse._ffi import (NativeModuleWarning, cpu_attention_paths, export_disabled_checks,
+                               native_module, native_platforms)
 from jax_m3sparse.faults import check_inputs
 from jax_m3sparse.metadata import SparseAttentionMetadata, build_attention_metadata
 from jax_m3sparse.nvfp4 import nvfp4_dequantize, nvfp4_quantize
@@ -38,10 +39,9 @@ from jax_m3sparse.spec import KVCacheSpec, allocate_kv_cache, unsupported_reason
 __version__ = "0.1.0"
 
 __all__ = [
-    "KVCacheSpec", "SparseAttentionMetadata", "allocate_kv_cache", "build_attention_metadata",
-    "check_inputs", "cpu_attention_paths", "export_disabled_checks", "grouped_matmul",
-    "native_module", "native_platforms", "nvfp4_dequantize", "nvfp4_quantize", "pack_kv_pages",
-    "query_token_positions", "reference", "select_blocks", "sharding", "sparse_attention",
-    "sparse_decode", "sparse_prefill", "unpack_kv_pages",
-    "unsupported_reason",
+    "KVCacheSpec", "NativeModuleWarning", "SparseAttentionMetadata", "allocate_kv_cache",
+    "build_attention_metadata", "check_inputs", "cpu_attention_paths", "export_disabled_checks",
+    "grouped_matmul", "native_module", "native_platforms", "nvfp4_dequantize", "nvfp4_quantize",
+    "pack_kv_pages", "query_token_positions", "reference", "select_blocks", "sharding",
+    "sparse_attention", "sparse_decode", "sparse_prefill", "unpack_kv_pages", "unsupported_reason",
 ]

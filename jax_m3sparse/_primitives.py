@@ -87,8 +87,8 @@ def define_primitive(op: str, *, abstract_eval: Callable, reference: Callable,
 def _no_derivative(op, primals, tangents, **params):
     raise NotImplementedError(
         f"jax_m3sparse.{op} is inference-only: it has no derivative (SPEC §7). Put "
-        "jax.lax.stop_gradient on its float operands (q, key, value, k_scale, v_scale) where "
-        "they depend on what you differentiate, or differentiate a pure-jnp model instead.")
+        "jax.lax.stop_gradient on its float operands where they depend on what you "
+        "differentiate, or differentiate a pure-jnp model instead (jax_m3sparse.reference).")
 
 
 def _ffi_rule(target: str, attributes: Callable, aliases, reason: Callable | None,

@@ -36,6 +36,17 @@ class SparseAttentionMetadata:
     num_decode_tokens: int = dataclasses.field(metadata=dict(static=True))
     decode_query_len: int = dataclasses.field(default=1, metadata=dict(static=True))
 
+    def token_rows(self):
+        """``(query_req_id, query_abs_pos)`` of every row, ``int32[T]`` each: the decode rows'
+        (request ``t // decode_query_len``, position ``seq_lens[r] − decode_query_len +
+        t % decode_query_len``; −1 where that is negative, SPEC §5.3) then the prefill tokens'
+        (SPEC §4). What :func:`jax_m3sparse.select_blocks` takes for the mixed batch."""
+        from jax_m3sparse import reference  # noqa: PLC0415 (reference imports this module's users)
+        req, pos = reference.decode_rows(self.seq_lens, self.num_decode_tokens,
+                                         self.decode_query_len)
+        return (jnp.concatenate([req, self.query_req_id]),
+                jnp.concatenate([pos, self.query_abs_pos]))
+
 
 def build_attention_metadata(query_lens, context_lens, block_table, *, num_decode_requests,
                              num_tokens, decode_query_len=1):

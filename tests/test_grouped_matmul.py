@@ -93,7 +93,7 @@ def test_cuda_lowering_is_the_custom_call(rng):
 
 
 @pytest.mark.parametrize("args, error, match", [
-    (((8, 16), (2, 8, 12), (2,)), ValueError, "rhs: last dim"),
+    (((8, 16), (2, 8, 12), (2,)), ValueError, "must share K"),
     (((8, 16), (3, 8, 16), (2,)), ValueError, "group_sizes: length"),
     (((8, 16, 1), (2, 8, 16), (2,)), ValueError, "lhs must have rank 2"),
     (((8, 16), (8, 16), (2,)), ValueError, "rhs must have rank 3"),
@@ -103,6 +103,14 @@ def test_shape_errors(args, error, match):
     with pytest.raises(error, match=match):
         m3.grouped_matmul(jnp.zeros(ls, jnp.bfloat16), jnp.zeros(rs, jnp.bfloat16),
                           jnp.zeros(gs, jnp.int32))
+
+
+def test_no_derivative(rng):
+    lhs, rhs = operands(rng, 8, 16, 2, 8)
+    f = lambda a: jnp.sum(m3.grouped_matmul(a.astype(jnp.bfloat16), rhs,
+                                            jnp.asarray([3, 5], jnp.int32)))
+    with pytest.raises(NotImplementedError, match="grouped_matmul is inference-only"):
+        jax.grad(f)(lhs.astype(jnp.float32))
 
 
 def test_dtype_errors():

@@ -89,3 +89,19 @@ def test_traced_tokens_that_do_not_fit_are_cut_and_reported():
     err, _ = jax.jit(checkify.checkify(lambda c: m3.check_inputs(cu_seqlens_q=c, num_tokens=10)))(cu)
     with pytest.raises(checkify.JaxRuntimeError, match=r"\[True\] cu_seqlens_q\[R\] = 12 exceeds"):
         err.throw()
+
+
+def test_metadata_token_rows_cover_every_row():
+    """SparseAttentionMetadata.token_rows: decode rows (dql 2: request t // 2, positions
+    seq_len − 2 and seq_len − 1; a padded decode request's rows at −1) then the prefill
+    tokens, written out by hand here; the same under jit."""
+    bt = np.array([[5, 0, 9, -1], [1, 2, 3, 4], [6, 7, 8, -1]], np.int32)
+    meta = m3.build_attention_metadata(np.array([2, 0, 5], np.int32),
+                                       np.array([298, 0, 400], np.int32), bt,
+                                       num_decode_requests=2, num_tokens=10, decode_query_len=2)
+    want_req = [0, 0, 1, 1, 2, 2, 2, 2, 2, -1]
+    want_pos = [298, 299, -1, -1, 400, 401, 402, 403, 404, -1]
+    for req, pos in (meta.token_rows(), jax.jit(lambda m: m.token_rows())(meta)):
+        np.testing.assert_array_equal(np.asarray(req)[np.asarray(pos) >= 0],
+                                      np.array(want_req)[np.array(want_pos) >= 0])
+        np.testing.assert_array_equal(np.asarray(pos), want_pos)

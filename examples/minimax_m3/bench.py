@@ -244,7 +244,7 @@ class Bench:
         for kind, n, ctx in shapes:
             row = self.time_shape(kind, n, ctx)
             rows.append(row)
-            print(format_row(row), flush=True)
+            print(format_row(row, self.args.tp), flush=True)
         return dict(device=_device_name(), backend=self.backend, rank_config=_cfg_dict(self.cfg),
                     full_layers=self.full.num_layers, tp=self.args.tp, pages=self.pages,
                     init_s=self.init_s, memory=self.mem, moe_impl=self.args.moe_impl,
@@ -335,7 +335,7 @@ class Bench:
 def _device_name() -> str:
     import jax  # noqa: PLC0415
     d = jax.devices()[0]
-    return f"{d.platform}: {d.device_kind}"
+    return d.device_kind if d.device_kind.lower() != d.platform else d.platform
 
 
 def _cfg_dict(cfg) -> dict:
@@ -757,7 +757,7 @@ class Parts:
 
 
 # ----------------------------------------------------------------------------- output
-def format_row(row) -> str:
+def format_row(row, tp: int | None = None) -> str:
     head = (f"{row['kind']} {row['requests']} req × {row['context']} ctx ({row['tokens']} "
             f"tokens): step {row['step_ms']:.2f} ms (median; min {row['step_ms_min']:.2f})"
             + (f", floor {row['step_floor_ms']:.2f} ms" if "step_floor_ms" in row else "")
@@ -779,7 +779,7 @@ def format_row(row) -> str:
                      + f"   [{p['layers']} layers, compile {p['compile_s']:.1f} s]")
     if "projected_step_ms" in row:
         lines.append(
-            f"  projected, {row['projected_layers']} layers at TP: step "
+            f"  projected, {row['projected_layers']} layers at TP {tp or '?'}: step "
             f"{row['projected_step_ms']:.2f} ms (floor {row['projected_floor_ms']:.2f}; "
             f"modelled all-reduces {row['modelled_allreduce_ms']:.2f}) → "
             f"{row['projected_tokens_per_s_per_gpu']:.1f} tokens/s per GPU")
@@ -789,7 +789,8 @@ def format_row(row) -> str:
 def format_report(r) -> str:
     cfg = r["rank_config"]
     lines = [
-        f"\n{r['device']}: one TP-{r['tp']} rank, {cfg['num_hidden_layers']} of "
+        f"\n{r['backend']}{'' if r['device'] == r['backend'] else ' (' + r['device'] + ')'}: "
+        f"one TP-{r['tp']} rank, {cfg['num_hidden_layers']} of "
         f"{r['full_layers']} layers built (hidden {cfg['hidden_size']}, {cfg['num_attention_heads']}"
         f" q / {cfg['num_key_value_heads']} KV heads, {cfg['num_local_experts']} experts of "
         f"{cfg['intermediate_size']}, top {cfg['num_experts_per_tok']}, vocab "

@@ -64,6 +64,8 @@ def grouped_matmul(lhs, rhs, group_sizes):
     _checks.dtype(lhs, "lhs", (jnp.bfloat16,))
     _checks.dtype(rhs, "rhs", (jnp.bfloat16,))
     _checks.dtype(group_sizes, "group_sizes", (jnp.int32,))
-    _checks.dim("rhs", "last dim (K of lhs)", lhs.shape[1], rhs.shape[2])
+    if lhs.shape[1] != rhs.shape[2]:
+        raise ValueError(f"lhs [M, K] and rhs [G, N, K] must share K: lhs.shape {lhs.shape}, "
+                         f"rhs.shape {rhs.shape}")
     _checks.dim("group_sizes", "length (G of rhs)", rhs.shape[0], group_sizes.shape[0])
     return grouped_matmul_p.bind(lhs, rhs, group_sizes)
