@@ -1,7 +1,7 @@
 """``python -m benchmarks.gfx950_traffic [--quick]`` (from the repository root): what the gfx950 attention kernels read,
 counted on the ISA emulator, beside what the selections need, and an MI355X time model.
 
-Needs the repository checkout (ffi/flydsl, tools/rocm, tests/attention_problems.py), FlyDSL, lld/llvm-22, clang and tinygrad's
+Needs the repository checkout (ffi/flydsl, tools/rocm, tests/support/attention_problems.py), FlyDSL, lld/llvm-22, clang and tinygrad's
 CDNA emulator (see tools/rocm/emu_launch.py): the kernels are exported exactly as the build
 exports them and launched as ffi/rocm/handlers.cc launches them. **Nothing here ran on gfx950
 hardware**: bytes and MFMAs are counted per executed instruction on the emulator
@@ -37,7 +37,7 @@ import numpy as np
 
 import jax_m3sparse as m3
 from ffi.flydsl import elf_tools
-from tests.attention_problems import build, decode_problem
+from tests.support.attention_problems import build, decode_problem
 from tools.rocm import emu_launch, emu_traffic
 from tools.rocm.toolchain import EXPORT, toolchain_missing
 

@@ -17,7 +17,7 @@ callback lives in it), make each device run our kernel on its own KV heads inste
 
 The registration hooks (``register_custom_call_partitioner``, ``register_plugin_callbacks``) are
 the ones ``jax.experimental.custom_partitioning`` itself uses; they are private JAX API, kept to
-this one file and tested on every supported jax version (tests/test_sharding.py).
+this one file and tested on every supported jax version (tests/library/test_sharding.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ import zlib
 import numpy as np
 import pytest
 
-# 8 simulated CPU devices for the sharding tests (tests/test_sharding.py); every other test
+# 8 simulated CPU devices for the sharding tests (tests/library/test_sharding.py); every other test
 # runs on device 0 as before.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +

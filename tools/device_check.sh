@@ -125,11 +125,11 @@ PY
     date -u
   fi
   if [[ " $STEPS " == *" pytest "* ]]; then
-    # tests/test_sharding.py needs 8 devices: it runs on the device machine's CPU (simulated
+    # tests/library/test_sharding.py needs 8 devices: it runs on the device machine's CPU (simulated
     # devices), which checks the partitioners under that image's jax version
     wait ${CPU_PID:-}
-    echo "=== JAX_PLATFORMS=cpu pytest -q tests/test_sharding.py (jax of the device image)"
-    JAX_PLATFORMS=cpu timeout 150 python3 -m pytest -q tests/test_sharding.py \
+    echo "=== JAX_PLATFORMS=cpu pytest -q tests/library/test_sharding.py (jax of the device image)"
+    JAX_PLATFORMS=cpu timeout 150 python3 -m pytest -q tests/library/test_sharding.py \
       -p no:cacheprovider 2>&1 | tee "$OUT/pytest_sharding.log" | tail -4
   fi
   date -u
@@ -152,8 +152,8 @@ if [ "$MODE" = cpu ]; then  # the host CPU's attention paths (AVX-512 BF16, AMX)
   for step in ${CPU_STEPS:-test peak decode prefill}; do
     date -u
     if [ "$step" = test ]; then
-      echo "=== pytest tests/test_cpu_paths.py (every path of this CPU)"
-      timeout 300 python3 -m pytest -q tests/test_cpu_paths.py -p no:cacheprovider 2>&1 |
+      echo "=== pytest tests/library/test_cpu_paths.py (every path of this CPU)"
+      timeout 300 python3 -m pytest -q tests/library/test_cpu_paths.py -p no:cacheprovider 2>&1 |
         tee "$OUT/pytest_cpu_paths.log" | tail -25
     elif [ "$step" = sanitize ]; then  # ASan + UBSan: every path's tests, the fuzz and
       # reliability tests on avx512 (its vdpbf16ps operands are instrumented loads over the
@@ -164,16 +164,17 @@ if [ "$MODE" = cpu ]; then  # the host CPU's attention paths (AVX-512 BF16, AMX)
       # call on 2026-12-01 and returned nothing: keep to the bf16 paths and a short fuzz)
       echo "=== M3SPARSE_CPU_ISA=avx512 tools/sanitize.sh (avx512/amx path tests, fuzz)"
       PATH=/tmp/bin:$PATH M3SPARSE_CPU_ISA=avx512 M3SPARSE_FUZZ_EXAMPLES=10 timeout 240 \
-        bash tools/sanitize.sh tests/test_cpu_paths.py -k "avx512 or amx" 2>&1 |
+        bash tools/sanitize.sh tests/library/test_cpu_paths.py -k "avx512 or amx" 2>&1 |
         tee "$OUT/sanitize.log" | tail -8
       PATH=/tmp/bin:$PATH M3SPARSE_CPU_ISA=avx512 M3SPARSE_FUZZ_EXAMPLES=10 timeout 120 \
-        bash tools/sanitize.sh tests/test_fuzz.py 2>&1 | tee -a "$OUT/sanitize.log" | tail -4
+        bash tools/sanitize.sh tests/library/test_fuzz.py 2>&1 | tee -a "$OUT/sanitize.log" |
+        tail -4
     elif [ "$step" = suite ]; then  # the attention suites on this CPU's default (widest) path
       echo "=== pytest (attention, faults, fuzz, reliability, sharding, API tour), path $(python3 -c \
         'from jax_m3sparse import _m3sparse_cpu as m; print(m.cpu_path())')"
-      timeout 400 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_attention.py \
-        tests/test_faults.py tests/test_fuzz.py tests/test_reliability.py tests/test_sharding.py \
-        tests/test_api_tour.py 2>&1 | tee "$OUT/pytest_suite.log" | tail -25
+      timeout 400 python3 -m pytest -q -n 8 -p no:cacheprovider tests/library/test_attention.py \
+        tests/library/test_faults.py tests/library/test_fuzz.py tests/library/test_reliability.py \
+        tests/library/test_sharding.py tests/library/test_api_tour.py 2>&1 | tee "$OUT/pytest_suite.log" | tail -25
     else
       echo "=== taskset -c $CORES python -m jax_m3sparse.bench $step --platform cpu"
       taskset -c "$CORES" timeout 300 python3 -m jax_m3sparse.bench "$step" --platform cpu \

@@ -53,17 +53,20 @@ LOG=$B/sanitize.log
 status=0
 pytest_logged() {
   # --capture=sys: pytest must not capture fd 2, where the sanitizers write (a process that
-  # dies would take a captured report along with it). -o pythonpath=: the repository root
-  # (pyproject.toml's pythonpath) would put its unbuilt jax_m3sparse before $SITE's.
-  "$PY" -S -m pytest -q -p no:cacheprovider --capture=sys -o pythonpath= "$@" 2>&1 | tee -a "$LOG" || status=$?
+  # dies would take a captured report along with it). -o pythonpath=tests/support (relative to
+  # pyproject.toml): the tests' shared modules only, not the repository root of pyproject.toml's
+  # pythonpath, which would put its unbuilt jax_m3sparse before $SITE's.
+  "$PY" -S -m pytest -q -p no:cacheprovider --capture=sys -o pythonpath=tests/support "$@" 2>&1 |
+    tee -a "$LOG" || status=$?
 }
 if [ $# -eq 0 ]; then
   # The CI selection: the native implementation on small shapes (not the 2 GiB cache, not the
   # geometry grid, not the lowering/export checks, which run no handler).
-  pytest_logged "$ROOT/tests/test_faults.py" "$ROOT/tests/test_reliability.py" "$ROOT/tests/test_fuzz.py"
-  pytest_logged "$ROOT/tests/test_pack.py" "$ROOT/tests/test_attention.py" \
+  pytest_logged "$ROOT/tests/library/test_faults.py" "$ROOT/tests/library/test_reliability.py" \
+    "$ROOT/tests/library/test_fuzz.py"
+  pytest_logged "$ROOT/tests/library/test_pack.py" "$ROOT/tests/library/test_attention.py" \
     -k "native and not geometry_grid and not 2gib"
-  pytest_logged "$ROOT/tests/test_select.py" -k "not sharded and not reference_gathers"
+  pytest_logged "$ROOT/tests/library/test_select.py" -k "not sharded and not reference_gathers"
 else
   pytest_logged "$@"
 fi

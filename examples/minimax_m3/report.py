@@ -6,8 +6,8 @@ import numpy as np
 
 from .engine import Engine
 
-# What a healthy run shows (tests/test_example.py checks them). NVFP4 itself gives rel-F about
-# 0.1 on unit-RMS inputs (SPEC §6); random weights give flat logits with near-ties, so a few
+# What a healthy run shows (tests/example/test_example.py checks them). NVFP4 itself gives rel-F
+# about 0.1 on unit-RMS inputs (SPEC §6); random weights give flat logits with near-ties, so a few
 # greedy tokens flip (defaults: about 88% agreement, logit cosine about 0.998).
 BOUNDS = dict(attn_cos_min=0.98, attn_rel_f_max=0.2, logit_cos_min=0.98, agreement_min=0.7)
 

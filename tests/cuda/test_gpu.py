@@ -1,6 +1,6 @@
 """The CUDA backend through the public API, on a GPU (skipped without one or without the
-compiled ``_m3sparse_cuda`` module). Oracles: tests/oracle.py (float64 from the stored bytes,
-SPEC §6) and the CPU backend (bit-exact pack)."""
+compiled ``_m3sparse_cuda`` module). Oracles: tests/support/oracle.py (float64 from the stored
+bytes, SPEC §6) and the CPU backend (bit-exact pack)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-import oracle  # noqa: E402  (tests/, on the path through tests/conftest.py)
+import oracle  # noqa: E402  (tests/support/, on the path through pyproject.toml's pythonpath)
 
 import jax_m3sparse as m3  # noqa: E402
 from jax_m3sparse import _ffi  # noqa: E402
@@ -486,13 +486,12 @@ def _grouped_operands(rng, M, K, G, N):
     (24, 384, 128, 768, None),                  # one TP-8 rank's experts, 6 tokens × k 4
 ])
 def test_grouped_matmul_matches_oracle(rng, M, K, G, N, sizes):
-    from test_grouped_matmul import oracle
     lhs, rhs = _grouped_operands(rng, M, K, G, N)
     if sizes is None:
         sizes = np.bincount(rng.integers(0, G, M), minlength=G)
     sizes = _gpu(jnp.asarray(sizes, jnp.int32))
     got = np.asarray(jax.jit(m3.grouped_matmul)(lhs, rhs, sizes))
-    want = oracle(lhs, rhs, sizes)
+    want = oracle.grouped_matmul(lhs, rhs, sizes)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
     assert not np.any(got[np.all(want == 0, axis=1)])
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_m3_loader.py in fresh processes: writes a > 2 GB random bf16 checkpoint
+"""Run by tests/example/test_m3_loader.py in fresh processes: writes a > 2 GB random bf16 checkpoint
 directory (``write DIR``), or loads one lazily and prints host-memory figures (``load DIR``).
 
 The writer builds each shard from random bf16 bit patterns (no fp32 copy, one shard in memory);
@@ -13,10 +13,8 @@ import sys
 
 import numpy as np
 
-# A worker run as a script in a fresh process (test_m3_loader.py): pytest's pythonpath does not reach it.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-
-from minimax_m3.config import DENSE_MLP, FULL, MOE, ModelConfig  # noqa: E402
+# examples/ on PYTHONPATH (the launcher, tests/example/test_m3_loader.py, sets it)
+from minimax_m3.config import DENSE_MLP, FULL, MOE, ModelConfig
 
 # 6 MoE layers of 32 experts: experts.gate_up_proj is 256 MiB per layer, about 2.3 GB in all.
 CFG = ModelConfig(vocab_size=32000, hidden_size=1024, num_hidden_layers=6,

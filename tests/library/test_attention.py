@@ -11,35 +11,10 @@ import jax_m3sparse as m3
 from jax_m3sparse import reference
 
 import oracle
+from attention_checks import assert_close, expected, run_decode, run_prefill
 from attention_problems import decode_problem, prefill_problem
 
-COS, RELF = 0.999, 0.02   # SPEC §6, CPU path (fp32 compute)
 IMPLS = ("native", "reference")
-
-
-def run_decode(p, impl, **kw):
-    fn = m3.sparse_decode if impl == "native" else reference.sparse_decode
-    return np.asarray(jax.jit(lambda *a: fn(*a, decode_query_len=p.dql, **kw))(
-        p.q, p.cache, p.topk, p.block_table, p.seq_lens, p.k_scale, p.v_scale), np.float64)
-
-
-def run_prefill(p, impl, **kw):
-    fn = m3.sparse_prefill if impl == "native" else reference.sparse_prefill
-    return np.asarray(jax.jit(lambda *a: fn(*a, **kw))(
-        p.q, p.cache, p.topk, p.block_table, p.req, p.pos, p.k_scale, p.v_scale), np.float64)
-
-
-def expected(p, **kw):
-    return oracle.attention(np.asarray(p.q, np.float32), p.cache, p.topk, p.block_table, p.req,
-                            p.pos, p.k_scale, p.v_scale, **kw)
-
-
-def assert_close(out, want, cos=COS, relf=RELF):
-    assert np.isfinite(out).all()
-    c, r = oracle.metrics(out, want)
-    assert c >= cos and r <= relf, f"cosine {c:.6f}, rel-F {r:.4f}"
-    empty = ~np.any(want != 0, axis=-1)
-    assert (out[empty] == 0).all(), "rows with nothing attended must be exact zeros"
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -366,7 +366,7 @@ def test_dry_run_plans_the_real_model(capsys):
     """--dry-run on M3's published shapes at TP 8: no weight allocated, the step traces at full
     size, and the per-device bytes follow from the shapes (checked here by arithmetic)."""
     import minimax_m3_generate as cli
-    cfg_path = str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "m3_config")
+    cfg_path = str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "m3_config")
     p = cli.main(["--config", cfg_path, "--dry-run", "--tp", "8", "--context-len", "131072",
                   "--batch", "8", "--device-memory-gb", "192"])
     assert 420e9 < p["parameters"] < 432e9 and p["step_logits"] == (8, 200064)
@@ -388,7 +388,7 @@ def test_fp8_index_cache_selects_like_bf16():
     KV head) rows with the same set (FP8 rounding reorders near-equal blocks)."""
     import dataclasses
     from minimax_m3 import model, sampling
-    tokens = np.frombuffer((pathlib.Path(__file__).resolve().parents[1] / "docs" / "SPEC.md")
+    tokens = np.frombuffer((pathlib.Path(__file__).resolve().parents[2] / "docs" / "SPEC.md")
                            .read_bytes()[:3072], np.uint8).astype(np.int32)
     base = ModelConfig()
     S, N, K = len(tokens), base.block_size, base.index_topk_blocks

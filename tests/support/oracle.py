@@ -5,6 +5,7 @@
 * Page map (SPEC §3): byte-by-byte writes with Python offsets.
 * Attention (SPEC §5): float64 dense softmax over the keys a row attends, read from the
   stored bytes.
+* grouped_matmul (SPEC §9): a float64 matmul per group of rows.
 """
 
 from __future__ import annotations
@@ -169,3 +170,17 @@ def metrics(out, ref):
     nb = np.linalg.norm(b)
     cos = float(a @ b / (np.linalg.norm(a) * nb)) if nb else float(np.linalg.norm(a) == 0)
     return cos, float(np.linalg.norm(a - b) / nb) if nb else float(np.linalg.norm(a))
+
+
+def grouped_matmul(lhs, rhs, sizes):
+    """grouped_matmul (SPEC §9) in float64, per group; negative sizes count 0, rows past M
+    dropped, uncovered rows 0."""
+    a = np.asarray(lhs, np.float64)
+    w = np.asarray(rhs, np.float64)
+    out = np.zeros((a.shape[0], w.shape[1]))
+    start = 0
+    for g, s in enumerate(np.asarray(sizes)):
+        end = min(start + max(int(s), 0), a.shape[0])
+        out[start:end] = a[start:end] @ w[g].T
+        start = end
+    return out

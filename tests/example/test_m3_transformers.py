@@ -1,7 +1,7 @@
 """The M3 example against transformers' MiniMax M3 (``transformers.models.minimax_m3_vl``).
 
 Tiny random M3 models are built with transformers (fp32, eager attention), saved as checkpoint
-directories the way they are published (tests/hf_fixtures.py: transformers' names and the
+directories the way they are published (tests/support/hf_fixtures.py: transformers' names and the
 upstream names, sharded and not, tied and untied, FP8 blocks), and loaded by the example's
 loader as they are. The example's baseline stream (compare.py), in float32 with its own index
 keys and selections (``baseline_selection="own"``), is an independent JAX twin of

@@ -160,10 +160,12 @@ def test_data_parallel_attention_with_shard_map(rng):
 
 def test_two_processes_with_jax_distributed(tmp_path):
     """2 processes x 4 CPU devices (gloo), one TP=8 step across the 8 global devices; each
-    process checks its shards against a one-device run (tests/multiprocess_worker.py)."""
-    worker = Path(__file__).with_name("multiprocess_worker.py")
+    process checks its shards against a one-device run (tests/workers/multiprocess_worker.py)."""
+    tests = Path(__file__).resolve().parents[1]
+    worker = tests / "workers" / "multiprocess_worker.py"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join([str(worker.parent), env.get("PYTHONPATH", "")])
+    # a script in a fresh process: pytest's pythonpath does not reach it (sharding_case)
+    env["PYTHONPATH"] = os.pathsep.join([str(tests / "support"), env.get("PYTHONPATH", "")])
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

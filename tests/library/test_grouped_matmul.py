@@ -1,6 +1,7 @@
 """grouped_matmul (SPEC §9) through the public API on the CPU (its reference lowering, XLA's
-ragged_dot) against a float64 NumPy loop over the groups written here; the size rules for
-data-dependent group_sizes; trace-time errors; jit, vmap and the CUDA lowering's custom call.
+ragged_dot) against a float64 NumPy loop over the groups (tests/support/oracle.py); the size
+rules for data-dependent group_sizes; trace-time errors; jit, vmap and the CUDA lowering's
+custom call.
 The CUDA kernel itself: tests/cuda/test_gpu.py and tests/cuda/grouped_harness.cu."""
 
 import jax
@@ -10,18 +11,7 @@ import pytest
 
 import jax_m3sparse as m3
 
-
-def oracle(lhs, rhs, sizes):
-    """float64 per group; negative sizes count 0, rows past M dropped, uncovered rows 0."""
-    a = np.asarray(lhs, np.float64)
-    w = np.asarray(rhs, np.float64)
-    out = np.zeros((a.shape[0], w.shape[1]))
-    start = 0
-    for g, s in enumerate(np.asarray(sizes)):
-        end = min(start + max(int(s), 0), a.shape[0])
-        out[start:end] = a[start:end] @ w[g].T
-        start = end
-    return out
+import oracle
 
 
 def operands(rng, M, K, G, N):
@@ -39,7 +29,7 @@ def operands(rng, M, K, G, N):
 def test_matches_oracle(rng, sizes):
     lhs, rhs, = operands(rng, 10, 24, 4, 16)
     got = np.asarray(jax.jit(m3.grouped_matmul)(lhs, rhs, jnp.asarray(sizes, jnp.int32)))
-    want = oracle(lhs, rhs, sizes)
+    want = oracle.grouped_matmul(lhs, rhs, sizes)
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     assert not np.any(got[np.all(want == 0, axis=1)])   # uncovered rows are exact zeros
@@ -75,7 +65,7 @@ def test_vmap(rng):
     sizes = jnp.asarray([[3, 5], [8, 0], [0, 2]], jnp.int32)
     got = jax.vmap(m3.grouped_matmul, in_axes=(None, None, 0))(lhs, rhs, sizes)
     for b in range(3):
-        np.testing.assert_allclose(np.asarray(got[b]), oracle(lhs, rhs, sizes[b]),
+        np.testing.assert_allclose(np.asarray(got[b]), oracle.grouped_matmul(lhs, rhs, sizes[b]),
                                    rtol=1e-5, atol=1e-4)
 
 

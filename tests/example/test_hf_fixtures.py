@@ -1,4 +1,4 @@
-"""Checks of the transformers fixtures themselves (tests/hf_fixtures.py)."""
+"""Checks of the transformers fixtures themselves (tests/support/hf_fixtures.py)."""
 import json
 import os
 

@@ -11,7 +11,7 @@ import sys
 
 from minimax_m3 import bench
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_module_entry_point():

@@ -11,8 +11,8 @@ import pytest
 import jax_m3sparse as m3
 from jax_m3sparse import _m3sparse_cpu
 
+from attention_checks import assert_close, expected, run_decode, run_prefill
 from attention_problems import decode_problem, prefill_problem
-from test_attention import assert_close, expected, run_decode, run_prefill
 import oracle
 
 PATHS = _m3sparse_cpu.cpu_paths()

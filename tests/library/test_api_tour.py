@@ -5,7 +5,7 @@ import runpy
 
 
 def test_api_tour_runs(capsys):
-    runpy.run_path(str(pathlib.Path(__file__).parents[1] / "examples" / "api_tour.py"))
+    runpy.run_path(str(pathlib.Path(__file__).parents[2] / "examples" / "api_tour.py"))
     out = capsys.readouterr().out
     assert "padding rows are zeros: True" in out
     assert "selection equals the reference: True" in out
@@ -16,7 +16,7 @@ def test_api_tour_runs(capsys):
 
 def test_serve_sharded_runs(capsys):
     """README "Serving on many devices": M3's heads at TP 8, no collective, one-device result."""
-    runpy.run_path(str(pathlib.Path(__file__).parents[1] / "examples" / "serve_sharded.py"))
+    runpy.run_path(str(pathlib.Path(__file__).parents[2] / "examples" / "serve_sharded.py"))
     out = capsys.readouterr().out
     assert "collectives in the compiled step: 0" in out
     assert "0.56 of 4.50 MiB per device" in out
