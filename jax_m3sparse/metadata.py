@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_m3sparse import _checks
+from jax_m3sparse import _checks, reference
 from jax_m3sparse.ops.positions import query_token_positions
 
 
@@ -41,7 +41,6 @@ class SparseAttentionMetadata:
         (request ``t // decode_query_len``, position ``seq_lens[r] − decode_query_len +
         t % decode_query_len``; −1 where that is negative, SPEC §5.3) then the prefill tokens'
         (SPEC §4). What :func:`jax_m3sparse.select_blocks` takes for the mixed batch."""
-        from jax_m3sparse import reference  # noqa: PLC0415 (reference imports this module's users)
         req, pos = reference.decode_rows(self.seq_lens, self.num_decode_tokens,
                                          self.decode_query_len)
         return (jnp.concatenate([req, self.query_req_id]),
