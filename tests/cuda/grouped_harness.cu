@@ -22,14 +22,6 @@
 using namespace m3sparse;
 using namespace m3sparse::cuda;
 
-static int g_failures = 0;
-static void report(bool ok, const std::string& what, const std::string& detail = "") {
-  printf("%-6s %s%s%s\n", ok ? "PASS" : "FAIL", what.c_str(), detail.empty() ? "" : ": ",
-         detail.c_str());
-  if (!ok) ++g_failures;
-  fflush(stdout);
-}
-
 struct Problem {
   int64_t M, N, K;
   int G;

@@ -31,13 +31,7 @@
 using namespace m3sparse;
 using namespace m3sparse::cuda;
 
-static int g_failures = 0;
 static int g_num_sms = 132;
-static void report(bool ok, const char* what) {
-  printf("%-6s %s\n", ok ? "PASS" : "FAIL", what);
-  if (!ok) ++g_failures;
-  fflush(stdout);
-}
 
 template <typename T>
 static T* dev_upload(const std::vector<T>& v) {

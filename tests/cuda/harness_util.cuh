@@ -1,6 +1,7 @@
-// What both standalone harnesses (harness.cu: attention and pack; select_harness.cu: the
-// selection) need around their kernels: the CUDA error check, the copy rate the tables are read
-// against, and timing a launch as a CUDA graph.
+// What the standalone harnesses (harness.cu: attention and pack; select_harness.cu: the
+// selection; grouped_harness.cu: the grouped matmul) need around their kernels: the CUDA error
+// check, PASS/FAIL lines and their count, the copy rate the tables are read against, and timing
+// a launch as a CUDA graph.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,6 +9,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #define CK(x)                                                                          \
@@ -19,6 +21,15 @@
       exit(2);                                                                         \
     }                                                                                  \
   } while (0)
+
+// Failed checks so far; report() prints one PASS/FAIL line (": detail" when given).
+static int g_failures = 0;
+static void report(bool ok, const std::string& what, const std::string& detail = "") {
+  printf("%-6s %s%s%s\n", ok ? "PASS" : "FAIL", what.c_str(), detail.empty() ? "" : ": ",
+         detail.c_str());
+  if (!ok) ++g_failures;
+  fflush(stdout);
+}
 
 // TB/s of a 2 GiB device-to-device cudaMemcpy (read + write), median of 5.
 static double copy_bandwidth() {

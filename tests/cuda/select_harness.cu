@@ -25,14 +25,6 @@
 using namespace m3sparse;
 using namespace m3sparse::cuda;
 
-static int g_failures = 0;
-static void report(bool ok, const std::string& what, const std::string& detail = "") {
-  printf("%-6s %s%s%s\n", ok ? "PASS" : "FAIL", what.c_str(), detail.empty() ? "" : ": ",
-         detail.c_str());
-  if (!ok) ++g_failures;
-  fflush(stdout);
-}
-
 // ------------------------------------------------------------------ a case and its oracle
 struct Case {
   int64_t T = 0, Hkv = 1, Di = 128, P = 0, L = 1, N = 128, R = 0, M = 0, K = 16, local = 1;
