@@ -195,28 +195,19 @@ def index_cache_shape(cfg: ModelConfig, num_pages: int) -> tuple[int, ...]:
 
 # ----------------------------------------------------------------------------- step metadata
 def batch_rows(batch: dict, num_decode_requests: int, decode_query_len: int):
-    """A step's mixed-batch metadata and per-row ``(request, position)`` (token_rows)."""
+    """A step's mixed-batch metadata and per-row ``(request, position)``, ``int32[T]`` each
+    (``SparseAttentionMetadata.token_rows``), with −1 as the request of every padding row."""
     T = batch["tokens"].shape[0]
     meta = m3.build_attention_metadata(batch["query_lens"], batch["context_lens"],
                                        batch["block_table"], num_decode_requests=num_decode_requests,
                                        num_tokens=T, decode_query_len=decode_query_len)
-    return (meta, *token_rows(meta, T))
-
-
-def token_rows(meta: m3.SparseAttentionMetadata, num_tokens: int):
-    """(request row, absolute position) per token, ``int32[T]`` each; −1 for padding."""
-    nd, dql = meta.num_decode_tokens, meta.decode_query_len
-    t = jnp.arange(nd, dtype=jnp.int32)
-    r = t // dql
-    dpos = meta.seq_lens[r] - dql + t % dql if nd else t
-    live = meta.seq_lens[r] > 0 if nd else t >= 0
-    req = jnp.concatenate([jnp.where(live, r, -1), meta.query_req_id])
-    pos = jnp.concatenate([jnp.where(live, dpos, -1), meta.query_abs_pos])
-    return req[:num_tokens], pos[:num_tokens]
+    req, pos = meta.token_rows()
+    return meta, jnp.where(pos >= 0, req, -1), pos
 
 
 def _cpu() -> bool:
-    """The GPU kernels serve K = 16 only (SPEC §1): elsewhere full layers use the jnp reference."""
+    """The CPU kernels serve any K; the GPU kernels K <= 64 (CUDA) or 16 (gfx950) (SPEC §1), so
+    full layers there use the jnp reference."""
     return jax.default_backend() == "cpu"
 
 

@@ -12,6 +12,9 @@ def test_api_tour_runs(capsys):
     assert "padding rows select nothing: True" in out
     assert "decode row equals sparse_decode: True" in out
     assert "gfx950 serves this geometry: True" in out
+    assert ("mixed batch rows: requests [ 0  1  1  1  1  1 -1 -1] "
+            "positions [299 995 996 997 998 999  -1  -1]") in out
+    assert "grouped matmul (10, 32) row 0 is token 0 through expert 0 : True" in out
 
 
 def test_serve_sharded_runs(capsys):
