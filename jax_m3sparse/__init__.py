@@ -7,7 +7,8 @@ Public API (SPEC.md sections in each docstring):
   :func:`unpack_kv_pages` (SPEC §3)
 * metadata: :func:`query_token_positions` (SPEC §4), :class:`SparseAttentionMetadata`,
   :func:`build_attention_metadata`
-* attention: :func:`sparse_decode`, :func:`sparse_prefill`, :func:`sparse_attention` (SPEC §5)
+* attention: :func:`sparse_decode`, :func:`sparse_prefill`, :func:`sparse_attention` (SPEC §5),
+  :func:`full_attention` (every key up to the position: M3's full layers, SPEC §5.7)
 * MiniMax M3's indexer selection: :func:`select_blocks` (SPEC §8)
 * the routed experts' matmuls: :func:`grouped_matmul` (SPEC §9)
 * geometry and faults: :func:`unsupported_reason` (SPEC §1), :func:`check_inputs` (SPEC §7)
@@ -29,6 +30,7 @@ from jax_m3sparse.metadata import SparseAttentionMetadata, build_attention_metad
 from jax_m3sparse.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 from jax_m3sparse.ops.attention import sparse_attention
 from jax_m3sparse.ops.decode import sparse_decode
+from jax_m3sparse.ops.full import full_attention
 from jax_m3sparse.ops.grouped_matmul import grouped_matmul
 from jax_m3sparse.ops.pack import pack_kv_pages, unpack_kv_pages
 from jax_m3sparse.ops.positions import query_token_positions
@@ -41,7 +43,8 @@ __version__ = "0.1.0"
 __all__ = [
     "KVCacheSpec", "NativeModuleWarning", "SparseAttentionMetadata", "allocate_kv_cache",
     "build_attention_metadata", "check_inputs", "cpu_attention_paths", "export_disabled_checks",
-    "grouped_matmul", "native_module", "native_platforms", "nvfp4_dequantize", "nvfp4_quantize",
+    "full_attention", "grouped_matmul", "native_module", "native_platforms", "nvfp4_dequantize",
+    "nvfp4_quantize",
     "pack_kv_pages", "query_token_positions", "reference", "select_blocks", "sharding",
     "sparse_attention", "sparse_decode", "sparse_prefill", "unpack_kv_pages", "unsupported_reason",
 ]

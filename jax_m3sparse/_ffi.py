@@ -164,9 +164,10 @@ def import_error(platform: str) -> str | None:
 
 
 OPS = ("pack_kv_pages", "query_token_positions", "sparse_decode", "sparse_prefill",
-       "select_blocks", "grouped_matmul")
-# Ops with a kernel on some platforms only (the others lower them to the reference).
-_ONLY_ON = {"grouped_matmul": ("cuda",)}
+       "full_attention", "select_blocks", "grouped_matmul")
+# Ops with a kernel on some platforms only (the others lower them to the reference or, for
+# full_attention on the CPU, to another op's kernel).
+_ONLY_ON = {"grouped_matmul": ("cuda",), "full_attention": ("cuda",)}
 
 
 def ops_of(platform: str) -> tuple[str, ...]:

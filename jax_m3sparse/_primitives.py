@@ -44,7 +44,8 @@ def define_primitive(op: str, *, abstract_eval: Callable, reference: Callable,
                      operand_output_aliases: dict[int, int] | None = None,
                      native_platforms=("cpu", "rocm", "cuda"),
                      platform_reason: Callable | None = None,
-                     head_axes: HeadAxes | None = None) -> Primitive:
+                     head_axes: HeadAxes | None = None,
+                     lowerings: dict[str, Callable] | None = None) -> Primitive:
     """Defines primitive ``m3sparse_<op>``.
 
     Args:
@@ -59,6 +60,9 @@ def define_primitive(op: str, *, abstract_eval: Callable, reference: Callable,
         kernels cannot serve these shapes; raised as ValueError when lowering for it.
       head_axes: where each operand's KV-head axis is; None for ops without one (their
         operands are small and replicated).
+      lowerings: ``{platform: fn}`` for platforms without this op's FFI target that serve it
+        through other primitives: ``fn(*operands, **params)`` in JAX, lowered in place of the
+        reference (full_attention on the CPU: sparse_prefill with every block selected).
     """
     prim = Primitive(f"m3sparse_{op}")
     prim.multiple_results = multiple_results
@@ -78,6 +82,10 @@ def define_primitive(op: str, *, abstract_eval: Callable, reference: Callable,
                 platform=platform)
             if head_axes is not None:
                 _partitioning.register(target, platform, head_axes, operand_output_aliases)
+
+    for platform, fn in (lowerings or {}).items():
+        mlir.register_lowering(prim, mlir.lower_fun(fn, multiple_results=multiple_results),
+                               platform=platform)
 
     batching.primitive_batchers[prim] = functools.partial(_batch_by_map, prim)
     ad.primitive_jvps[prim] = functools.partial(_no_derivative, op)

@@ -241,6 +241,35 @@ def sparse_prefill(q, kv_cache, topk_indices, block_table, query_req_id, query_a
                         scale=scale, layout=layout_code(layout, kv_cache.ndim))
 
 
+def all_blocks(num_kv_heads: int, num_tokens: int, max_blocks: int):
+    """``int32[Hkv, T, M]``: every logical block for every row — full attention as a top-k list
+    (SPEC §5.7)."""
+    return jnp.broadcast_to(jnp.arange(max_blocks, dtype=jnp.int32),
+                            (num_kv_heads, num_tokens, max_blocks))
+
+
+def full_impl(q, kv_cache, block_table, query_req_id, query_abs_pos, k_scale, v_scale, layer, *,
+              scale, layout, workspace_shape):
+    """Full attention (SPEC §5.7): §5.4 with every block selected. Returns ``(out, workspace)``;
+    the workspace (the CUDA kernel's, zeros here) is never read by callers."""
+    topk = all_blocks(kv_cache.shape[-3] // 2, q.shape[0], block_table.shape[1])
+    out = attend_impl(q, kv_cache, topk, block_table, query_req_id, query_abs_pos, k_scale,
+                      v_scale, layer, scale=scale, layout=layout)
+    return out, jnp.zeros(workspace_shape, jnp.float32)
+
+
+def full_attention(q, kv_cache, block_table, query_req_id, query_abs_pos, k_scale, v_scale, *,
+                   scale=None, layer=None, layout=None):
+    """Reference of :func:`jax_m3sparse.full_attention` (SPEC §5.7)."""
+    q, kv_cache, block_table, query_req_id, query_abs_pos = map(
+        jnp.asarray, (q, kv_cache, block_table, query_req_id, query_abs_pos))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    topk = all_blocks(kv_cache.shape[-3] // 2, q.shape[0], block_table.shape[1])  # slots: -3
+    return attend_impl(q, kv_cache, topk, block_table, query_req_id, query_abs_pos,
+                       jnp.float32(k_scale), jnp.float32(v_scale), 0 if layer is None else layer,
+                       scale=scale, layout=layout_code(layout, kv_cache.ndim))
+
+
 def sparse_attention(q, kv_cache, topk_indices, metadata, k_scale, v_scale, *, scale=None,
                      layer=None, layout=None):
     """Reference of :func:`jax_m3sparse.sparse_attention` (SPEC §5.6)."""

@@ -56,13 +56,14 @@ constexpr int kScalePlane = kBlockSize * kHeadDim / 2;                     // 81
 constexpr int kStageBytes = 2 * kTileBytes;                                // K tile, V tile
 constexpr float kLog2e = 1.4426950408889634f;
 // One fp32 state (m, l, O) of 16 rows x 128 d in the mma fragment layout: float4 [jd][lane]
-// (lane (g8, tig) of any warp: acc[jd][0..3]), then m[16], l[16].
-constexpr int kStateFloats = kGroup * kHeadDim + 2 * kGroup;
+// (lane (g8, tig) of any warp: acc[jd][0..3]), then m[16], l[16] (kStateFloats, the header).
 constexpr int kStateBytes = kStateFloats * 4;  // 8320
 // one CTA per row: 4 CTAs per SM (16 warps), a 2-stage ring plus R
 constexpr int kMinBlocks = 4;
 constexpr int kStagesRow = 2;
 constexpr int kSmemRow = kStagesRow * kStageBytes + kStateBytes;
+// full_attention, one CTA per row: a second state after R, the fold of the row's parts
+constexpr int kSmemFull = kSmemRow + kStateBytes;
 // cluster of C: a 4-stage ring (a round's 4 blocks in flight at once); each warp's leaf of the
 // CTA's last round reuses its own ring slice, the leaves of its earlier rounds (C = 2: one) sit
 // after the ring (C = 2: 107 KB, still 2 CTAs per SM)
@@ -296,13 +297,27 @@ __device__ __forceinline__ float* leaf_state(uint8_t* smem, int slot, int q) {
   return reinterpret_cast<float*>(at);
 }
 
+// Row h of element k of a state in fragment layout (state_elem's h).
+__device__ __forceinline__ int state_row(int k) {
+  return (((k >> 2) & 31) >> 2) + 8 * ((k & 3) >> 1);
+}
+
+// Blocks of a row attending keys [0, vis), and its full_attention parts.
+__device__ __forceinline__ int64_t full_parts_of_row(int64_t vis) {
+  const int64_t blocks = (vis + kBlockSize - 1) / kBlockSize;
+  return (blocks + kFullPart - 1) / kFullPart;
+}
+
 // T: q/out dtype. kCvt: dequantize through the fp8 conversion (fp16 mma, Q converted to fp16);
 // otherwise through the bit placement of device_utils.cuh (mma in T). kCluster: 1, one CTA per
 // row; 2 or kRounds, a cluster of that many CTAs per row, CTA c computing kRounds / kCluster
-// consecutive rounds.
-template <typename T, bool kCvt, int kCluster>
+// consecutive rounds. kFull (kCluster 1 only): full_attention, the row's parts in turn (R2 <-
+// R2 ⊕ part state, then out from R2), or with p.full_parts > 0 part blockIdx.y alone, its state
+// written to the workspace for full_merge_kernel.
+template <typename T, bool kCvt, int kCluster, bool kFull = false>
 __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
     sparse_attention_kernel(const AttentionParams p) {
+  static_assert(!kFull || kCluster == 1, "full_attention: one CTA per row or per part");
   constexpr bool kSplitted = kCluster > 1;
   constexpr int kRoundsPerCta = kRounds / kCluster;
   using C = std::conditional_t<kCvt, __half, T>;  // mma / P dtype
@@ -326,13 +341,26 @@ __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
   const int Hkv = p.num_kv_heads;
   const int64_t t = pair / Hkv;
   const int g = int(pair % Hkv);
-  const int K = p.topk;
+  const int K = kFull ? kFullPart : p.topk;
   const int G = p.group > 0 ? p.group : kGroup;
   // The selected block id does not depend on the position: load it first (one fewer
   // dependent round trip before the block-table read).
-  const int64_t bsel =
-      tid < K ? int64_t(p.topk_indices[(int64_t(g) * p.num_tokens + t) * K + tid]) : -1;
+  const int64_t bsel0 =
+      (!kFull && tid < K) ? int64_t(p.topk_indices[(int64_t(g) * p.num_tokens + t) * K + tid])
+                          : -1;
   const TokenPos tp = token_position(p, t);
+  // the parts this CTA computes: sparse, one (the top-k list); full, the row's parts or one
+  int64_t part0 = 0, part1 = 1;
+  if constexpr (kFull) {
+    const int64_t parts = full_parts_of_row(tp.vis);
+    if (p.full_parts > 0) {
+      part0 = blockIdx.y;
+      part1 = part0 + 1;
+      if (part0 >= parts) return;  // the merge reads parts [0, parts) only
+    } else {
+      part1 = parts;
+    }
+  }
 
   if constexpr (kCvt) {
     s_mul[tid] = Traits<__half>::from_float(e4m3_to_float(uint8_t(tid)));
@@ -353,15 +381,20 @@ __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
     build_q_frags<T, kCvt, 4>(static_cast<const uint16_t*>(p.q) + ((t * Hq + int64_t(g) * G) * kHeadDim),
                               G, lane, 32 * tig, zs < 0.f ? 0x80008000u : 0u, &s_q[0][0]);
 
-  // one CTA per row: R (the fold's state, after the ring) starts empty
+  // one CTA per row: R (the fold's state, after the ring) starts empty; full: R2 too
   float* const R = reinterpret_cast<float*>(smem + kStagesRow * kStageBytes);
-  if constexpr (!kSplitted) {
-    for (int i = tid; i < kGroup * kHeadDim; i += kThreads) R[i] = 0.f;
+  float* const R2 = R + kStateFloats;
+  auto clear_state = [&](float* S) {
+    for (int i = tid; i < kGroup * kHeadDim; i += kThreads) S[i] = 0.f;
     if (tid < kGroup) {
-      R[kGroup * kHeadDim + tid] = -INFINITY;
-      R[kGroup * kHeadDim + kGroup + tid] = 0.f;
+      S[kGroup * kHeadDim + tid] = -INFINITY;
+      S[kGroup * kHeadDim + kGroup + tid] = 0.f;
     }
-  }
+  };
+  if (kFull && p.full_parts == 0) clear_state(R2);  // (compact_slots' barriers publish it)
+  for (int64_t part = part0; part < part1; ++part) {
+  if constexpr (!kSplitted) clear_state(R);
+  const int64_t bsel = kFull ? (tid < K ? part * kFullPart + tid : -1) : bsel0;
   const int count = compact_slots(p, tp, g, bsel, s_off, s_nvalid, s_mask);  // (barriers)
   const int cpr = (count + kRounds - 1) / kRounds;  // entries per round
   const int jbeg = rank * kRoundsPerCta, jend = jbeg + kRoundsPerCta;
@@ -585,16 +618,45 @@ __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
   l0 = l1 = 0.f;
   }  // rounds
   cp_async_wait<0>();
+  if constexpr (kFull) {
+    // R holds the part's state (the last fold ended with a barrier)
+    if (p.full_parts > 0) {
+      float* ws = p.workspace +
+                  ((int64_t(g) * p.num_tokens + t) * p.full_parts + part) * kStateFloats;
+      for (int i = tid; i < kStateFloats; i += kThreads) ws[i] = R[i];
+    } else {
+      // R2 <- R2 ⊕ R: every element with its row's factors, then the rows' statistics
+      const float* Rm = R + kGroup * kHeadDim;
+      float* R2m = R2 + kGroup * kHeadDim;
+      for (int k = tid; k < kGroup * kHeadDim; k += kThreads) {
+        const int h = state_row(k);
+        float m, l, fR, fL;
+        fold_stats(R2m[h], R2m[kGroup + h], Rm[h], Rm[kGroup + h], m, l, fR, fL);
+        R2[k] = fold_o(R2[k], R[k], fR, fL);
+      }
+      __syncthreads();
+      if (tid < kGroup) {
+        float m, l, fR, fL;
+        fold_stats(R2m[tid], R2m[kGroup + tid], Rm[tid], Rm[kGroup + tid], m, l, fR, fL);
+        R2m[tid] = m;
+        R2m[kGroup + tid] = l;
+      }
+    }
+    __syncthreads();
+  }
+  }  // parts
+  if (kFull && p.full_parts > 0) return;  // full_merge_kernel writes out
 
   const float vsc = (*p.v_scale) * kComp;
   uint16_t* out = static_cast<uint16_t*>(p.out) + ((t * Hq + int64_t(g) * G) * kHeadDim);
   if constexpr (!kSplitted) {
-    // R holds all 16 leaves (the last fold ended with a barrier)
-    const float* Rl = R + kGroup * kHeadDim + kGroup;
+    // R holds all 16 leaves (the last fold ended with a barrier); full: R2 all parts
+    const float* S = kFull ? R2 : R;
+    const float* Sl = S + kGroup * kHeadDim + kGroup;
     for (int k = tid; k < kGroup * kHeadDim; k += kThreads) {
       int h, d;
       state_elem<kCvt>(k, h, d);
-      if (h < G) out[h * kHeadDim + d] = final_value<T>(R[k], Rl[h], vsc);
+      if (h < G) out[h * kHeadDim + d] = final_value<T>(S[k], Sl[h], vsc);
     }
   } else {
     // ---- the fold of the cluster's 16 leaves: CTA `rank` takes the float4s
@@ -661,6 +723,37 @@ __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
   }
 }
 
+// full_attention's merge (full_parts > 0): row (t, g) is the left fold of its parts' states in
+// part order, element by element with the same fold_stats / fold_o as the one-CTA-per-row fold,
+// so both launch shapes give the same bits.
+template <typename T, bool kCvt>
+__global__ void __launch_bounds__(kThreads) full_merge_kernel(const AttentionParams p) {
+  const int64_t pair = blockIdx.x;
+  const int Hkv = p.num_kv_heads;
+  const int64_t t = pair / Hkv;
+  const int g = int(pair % Hkv);
+  const int G = p.group > 0 ? p.group : kGroup;
+  const int64_t parts = full_parts_of_row(token_position(p, t).vis);
+  const float* ws = p.workspace + (int64_t(g) * p.num_tokens + t) * p.full_parts * kStateFloats;
+  constexpr float kComp = kCvt ? kCvtComp : Traits<T>::kComp;
+  const float vsc = (*p.v_scale) * kComp;
+  uint16_t* out = static_cast<uint16_t*>(p.out) + ((t * Hkv * G + int64_t(g) * G) * kHeadDim);
+  for (int k = threadIdx.x; k < kGroup * kHeadDim; k += kThreads) {
+    int h, d;
+    state_elem<kCvt>(k, h, d);
+    if (h >= G) continue;
+    float m = -INFINITY, l = 0.f, o = 0.f;
+    for (int64_t i = 0; i < parts; ++i) {
+      const float* S = ws + i * kStateFloats;
+      float fR, fL;
+      fold_stats(m, l, S[kGroup * kHeadDim + h], S[kGroup * kHeadDim + kGroup + h], m, l, fR,
+                 fL);
+      o = fold_o(o, S[k], fR, fL);
+    }
+    out[h * kHeadDim + d] = final_value<T>(o, l, vsc);
+  }
+}
+
 struct DeviceInfo {
   bool configured = false;
   int num_sms = 0;
@@ -685,6 +778,9 @@ cudaError_t configure(int* num_sms) {
       err = cudaFuncSetAttribute(sparse_attention_kernel<T, kCvt, kRounds>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem_split(kRounds));
     if (err == cudaSuccess)
+      err = cudaFuncSetAttribute(sparse_attention_kernel<T, kCvt, 1, true>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemFull);
+    if (err == cudaSuccess)
       err = cudaDeviceGetAttribute(&info[dev].num_sms, cudaDevAttrMultiProcessorCount, dev);
     if (err != cudaSuccess) return err;
     info[dev].configured = true;
@@ -702,6 +798,19 @@ cudaError_t launch_typed(const AttentionParams& p, cudaStream_t stream) {
   cudaError_t err = configure<T, kCvt>(&num_sms);
   if (err != cudaSuccess) return err;
   const int64_t rows = p.num_tokens * p.num_kv_heads;
+  if (p.full) {
+    if (p.full_parts > 0) {
+      const dim3 grid(unsigned(rows), unsigned(p.full_parts));
+      // a CTA per part: no R2, so the row kernel's 4 CTAs per SM
+      sparse_attention_kernel<T, kCvt, 1, true><<<grid, kThreads, kSmemRow, stream>>>(p);
+      err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+      full_merge_kernel<T, kCvt><<<unsigned(rows), kThreads, 0, stream>>>(p);
+    } else {
+      sparse_attention_kernel<T, kCvt, 1, true><<<unsigned(rows), kThreads, kSmemFull, stream>>>(p);
+    }
+    return cudaGetLastError();
+  }
   const int cluster = attention_split(p, num_sms);
   if (cluster == 1) {
     sparse_attention_kernel<T, kCvt, 1><<<unsigned(rows), kThreads, kSmemRow, stream>>>(p);
@@ -742,7 +851,11 @@ int attention_split(const AttentionParams& p, int num_sms) {
 
 cudaError_t launch_sparse_attention(const AttentionParams& p, cudaStream_t stream) {
   if (p.num_tokens <= 0 || p.num_kv_heads <= 0) return cudaSuccess;
-  if (p.topk < 0 || p.topk > kMaxTopk) return cudaErrorInvalidValue;
+  if (!p.full && (p.topk < 0 || p.topk > kMaxTopk)) return cudaErrorInvalidValue;
+  if (p.full && (p.full_parts < 0 || p.full_parts > 65535 ||
+                 (p.full_parts > 0 && (p.workspace == nullptr ||
+                                       p.full_parts < full_parts_of(p.max_blocks)))))
+    return cudaErrorInvalidValue;
   if (p.num_tokens * p.num_kv_heads > int64_t(0x7FFFFFFF) / kRounds) return cudaErrorInvalidValue;
   if (p.split != 0 && !forced_shape(p.split)) return cudaErrorInvalidValue;
   switch (p.dtype) {

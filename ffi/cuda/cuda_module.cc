@@ -8,6 +8,7 @@ namespace nb = nanobind;
 
 extern "C" {
 XLA_FFI_Error* m3sparse_grouped_matmul_cuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* m3sparse_full_attention_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_pack_kv_pages_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_query_token_positions_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_select_blocks_cuda(XLA_FFI_CallFrame*);
@@ -26,6 +27,7 @@ NB_MODULE(_m3sparse_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["m3sparse_grouped_matmul_cuda"] = capsule(m3sparse_grouped_matmul_cuda);
+    d["m3sparse_full_attention_cuda"] = capsule(m3sparse_full_attention_cuda);
     d["m3sparse_pack_kv_pages_cuda"] = capsule(m3sparse_pack_kv_pages_cuda);
     d["m3sparse_query_token_positions_cuda"] = capsule(m3sparse_query_token_positions_cuda);
     d["m3sparse_select_blocks_cuda"] = capsule(m3sparse_select_blocks_cuda);

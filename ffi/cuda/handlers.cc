@@ -35,9 +35,9 @@ bool dtype_of(ffi::DataType t, DType* out) {
   }
 }
 
-// Shared by decode and prefill: shapes of q, cache, topk, block_table, out.
+// Shared by decode, prefill and full: shapes of q, cache, topk (null for full), block_table, out.
 ffi::Error attention_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& kv_cache,
-                            const ffi::Buffer<ffi::S32>& topk,
+                            const ffi::Buffer<ffi::S32>* topk,
                             const ffi::Buffer<ffi::S32>& block_table, const ffi::AnyBuffer& out,
                             int64_t layout, AttentionParams* p) {
   auto qd = q.dimensions();
@@ -49,9 +49,13 @@ ffi::Error attention_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& kv_ca
     return invalid("out must have q's shape and dtype");
   ffi::Error e = decode_cache_geometry(kv_cache, layout, D, &p->geom);
   if (e.failure()) return e;
-  auto td = topk.dimensions();
-  if (td.size() != 3 || td[1] != T) return invalid("topk_indices must be [Hkv, T, K]");
-  const int64_t Hkv = td[0], K = td[2];
+  int64_t Hkv = p->geom.num_slots / 2, K = kFullPart;
+  if (topk != nullptr) {
+    auto td = topk->dimensions();
+    if (td.size() != 3 || td[1] != T) return invalid("topk_indices must be [Hkv, T, K]");
+    Hkv = td[0];
+    K = td[2];
+  }
   if (p->geom.num_slots != 2 * Hkv) return invalid("kv_cache axis of head slots must be 2*Hkv");
   const char* why = attention_unsupported(Hq, Hkv, D, K, p->geom.block_size);
   if (why[0] != '\0') return invalid(why);
@@ -60,7 +64,7 @@ ffi::Error attention_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& kv_ca
   p->q = q.untyped_data();
   p->out = out.untyped_data();
   p->kv_cache = static_cast<const uint8_t*>(kv_cache.untyped_data());
-  p->topk_indices = topk.typed_data();
+  p->topk_indices = topk != nullptr ? topk->typed_data() : nullptr;
   p->block_table = block_table.typed_data();
   p->num_tokens = T;
   p->num_kv_heads = int32_t(Hkv);
@@ -78,7 +82,7 @@ ffi::Error SparseDecode(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv
                         ffi::Result<ffi::AnyBuffer> out, float scale, int64_t decode_query_len,
                         int64_t layout) {
   AttentionParams p = {};
-  ffi::Error e = attention_params(q, kv_cache, topk, block_table, *out, layout, &p);
+  ffi::Error e = attention_params(q, kv_cache, &topk, block_table, *out, layout, &p);
   if (e.failure()) return e;
   if (decode_query_len < 1) return invalid("decode_query_len must be >= 1");
   if (int64_t(seq_lens.element_count()) != p.num_requests)
@@ -102,7 +106,7 @@ ffi::Error SparsePrefill(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                          ffi::BufferR0<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out,
                          float scale, int64_t layout) {
   AttentionParams p = {};
-  ffi::Error e = attention_params(q, kv_cache, topk, block_table, *out, layout, &p);
+  ffi::Error e = attention_params(q, kv_cache, &topk, block_table, *out, layout, &p);
   if (e.failure()) return e;
   if (int64_t(query_req_id.element_count()) != p.num_tokens ||
       int64_t(query_abs_pos.element_count()) != p.num_tokens)
@@ -116,6 +120,38 @@ ffi::Error SparsePrefill(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   p.is_prefill = 1;
   p.scale = scale;
   return cuda_error(launch_sparse_attention(p, stream), "sparse_prefill launch");
+}
+
+ffi::Error FullAttention(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
+                         ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> query_req_id,
+                         ffi::Buffer<ffi::S32> query_abs_pos, ffi::BufferR0<ffi::F32> k_scale,
+                         ffi::BufferR0<ffi::F32> v_scale, ffi::BufferR0<ffi::S32> layer,
+                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> ws,
+                         float scale, int64_t layout) {
+  AttentionParams p = {};
+  ffi::Error e = attention_params(q, kv_cache, nullptr, block_table, *out, layout, &p);
+  if (e.failure()) return e;
+  if (int64_t(query_req_id.element_count()) != p.num_tokens ||
+      int64_t(query_abs_pos.element_count()) != p.num_tokens)
+    return invalid("query_req_id and query_abs_pos must be [T]");
+  p.query_req_id = query_req_id.typed_data();
+  p.query_abs_pos = query_abs_pos.typed_data();
+  p.k_scale = k_scale.typed_data();
+  p.v_scale = v_scale.typed_data();
+  p.layer = layer.typed_data();
+  p.decode_query_len = 1;
+  p.is_prefill = 1;
+  p.scale = scale;
+  p.full = 1;
+  // A workspace holding every row's parts (the lowering sizes it: jax_m3sparse/ops/full.py)
+  // asks for one CTA per part and a merge; otherwise one CTA per row.
+  const int64_t parts = full_parts_of(p.max_blocks);
+  const int64_t need = p.num_tokens * p.num_kv_heads * parts * kStateFloats;
+  if (need > 0 && int64_t(ws->element_count()) >= need) {
+    p.full_parts = int32_t(parts);
+    p.workspace = ws->typed_data();
+  }
+  return cuda_error(launch_sparse_attention(p, stream), "full_attention launch");
 }
 
 ffi::Error PackKvPages(cudaStream_t stream, ffi::AnyBuffer kv_cache, ffi::AnyBuffer key,
@@ -268,6 +304,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_sparse_prefill_cuda, m3sparse::cuda::Spar
                                   .Arg<xffi::BufferR0<xffi::F32>>()     // v_scale
                                   .Arg<xffi::BufferR0<xffi::S32>>()     // layer
                                   .Ret<xffi::AnyBuffer>()               // out
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("layout"),
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_full_attention_cuda, m3sparse::cuda::FullAttention,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::AnyBuffer>()               // q
+                                  .Arg<xffi::AnyBuffer>()               // kv_cache
+                                  .Arg<xffi::Buffer<xffi::S32>>()       // block_table
+                                  .Arg<xffi::Buffer<xffi::S32>>()       // query_req_id
+                                  .Arg<xffi::Buffer<xffi::S32>>()       // query_abs_pos
+                                  .Arg<xffi::BufferR0<xffi::F32>>()     // k_scale
+                                  .Arg<xffi::BufferR0<xffi::F32>>()     // v_scale
+                                  .Arg<xffi::BufferR0<xffi::S32>>()     // layer
+                                  .Ret<xffi::AnyBuffer>()               // out
+                                  .Ret<xffi::Buffer<xffi::F32>>()       // workspace
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("layout"),
                               {xffi::Traits::kCmdBufferCompatible});

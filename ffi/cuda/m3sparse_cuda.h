@@ -23,6 +23,12 @@ constexpr int kMaxTopk = 64;       // K (topk_blocks) upper bound of the attenti
 // The rounds of a row's entries in the attention kernels' reduction tree = the CTAs of a row's
 // cluster in the split launch shape (8 lost to 4 at every T: BENCHMARKS.md 2026-12-02, round 4).
 constexpr int kRounds = 4;
+// full_attention (SPEC §5.7): a row's blocks in parts of kFullPart consecutive blocks; a part is
+// computed like a sparse row whose top-k list is those blocks, and the row's state is the left
+// fold of its parts' states (one CTA per row, or one CTA per part plus a merge: the same bits).
+constexpr int kFullPart = 32;
+// floats of one softmax state (m, l, O of 16 rows x 128 d): a full_attention workspace entry
+constexpr int kStateFloats = kGroup * kHeadDim + 2 * kGroup;
 
 enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
@@ -52,6 +58,11 @@ struct AttentionParams {
   int32_t split;                  // launch shape: 0 chosen from the grid (attention_split), 1 one
                                   // CTA per row, 2 or kRounds a cluster of that many CTAs per row
                                   // (the same bits)
+  int32_t full;                   // 1: full_attention, every block up to the position (topk
+                                  // unused; positions as prefill, SPEC §5.7)
+  int32_t full_parts;             // full: parts per row in `workspace` (one CTA per part, then
+                                  // a merge); 0: one CTA per row folds all its parts
+  float* workspace;               // full, full_parts > 0: [Hkv, T, full_parts, kStateFloats]
 };
 
 struct PackParams {
@@ -124,6 +135,9 @@ cudaError_t launch_grouped_matmul(const GroupedMatmulParams& p, cudaStream_t str
 // Mirrors jax_m3sparse.spec.unsupported_reason(..., platform="cuda").
 const char* attention_unsupported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                   int64_t topk_blocks, int64_t block_size);
+
+// Parts (of kFullPart blocks) of a block_table row of max_blocks entries.
+inline int64_t full_parts_of(int64_t max_blocks) { return (max_blocks + kFullPart - 1) / kFullPart; }
 
 // The launch shape the attention kernels take for p on a device of num_sms SMs: 1 (one CTA per
 // row), 2 or 4 (a cluster of that many CTAs per row, each computing 4 / C rounds). Every shape

@@ -64,19 +64,23 @@ def test_grouped_matmul_resources(tmp_path):
 def test_attention_resources(tmp_path):
     res = _resources(_nvcc(CUDA / "attention.cu", tmp_path / "attention.o", "-Xptxas", "-v"))
     kernels = {k: v for k, v in res.items() if "sparse_attention_kernel" in k}
+    merges = {k: v for k, v in res.items() if "full_merge_kernel" in k}
     # per q dtype (bf16: bit placement; f16: fp8 conversion) the three launch shapes of one
-    # reduction tree, the template's cluster size last in the mangled name: one CTA per row
-    # (`Li1EE`; 4 CTAs per SM: 128 registers) and the clusters of 2 and 4 per row (`Li2EE`,
-    # `Li4EE`; no register cap, no spills)
-    assert len(kernels) == 6, res
-    assert len(res) == len(kernels), res  # no other kernel in the file
-    shapes = sorted(re.search(r"Li(\d)EEEv", name).group(1) for name in kernels)
-    assert shapes == ["1", "1", "2", "2", "4", "4"], kernels
+    # reduction tree, the cluster size and the full_attention flag last in the mangled name: one
+    # CTA per row (`Li1ELb0EE`; 4 CTAs per SM: 128 registers), its full_attention form
+    # (`Li1ELb1EE`, the same cap), and the clusters of 2 and 4 per row (`Li2E`, `Li4E`; no
+    # register cap, no spills); full_attention's merge of the parts, one per q dtype
+    assert len(kernels) == 8 and len(merges) == 2, res
+    assert len(res) == len(kernels) + len(merges), res  # no other kernel in the file
+    shapes = sorted(re.search(r"Li(\d)ELb(\d)EEEv", name).groups() for name in kernels)
+    assert shapes == [("1", "0")] * 2 + [("1", "1")] * 2 + [("2", "0")] * 2 + [("4", "0")] * 2
     for name, r in kernels.items():
-        if "Li1EEEv" in name:
+        if "Li1ELb" in name:
             assert r["registers"] <= 128 and r["spill_stores"] <= 192, (name, r)
         else:
             assert r["spill_stores"] == 0, (name, r)
+    for name, r in merges.items():
+        assert r["spill_stores"] == 0, (name, r)
 
 
 def test_handlers_compile(tmp_path):
