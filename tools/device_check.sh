@@ -2,7 +2,9 @@
 # One device call for the CUDA backend (H200, kind nvidia-h200): builds the standalone harness
 # and the Python modules, runs correctness (harness + tests/cuda through the public API), then
 # the timings. Logs go to $OUT (the device tool brings them back) or ./out.
-#   tools/device_check.sh [quick|full|sanitize|profile|final|harness|race|tp|cpu|select|grouped|m3]
+#   tools/device_check.sh [quick|full|sanitize|profile|final|harness|race|tp|cpu|select|grouped|m3|fullattn]
+#     fullattn: full_attention: pytest tests/cuda (PYK), bench.cuda --full (FULL_ARGS), the M3
+#     example (M3_AFTER="<bench args>"), memcheck of its pytest (SANITIZE=0 skips);
 #     m3: the M3 example at real size (python -m examples.minimax_m3.bench; M3_ARGS, and
 #     CUDA_BENCH=1 for bench.cuda --quick --no-ref after it);
 #     quick: smaller benchmark set; sanitize: compute-sanitizer memcheck + racecheck on the
@@ -235,6 +237,39 @@ if [ "$MODE" = m3 ]; then  # the M3 example at real size: one TP-8 rank (example
     PYTHONPATH=$ROOT timeout ${CUDA_S:-200} python3 -m jax_m3sparse.bench.cuda --quick --no-ref 2>&1 |
       tee "$OUT/bench_cuda.log" | grep -v "^  trace" | tail -20
     date -u
+  fi
+  exit 0
+fi
+
+if [ "$MODE" = fullattn ]; then  # full_attention: pytest, the bench rows, memcheck, the M3 step
+  cmake -S ffi -B "$B/cmake" -G Ninja -DM3SPARSE_ENABLE_CUDA=ON -DM3SPARSE_NATIVE=OFF \
+    -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/cmake.log" 2>&1 &&
+    cmake --build "$B/cmake" -j 16 >>"$OUT/cmake.log" 2>&1 &&
+    cp "$B"/cmake/_m3sparse_cpu.*.so "$B"/cmake/cuda/_m3sparse_cuda*.so jax_m3sparse/ ||
+    { echo "module build failed"; tail -30 "$OUT/cmake.log"; exit 1; }
+  date -u
+  echo "=== pytest tests/cuda/test_gpu.py -k '${PYK:-full or decode_matches or prefill_batch}'"
+  PYTHONPATH=$ROOT timeout 200 python3 -m pytest -q tests/cuda/test_gpu.py \
+    -k "${PYK:-full or decode_matches or prefill_batch}" -p no:cacheprovider 2>&1 |
+    tee "$OUT/pytest_full.log" | tail -15
+  date -u
+  echo "=== python -m jax_m3sparse.bench.cuda --full ${FULL_ARGS:-}"
+  PYTHONPATH=$ROOT timeout 240 python3 -m jax_m3sparse.bench.cuda --full ${FULL_ARGS:-} 2>&1 |
+    grep -vE "^[WI][0-9]{4} " | tee "$OUT/bench_full.log"
+  date -u
+  if [ -n "${M3_AFTER:-}" ]; then
+    echo "=== python -m examples.minimax_m3.bench $M3_AFTER"
+    PYTHONPATH=$ROOT timeout ${M3_S:-300} python3 -m examples.minimax_m3.bench $M3_AFTER 2>&1 |
+      grep -vE "^[WI][0-9]{4} " | tee "$OUT/m3_bench.log" | tail -${M3_TAIL:-80}
+    date -u
+  fi
+  if [ "${SANITIZE:-1}" = 1 ]; then
+    echo "=== compute-sanitizer memcheck: pytest -k full_attention"
+    PYTHONPATH=$ROOT XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MEM_S:-200} \
+      compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
+      tests/cuda/test_gpu.py -k full_attention -p no:cacheprovider >"$OUT/sanitize_full.log" 2>&1
+    echo "rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize_full.log" | tail -3
+    grep -m 2 -A 8 -E "^========= (Invalid|Error)" "$OUT/sanitize_full.log"
   fi
   exit 0
 fi

@@ -206,8 +206,7 @@ def batch_rows(batch: dict, num_decode_requests: int, decode_query_len: int):
 
 
 def _cpu() -> bool:
-    """The CPU kernels serve any K; the GPU kernels K <= 64 (CUDA) or 16 (gfx950) (SPEC §1), so
-    full layers there use the jnp reference."""
+    """On the CPU the example computes in float32 (its kernels' fp32 paths)."""
     return jax.default_backend() == "cpu"
 
 
@@ -221,20 +220,13 @@ class _Step:
         self.slots = batch["slot_mapping"]
         self.collect = frozenset(collect)
         self.cos, self.sin = rotary_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta)
-        self.all_blocks = jnp.broadcast_to(jnp.arange(meta.block_table.shape[1], dtype=jnp.int32),
-                                           (cfg.num_key_value_heads, pos.shape[0],
-                                            meta.block_table.shape[1]))
-
-    def selection(self, p, h, idx_cache, li, sparse):
-        """(topk, idx_cache): the indexer's on sparse layers (index-cache layer ``li``), every
-        block on full ones."""
-        if not sparse:
-            return self.all_blocks, idx_cache
-        return select(p["indexer"], h, self.cos, self.sin, self.cfg, idx_cache, li, self.slots,
-                      self.meta.block_table, self.req, self.pos)
+        # every block, as a top-k list: the baseline stream's full layers (compare.py)
+        self.all_blocks = m3.reference.all_blocks(cfg.num_key_value_heads, pos.shape[0],
+                                                  meta.block_table.shape[1])
 
     def served_attention(self, p, h, caches, layer, li, sparse):
-        """The NVFP4 path's attention output ``[T, Hq·D]`` (fp32), caches, topk."""
+        """The NVFP4 path's attention output ``[T, Hq·D]`` (fp32), caches, and the indexer's
+        topk on sparse layers (None on full ones: every block up to the position, SPEC §5.7)."""
         cfg = self.cfg
         q, k, v = qkv(p, h, self.cos, self.sin, cfg)
         # Write this step's K/V before anything reads the cache (the serving path's order).
@@ -243,13 +235,19 @@ class _Step:
         kv = m3.pack_kv_pages(caches["kv"], rep(k.astype(jnp.bfloat16)),
                               rep(v.astype(jnp.bfloat16)), self.slots, K_SCALE, V_SCALE,
                               layer=layer, layout=KV_LAYOUT)
-        topk, idx = self.selection(p, h, caches["idx"], li, sparse)
-        topk = topk if sparse else rep(topk, axis=0)      # [Hkv', T, K]: the stored heads
-        caches = dict(caches, kv=kv, idx=idx)
-        attend = m3.sparse_attention if sparse or _cpu() else m3.reference.sparse_attention
-        attn = attend(q.astype(jnp.bfloat16), kv, topk, self.meta, K_SCALE, V_SCALE,
-                      scale=cfg.head_dim ** -0.5, layer=layer, layout=KV_LAYOUT)
-        return attn.astype(jnp.float32).reshape(h.shape[0], -1), caches, topk[::cfg.kv_replicas]
+        kw = dict(scale=cfg.head_dim ** -0.5, layer=layer, layout=KV_LAYOUT)
+        if sparse:
+            topk, idx = select(p["indexer"], h, self.cos, self.sin, cfg, caches["idx"], li,
+                               self.slots, self.meta.block_table, self.req, self.pos)
+            caches = dict(caches, kv=kv, idx=idx)
+            attn = m3.sparse_attention(q.astype(jnp.bfloat16), kv, topk, self.meta, K_SCALE,
+                                       V_SCALE, **kw)
+            topk = topk[::cfg.kv_replicas]
+        else:
+            caches, topk = dict(caches, kv=kv), None
+            attn = m3.full_attention(q.astype(jnp.bfloat16), kv, self.meta.block_table, self.req,
+                                     self.pos, K_SCALE, V_SCALE, **kw)
+        return attn.astype(jnp.float32).reshape(h.shape[0], -1), caches, topk
 
     def layer(self, attn_kind, mlp_kind, carry, xs):
         """One served layer. carry (x, caches); xs (params, global layer index, index-cache
@@ -266,13 +264,15 @@ class _Step:
         return (x, caches), self.outputs(x, attn, topk, sparse)
 
     def outputs(self, x, attn, topk, sparse) -> dict:
-        """A layer's ys: token-block pairs attended vs visible (pos // N + 1 per live token),
-        and the collected arrays (``topk`` on sparse layers only)."""
+        """A layer's ys: token-block pairs attended vs visible (pos // N + 1 per live token;
+        full layers attend all of them), and the collected arrays (``topk`` on sparse layers
+        only)."""
         live = self.req >= 0
-        ys = dict(blocks=jnp.stack([
-            jnp.sum(jnp.where(live[None, :, None], topk >= 0, False)),
-            self.cfg.num_key_value_heads * jnp.sum(jnp.where(live, self.pos // self.cfg.block_size
-                                                             + 1, 0))]))
+        visible = self.cfg.num_key_value_heads * jnp.sum(
+            jnp.where(live, self.pos // self.cfg.block_size + 1, 0))
+        attended = (jnp.sum(jnp.where(live[None, :, None], topk >= 0, False)) if sparse
+                    else visible)
+        ys = dict(blocks=jnp.stack([attended, visible]))
         for name, value in (("hidden", x), ("attn", attn), ("topk", topk)):
             if name in self.collect and (sparse or name != "topk"):
                 ys[name] = value

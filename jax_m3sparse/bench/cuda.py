@@ -10,7 +10,9 @@ everything else the jitted scan launches (XLA's slicing of the scanned inputs, t
 counter, output copies) with the idle time between them.
 
 Prefill and pack keep the older form (one jitted function that makes several independent
-calls, wall time / calls), with the kernel's device time from the trace beside it.
+calls, wall time / calls), with the kernel's device time from the trace beside it; so does
+full_attention (every key up to the position: decode 8 @ 128k, 128 @ 16k, prefill 2048 @ 8k at
+the TP-8 rank's Hkv 1, G 8, beside its floor: each row's K/V bytes once at the copy rate).
 Shapes and byte/flop counts follow BENCHMARKS.md: Hkv = 4, G = 16 (TP 1; and G = 8, 4), and
 Hkv = 1, G = 8 (one rank of M3 at TP 8: decode T = 8, 32, 128; prefill 2048), D = N = 128,
 top-16 blocks, seq 32768, bf16; prefill 2048 / 8192 tokens after 8192 context; pack 4096 /
@@ -274,6 +276,48 @@ def prefill(device, rng, T, Hkv=4, G=16, context=8192):
     return t, kern, flops
 
 
+def full_inputs(device, rng, T, context, Hkv=1, G=8, prefill=False, reps=4):
+    """(args, bytes, flops) for full_attention: ``T`` decode rows of ``T`` requests at
+    ``context`` tokens (each its own pages), or one request's ``T`` prefill tokens after
+    ``context``; ``reps`` different q (one call each). bytes: the K/V tiles every (row, KV head)
+    must read once (prefill: the request's, once); flops: QK and PV of every attended key."""
+    kv_len = context + (T if prefill else 0)
+    blocks = -(-kv_len // N)
+    R = 1 if prefill else T
+    cache = _random_cache(m3.KVCacheSpec(Hkv).cache_shape(R * blocks), device, T)
+    bt = rng.permutation(R * blocks).astype(np.int32).reshape(R, blocks)
+    if prefill:
+        req, pos = np.zeros(T, np.int32), np.arange(context, kv_len, dtype=np.int32)
+    else:
+        req, pos = np.arange(T, dtype=np.int32), np.full(T, context - 1, np.int32)
+    q = jnp.asarray(rng.standard_normal((reps, T, Hkv * G, D)), jnp.bfloat16)
+    args = [jax.device_put(a, device) for a in (q, cache, bt, req, pos)]
+    tile = N * TOKEN_BYTES
+    nbytes = 2 * Hkv * tile * R * blocks
+    flops = 4 * Hkv * G * D * float(np.sum(pos + 1))
+    return args, nbytes, flops
+
+
+def full(device, rng, T, context, Hkv=1, G=8, prefill=False, with_ref=True, reps=4):
+    """(seconds per call through jax.jit, kernel seconds per call from the trace, reference
+    seconds per call, bytes, flops) of full_attention."""
+    args, nbytes, flops = full_inputs(device, rng, T, context, Hkv, G, prefill, reps)
+
+    def model(fn):
+        @jax.jit
+        def many(q, cache, bt, req, pos):
+            return [fn(q[i], cache, bt, req, pos, 1.0, 1.0) for i in range(reps)]
+        return many
+
+    ours = model(m3.full_attention)
+    t = _median_wall(ours, args) / reps
+    events = gpu_events(ours, args)
+    kern = sum(d for n, _, d in events if "sparse_attention" in n or "full_merge" in n)
+    t_ref = (_median_wall(model(reference.full_attention), args, runs=2) / reps
+             if with_ref else float("nan"))
+    return t, kern * 1e-6 / reps, t_ref, nbytes, flops
+
+
 def pack(device, rng, T, Hkv=4):
     P = -(-T // N)
     cache = jax.device_put(jnp.zeros(m3.KVCacheSpec(Hkv).cache_shape(P), jnp.uint8), device)
@@ -433,12 +477,31 @@ def tp_bench(tp, platform="cuda", T=128, seq=32768, prefill_T=2048, context=8192
     return 0 if not bad else 1
 
 
+def bench_full(device, rng, copy_bw, args):
+    """The full_attention table: decode at long context and a prefill chunk, TP-8 rank shape."""
+    print("full_attention (Hkv 1, G 8: one TP-8 rank) | rows | µs/call | kernel µs | floor µs "
+          "(bytes / copy) | kernel / floor | XLA ref µs | ref / ours | TFLOP/s (kernel)")
+    cases = [(8, 131072, False), (128, 16384, False), (2048, 8192, True)]
+    if not args.quick:
+        cases[1:1] = [(32, 32768, False)]
+    for T, ctx, pre in cases:
+        t, kern, tr, nb, fl = full(device, rng, T, ctx, prefill=pre,
+                                   with_ref=not args.no_ref and not pre)
+        floor = nb / copy_bw
+        label = f"prefill {T} @ {ctx}" if pre else f"decode {T} @ {ctx}"
+        print(f"full | {label} | {t * 1e6:9.1f} | {kern * 1e6:9.1f} | {floor * 1e6:8.1f} | "
+              f"{kern / floor:5.2f}x | {tr * 1e6:9.1f} | {tr / t:6.1f}x | {fl / kern / 1e12:6.1f}")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m jax_m3sparse.bench.cuda", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="decode T in {1, 32, 128} (+ the TP-8 rank's 8, 32, 128), prefill, no pack")
     parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
+    parser.add_argument("--full", action="store_true",
+                        help="only the full_attention rows (with their XLA reference unless --no-ref)")
     parser.add_argument("--gap", action="store_true",
                         help="only the kernel vs through-JAX gap analysis (variants of the scan)")
     parser.add_argument("--tp", type=int, metavar="N",
@@ -465,6 +528,8 @@ def main(argv=None):
     print(f"CUDA benchmark on {device.device_kind}; jax {jax.__version__}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; copy bandwidth "
           f"{copy_bw / 1e12:.3f} TB/s (jitted x+1 over 1 GiB, read + write)")
+    if args.full:
+        return bench_full(device, rng, copy_bw, args)
     print(f"decode inside a jitted lax.scan over {LAYERS} layers of a 5-D LBHNC cache "
           "(traced layer), µs per layer; seq 32768, top-16x128, bf16; 'other' = XLA's own "
           "kernels per layer, 'idle' = GPU idle per layer (trace); dql 's12': a request's rows "
@@ -492,6 +557,7 @@ def main(argv=None):
         t, kern, fl = prefill(device, rng, 2048, Hkv, G)
         print(f"prefill | {Hkv} {G:2d} | 2048 | {t * 1e6:9.1f} | {kern * 1e6:9.1f} | "
               f"{fl / t / 1e12:7.1f} | {fl / kern / 1e12:7.1f}")
+    bench_full(device, rng, copy_bw, args)
     if not args.quick:
         print("pack (Hkv=4, bf16) | tokens | µs/call | kernel µs | % copy (call) | % copy (kernel)")
         for T in (4096, 65536):

@@ -14,6 +14,7 @@ import oracle  # noqa: E402  (tests/support/, on the path through pyproject.toml
 
 import jax_m3sparse as m3  # noqa: E402
 from jax_m3sparse import _ffi  # noqa: E402
+from jax_m3sparse.ops.full import full_attention_p, workspace_shape  # noqa: E402
 
 
 def _gpus():
@@ -512,3 +513,56 @@ def test_grouped_matmul_rows_batch_invariant_in_scan(rng):
     few[5] = 3
     alone = np.asarray(jax.jit(scan)(lhs[5 * (M // G):5 * (M // G) + 3], _gpu(jnp.asarray(few))))
     np.testing.assert_array_equal(alone, full[:, 5 * (M // G):5 * (M // G) + 3])
+
+
+# ----------------------------------------------------------------------------- full_attention
+def _full_problem(rng, Hkv, G, seq_lens, chunk, dtype):
+    """Prefill chunks (chunk[r] last tokens of request r) and 3 padding rows, at contexts of
+    several 32-block parts; returns (q, cache, bt, req, pos)."""
+    seq_lens = np.asarray(seq_lens)
+    cache, bt, M, P = _setup(rng, Hkv, seq_lens, 1)
+    cu = np.concatenate([[0], np.cumsum(chunk)]).astype(np.int32)
+    req, pos = oracle.positions(cu, (seq_lens - chunk).astype(np.int32), int(cu[-1]) + 3)
+    q = np.asarray(jnp.asarray(rng.standard_normal((len(req), G * Hkv, 128)), dtype))
+    return q, cache, bt, req.astype(np.int32), pos.astype(np.int32)
+
+
+def _full(q, cache, bt, req, pos, ws=None):
+    """full_attention on the GPU; ``ws`` (a workspace shape) forces a launch shape ((Hkv, 1):
+    one CTA per row folding its parts)."""
+    ws = ws or workspace_shape(q.shape[0], cache.shape[-3] // 2, bt.shape[1])
+
+    def fn(*a):
+        return full_attention_p.bind(*a, jnp.float32(1.0), jnp.float32(0.5), jnp.int32(0),
+                                     scale=128 ** -0.5, layout=0, workspace_shape=ws)[0]
+    return jax.jit(fn)(*map(_gpu, (q, cache, bt, req, pos)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("Hkv,G", [(1, 8), (2, 16)])
+def test_full_attention_matches_oracle(rng, dtype, Hkv, G):
+    """Every key up to each token's position, at contexts of 1-3 parts (part boundaries at
+    4096 keys), through the public op; rows of nothing are zeros."""
+    q, cache, bt, req, pos = _full_problem(rng, Hkv, G, [9000, 130, 4100], [5, 2, 4], dtype)
+    out = jax.jit(lambda *a: m3.full_attention(*a, 1.0, 0.5))(*map(_gpu, (q, cache, bt, req, pos)))
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    topk = np.broadcast_to(np.arange(bt.shape[1], dtype=np.int32), (Hkv, len(req), bt.shape[1]))
+    ref = oracle.attention(np.asarray(jnp.asarray(q, jnp.float32)), cache, topk, bt, req, pos,
+                           1.0, 0.5)
+    cos, relf = oracle.metrics(out, ref)
+    assert np.isfinite(out).all() and (out[req < 0] == 0).all()
+    assert cos >= GPU_COS and relf <= GPU_RELF, (cos, relf)
+
+
+def test_full_attention_launch_shapes_and_batch_give_the_same_bits(rng):
+    """One CTA per part plus the merge, or one CTA per row folding its parts: the same bits;
+    and a row alone equals the row in a batch."""
+    q, cache, bt, req, pos = _full_problem(rng, 1, 8, [9000, 4097, 300], [4, 3, 2],
+                                           jnp.bfloat16)
+    parts = _bits(_full(q, cache, bt, req, pos))
+    rows = _bits(_full(q, cache, bt, req, pos, ws=(1, 1)))
+    assert (parts != 0).any()
+    np.testing.assert_array_equal(parts, rows)
+    for t in (0, 3, 5, 7):
+        np.testing.assert_array_equal(
+            _bits(_full(q[t:t + 1], cache, bt, req[t:t + 1], pos[t:t + 1])), parts[t:t + 1])
