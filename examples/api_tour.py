@@ -96,6 +96,16 @@ out_mix = m3.sparse_attention(q_mix, cache, topk_mix, meta, 1.0, 1.0, layer=laye
 print("mixed batch", out_mix.shape, "decode row equals sparse_decode:",
       bool(jnp.allclose(out_mix[0], out[0])))
 
+# M3's full-attention layers: every key up to each row's position (SPEC §5.7), no top-k list;
+# the same as sparse attention with every block of the table selected.
+out_full = m3.full_attention(q_mix, cache, block_table, req_all, pos_all, 1.0, 1.0, layer=layer,
+                             layout="LBHNC")
+every = np.broadcast_to(np.arange(block_table.shape[1], dtype=np.int32), topk_mix.shape[:2]
+                        + (block_table.shape[1],))
+print("full attention", out_full.shape, "equals every block selected:",
+      bool(jnp.allclose(out_full, m3.sparse_attention(q_mix, cache, every, meta, 1.0, 1.0,
+                                                      layer=layer, layout="LBHNC"))))
+
 # What a platform's kernels serve, and the pages back as floats.
 print("gfx950 serves this geometry:", m3.unsupported_reason(HQ, HKV, D, K, N, "rocm") is None)
 keys, values = m3.unpack_kv_pages(cache, jnp.array([5], jnp.int32), 1.0, 1.0, layer=layer,

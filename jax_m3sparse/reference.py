@@ -249,9 +249,10 @@ def all_blocks(num_kv_heads: int, num_tokens: int, max_blocks: int):
 
 
 def full_impl(q, kv_cache, block_table, query_req_id, query_abs_pos, k_scale, v_scale, layer, *,
-              scale, layout, workspace_shape):
+              scale, layout, workspace_shape, part_blocks):
     """Full attention (SPEC §5.7): §5.4 with every block selected. Returns ``(out, workspace)``;
-    the workspace (the CUDA kernel's, zeros here) is never read by callers."""
+    the workspace (the CUDA kernel's, zeros here) is never read by callers; ``part_blocks``
+    (the CUDA kernel's part size) plays no part here."""
     topk = all_blocks(kv_cache.shape[-3] // 2, q.shape[0], block_table.shape[1])
     out = attend_impl(q, kv_cache, topk, block_table, query_req_id, query_abs_pos, k_scale,
                       v_scale, layer, scale=scale, layout=layout)

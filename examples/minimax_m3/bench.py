@@ -587,15 +587,17 @@ class Parts:
         n = self.nlayers(i)
         q = jax.random.normal(jax.random.key(1), (T, cfg.num_attention_heads, cfg.head_dim),
                               jnp.bfloat16)
-        attend = (m3.sparse_attention if sparse or not self.b.gpu
-                  else m3.reference.sparse_attention)
-        meta = self.meta
+        meta, bt, req, pos = self.meta, self.batch["block_table"], self.req, self.pos
+
+        def attend(q, kv, topk, layer):   # as the step: full layers without a top-k list
+            kw = dict(scale=cfg.head_dim ** -0.5, layer=layer, layout=model.KV_LAYOUT)
+            if sparse:
+                return m3.sparse_attention(q, kv, topk, meta, model.K_SCALE, model.V_SCALE, **kw)
+            return m3.full_attention(q, kv, bt, req, pos, model.K_SCALE, model.V_SCALE, **kw)
 
         def fn(q, kv, topk):
             def body(c, l):
-                o = attend((q + c).astype(jnp.bfloat16), kv, topk, meta, model.K_SCALE,
-                           model.V_SCALE, scale=cfg.head_dim ** -0.5, layer=l,
-                           layout=model.KV_LAYOUT)
+                o = attend((q + c).astype(jnp.bfloat16), kv, topk, l)
                 return c + jnp.sum(o.astype(jnp.float32)).astype(jnp.bfloat16) * 0, None
             return jax.lax.scan(body, jnp.bfloat16(0), first + jnp.arange(n))[0]
 

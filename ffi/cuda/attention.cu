@@ -302,10 +302,10 @@ __device__ __forceinline__ int state_row(int k) {
   return (((k >> 2) & 31) >> 2) + 8 * ((k & 3) >> 1);
 }
 
-// Blocks of a row attending keys [0, vis), and its full_attention parts.
-__device__ __forceinline__ int64_t full_parts_of_row(int64_t vis) {
+// The full_attention parts of a row attending keys [0, vis).
+__device__ __forceinline__ int64_t full_parts_of_row(int64_t vis, int part_blocks) {
   const int64_t blocks = (vis + kBlockSize - 1) / kBlockSize;
-  return (blocks + kFullPart - 1) / kFullPart;
+  return (blocks + part_blocks - 1) / part_blocks;
 }
 
 // T: q/out dtype. kCvt: dequantize through the fp8 conversion (fp16 mma, Q converted to fp16);
@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
   const int Hkv = p.num_kv_heads;
   const int64_t t = pair / Hkv;
   const int g = int(pair % Hkv);
-  const int K = kFull ? kFullPart : p.topk;
+  const int K = kFull ? p.full_part : p.topk;
   const int G = p.group > 0 ? p.group : kGroup;
   // The selected block id does not depend on the position: load it first (one fewer
   // dependent round trip before the block-table read).
@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
   // the parts this CTA computes: sparse, one (the top-k list); full, the row's parts or one
   int64_t part0 = 0, part1 = 1;
   if constexpr (kFull) {
-    const int64_t parts = full_parts_of_row(tp.vis);
+    const int64_t parts = full_parts_of_row(tp.vis, K);
     if (p.full_parts > 0) {
       part0 = blockIdx.y;
       part1 = part0 + 1;
@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
   if (kFull && p.full_parts == 0) clear_state(R2);  // (compact_slots' barriers publish it)
   for (int64_t part = part0; part < part1; ++part) {
   if constexpr (!kSplitted) clear_state(R);
-  const int64_t bsel = kFull ? (tid < K ? part * kFullPart + tid : -1) : bsel0;
+  const int64_t bsel = kFull ? (tid < K ? part * K + tid : -1) : bsel0;
   const int count = compact_slots(p, tp, g, bsel, s_off, s_nvalid, s_mask);  // (barriers)
   const int cpr = (count + kRounds - 1) / kRounds;  // entries per round
   const int jbeg = rank * kRoundsPerCta, jend = jbeg + kRoundsPerCta;
@@ -733,7 +733,7 @@ __global__ void __launch_bounds__(kThreads) full_merge_kernel(const AttentionPar
   const int64_t t = pair / Hkv;
   const int g = int(pair % Hkv);
   const int G = p.group > 0 ? p.group : kGroup;
-  const int64_t parts = full_parts_of_row(token_position(p, t).vis);
+  const int64_t parts = full_parts_of_row(token_position(p, t).vis, p.full_part);
   const float* ws = p.workspace + (int64_t(g) * p.num_tokens + t) * p.full_parts * kStateFloats;
   constexpr float kComp = kCvt ? kCvtComp : Traits<T>::kComp;
   const float vsc = (*p.v_scale) * kComp;
@@ -852,9 +852,10 @@ int attention_split(const AttentionParams& p, int num_sms) {
 cudaError_t launch_sparse_attention(const AttentionParams& p, cudaStream_t stream) {
   if (p.num_tokens <= 0 || p.num_kv_heads <= 0) return cudaSuccess;
   if (!p.full && (p.topk < 0 || p.topk > kMaxTopk)) return cudaErrorInvalidValue;
-  if (p.full && (p.full_parts < 0 || p.full_parts > 65535 ||
+  if (p.full && (p.full_part < 1 || p.full_part > kMaxTopk || p.full_parts < 0 ||
+                 p.full_parts > 65535 ||
                  (p.full_parts > 0 && (p.workspace == nullptr ||
-                                       p.full_parts < full_parts_of(p.max_blocks)))))
+                                       p.full_parts < full_parts_of(p.max_blocks, p.full_part)))))
     return cudaErrorInvalidValue;
   if (p.num_tokens * p.num_kv_heads > int64_t(0x7FFFFFFF) / kRounds) return cudaErrorInvalidValue;
   if (p.split != 0 && !forced_shape(p.split)) return cudaErrorInvalidValue;

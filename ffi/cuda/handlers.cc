@@ -49,7 +49,7 @@ ffi::Error attention_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& kv_ca
     return invalid("out must have q's shape and dtype");
   ffi::Error e = decode_cache_geometry(kv_cache, layout, D, &p->geom);
   if (e.failure()) return e;
-  int64_t Hkv = p->geom.num_slots / 2, K = kFullPart;
+  int64_t Hkv = p->geom.num_slots / 2, K = 1;  // full: no top-k list
   if (topk != nullptr) {
     auto td = topk->dimensions();
     if (td.size() != 3 || td[1] != T) return invalid("topk_indices must be [Hkv, T, K]");
@@ -127,7 +127,7 @@ ffi::Error FullAttention(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                          ffi::Buffer<ffi::S32> query_abs_pos, ffi::BufferR0<ffi::F32> k_scale,
                          ffi::BufferR0<ffi::F32> v_scale, ffi::BufferR0<ffi::S32> layer,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> ws,
-                         float scale, int64_t layout) {
+                         float scale, int64_t layout, int64_t part_blocks) {
   AttentionParams p = {};
   ffi::Error e = attention_params(q, kv_cache, nullptr, block_table, *out, layout, &p);
   if (e.failure()) return e;
@@ -143,9 +143,11 @@ ffi::Error FullAttention(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   p.is_prefill = 1;
   p.scale = scale;
   p.full = 1;
+  if (part_blocks < 1 || part_blocks > kMaxTopk) return invalid("part_blocks must be in [1, 64]");
+  p.full_part = int32_t(part_blocks);
   // A workspace holding every row's parts (the lowering sizes it: jax_m3sparse/ops/full.py)
   // asks for one CTA per part and a merge; otherwise one CTA per row.
-  const int64_t parts = full_parts_of(p.max_blocks);
+  const int64_t parts = full_parts_of(p.max_blocks, part_blocks);
   const int64_t need = p.num_tokens * p.num_kv_heads * parts * kStateFloats;
   if (need > 0 && int64_t(ws->element_count()) >= need) {
     p.full_parts = int32_t(parts);
@@ -322,7 +324,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_full_attention_cuda, m3sparse::cuda::Full
                                   .Ret<xffi::AnyBuffer>()               // out
                                   .Ret<xffi::Buffer<xffi::F32>>()       // workspace
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("layout"),
+                                  .Attr<int64_t>("layout")
+                                  .Attr<int64_t>("part_blocks"),
                               {xffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_pack_kv_pages_cuda, m3sparse::cuda::PackKvPages,

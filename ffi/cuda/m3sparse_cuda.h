@@ -23,10 +23,10 @@ constexpr int kMaxTopk = 64;       // K (topk_blocks) upper bound of the attenti
 // The rounds of a row's entries in the attention kernels' reduction tree = the CTAs of a row's
 // cluster in the split launch shape (8 lost to 4 at every T: BENCHMARKS.md 2026-12-02, round 4).
 constexpr int kRounds = 4;
-// full_attention (SPEC §5.7): a row's blocks in parts of kFullPart consecutive blocks; a part is
-// computed like a sparse row whose top-k list is those blocks, and the row's state is the left
-// fold of its parts' states (one CTA per row, or one CTA per part plus a merge: the same bits).
-constexpr int kFullPart = 32;
+// full_attention (SPEC §5.7): a row's blocks in parts of AttentionParams::full_part (1..kMaxTopk)
+// consecutive blocks; a part is computed like a sparse row whose top-k list is those blocks, and
+// the row's state is the left fold of its parts' states (one CTA per row, or one CTA per part
+// plus a merge: the same bits).
 // floats of one softmax state (m, l, O of 16 rows x 128 d): a full_attention workspace entry
 constexpr int kStateFloats = kGroup * kHeadDim + 2 * kGroup;
 
@@ -60,6 +60,8 @@ struct AttentionParams {
                                   // (the same bits)
   int32_t full;                   // 1: full_attention, every block up to the position (topk
                                   // unused; positions as prefill, SPEC §5.7)
+  int32_t full_part;              // full: blocks per part, 1..kMaxTopk (the same for every call
+                                  // whose bits must agree)
   int32_t full_parts;             // full: parts per row in `workspace` (one CTA per part, then
                                   // a merge); 0: one CTA per row folds all its parts
   float* workspace;               // full, full_parts > 0: [Hkv, T, full_parts, kStateFloats]
@@ -136,8 +138,10 @@ cudaError_t launch_grouped_matmul(const GroupedMatmulParams& p, cudaStream_t str
 const char* attention_unsupported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                   int64_t topk_blocks, int64_t block_size);
 
-// Parts (of kFullPart blocks) of a block_table row of max_blocks entries.
-inline int64_t full_parts_of(int64_t max_blocks) { return (max_blocks + kFullPart - 1) / kFullPart; }
+// Parts (of part_blocks blocks) of a block_table row of max_blocks entries.
+inline int64_t full_parts_of(int64_t max_blocks, int64_t part_blocks) {
+  return (max_blocks + part_blocks - 1) / part_blocks;
+}
 
 // The launch shape the attention kernels take for p on a device of num_sms SMs: 1 (one CTA per
 // row), 2 or 4 (a cluster of that many CTAs per row, each computing 4 / C rounds). Every shape

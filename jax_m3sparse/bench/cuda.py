@@ -41,6 +41,7 @@ import jax_m3sparse as m3
 from jax_m3sparse import reference
 from jax_m3sparse import sharding as shd
 from jax_m3sparse.bench.timing import D, K, N, TOKEN_BYTES, copy_bandwidth, fill_cache
+from jax_m3sparse.ops import full as full_ops
 
 REPS = 20
 LAYERS = 8
@@ -298,10 +299,19 @@ def full_inputs(device, rng, T, context, Hkv=1, G=8, prefill=False, reps=4):
     return args, nbytes, flops
 
 
-def full(device, rng, T, context, Hkv=1, G=8, prefill=False, with_ref=True, reps=4):
+def full(device, rng, T, context, Hkv=1, G=8, prefill=False, with_ref=True, reps=4,
+         part_blocks=None):
     """(seconds per call through jax.jit, kernel seconds per call from the trace, reference
-    seconds per call, bytes, flops) of full_attention."""
+    seconds per call, bytes, flops) of full_attention; ``part_blocks``: the CUDA kernel's part
+    size (default the library's)."""
     args, nbytes, flops = full_inputs(device, rng, T, context, Hkv, G, prefill, reps)
+    attend = m3.full_attention
+    if part_blocks:
+        def attend(q, cache, bt, req, pos, ks, vs):
+            ws = full_ops.workspace_shape(q.shape[0], Hkv, bt.shape[1], part_blocks)
+            return full_ops.full_attention_p.bind(
+                q, cache, bt, req, pos, jnp.float32(ks), jnp.float32(vs), jnp.int32(0),
+                scale=D ** -0.5, layout=0, workspace_shape=ws, part_blocks=part_blocks)[0]
 
     def model(fn):
         @jax.jit
@@ -309,7 +319,7 @@ def full(device, rng, T, context, Hkv=1, G=8, prefill=False, with_ref=True, reps
             return [fn(q[i], cache, bt, req, pos, 1.0, 1.0) for i in range(reps)]
         return many
 
-    ours = model(m3.full_attention)
+    ours = model(attend)
     t = _median_wall(ours, args) / reps
     events = gpu_events(ours, args)
     kern = sum(d for n, _, d in events if "sparse_attention" in n or "full_merge" in n)
@@ -479,18 +489,21 @@ def tp_bench(tp, platform="cuda", T=128, seq=32768, prefill_T=2048, context=8192
 
 def bench_full(device, rng, copy_bw, args):
     """The full_attention table: decode at long context and a prefill chunk, TP-8 rank shape."""
-    print("full_attention (Hkv 1, G 8: one TP-8 rank) | rows | µs/call | kernel µs | floor µs "
-          "(bytes / copy) | kernel / floor | XLA ref µs | ref / ours | TFLOP/s (kernel)")
+    print("full_attention (Hkv 1, G 8: one TP-8 rank) | rows | part | µs/call | kernel µs | "
+          "floor µs (bytes / copy) | kernel / floor | XLA ref µs | ref / ours | TFLOP/s (kernel)")
     cases = [(8, 131072, False), (128, 16384, False), (2048, 8192, True)]
     if not args.quick:
         cases[1:1] = [(32, 32768, False)]
     for T, ctx, pre in cases:
-        t, kern, tr, nb, fl = full(device, rng, T, ctx, prefill=pre,
-                                   with_ref=not args.no_ref and not pre)
-        floor = nb / copy_bw
-        label = f"prefill {T} @ {ctx}" if pre else f"decode {T} @ {ctx}"
-        print(f"full | {label} | {t * 1e6:9.1f} | {kern * 1e6:9.1f} | {floor * 1e6:8.1f} | "
-              f"{kern / floor:5.2f}x | {tr * 1e6:9.1f} | {tr / t:6.1f}x | {fl / kern / 1e12:6.1f}")
+        for part in args.part_blocks or [full_ops.PART_BLOCKS]:
+            t, kern, tr, nb, fl = full(device, rng, T, ctx, prefill=pre, part_blocks=part,
+                                       with_ref=not args.no_ref and not pre and
+                                       part == (args.part_blocks or [part])[0])
+            floor = nb / copy_bw
+            label = f"prefill {T} @ {ctx}" if pre else f"decode {T} @ {ctx}"
+            print(f"full | {label} | {part} | {t * 1e6:9.1f} | {kern * 1e6:9.1f} | "
+                  f"{floor * 1e6:8.1f} | {kern / floor:5.2f}x | {tr * 1e6:9.1f} | {tr / t:6.1f}x | "
+                  f"{fl / kern / 1e12:6.1f}")
     return 0
 
 
@@ -502,6 +515,8 @@ def main(argv=None):
     parser.add_argument("--no-ref", action="store_true", help="skip the XLA reference")
     parser.add_argument("--full", action="store_true",
                         help="only the full_attention rows (with their XLA reference unless --no-ref)")
+    parser.add_argument("--part-blocks", type=lambda s: [int(x) for x in s.split(",")],
+                        help="with --full: the CUDA kernel's part sizes to compare (e.g. 8,16,32)")
     parser.add_argument("--gap", action="store_true",
                         help="only the kernel vs through-JAX gap analysis (variants of the scan)")
     parser.add_argument("--tp", type=int, metavar="N",

@@ -12,33 +12,35 @@ from jax_m3sparse._primitives import HeadAxes, define_primitive, f32, i64
 from jax_m3sparse.ops._attention_common import check_attention, platform_reason
 from jax_m3sparse.ops.prefill import sparse_prefill_p
 
-# The CUDA kernel splits rows into parts of 32 blocks (4096 keys; kFullPart) and keeps a part's
-# softmax state in 16 x 128 + 2 x 16 floats (kStateFloats, ffi/cuda/m3sparse_cuda.h). Where the
-# rows' parts fit _MAX_WORKSPACE_STATES states (34 MB), each part gets its own CTA and a merge
-# folds them (short batches at long context fill the GPU); beyond it each row's CTA folds its
-# parts in turn. Both give the same bits (ffi/cuda/attention.cu).
-_PART_BLOCKS = 32
+# The CUDA kernel splits rows into parts of PART_BLOCKS blocks and keeps a part's softmax state
+# in 16 x 128 + 2 x 16 floats (kStateFloats, ffi/cuda/m3sparse_cuda.h). Where the rows' parts
+# fit _MAX_WORKSPACE_STATES states (34 MB), each part gets its own CTA and a merge folds them
+# (short batches at long context fill the GPU); beyond it each row's CTA folds its parts in turn.
+# Both give the same bits (ffi/cuda/attention.cu). The part size is one constant: a row's bits
+# depend on it, so it must not follow the batch.
+PART_BLOCKS = 32
 _STATE_FLOATS = 16 * 128 + 2 * 16
 _MAX_WORKSPACE_STATES = 4096
 
 
-def workspace_shape(num_tokens: int, num_kv_heads: int, max_blocks: int) -> tuple[int, ...]:
+def workspace_shape(num_tokens: int, num_kv_heads: int, max_blocks: int,
+                    part_blocks: int = PART_BLOCKS) -> tuple[int, ...]:
     """The CUDA kernel's fp32 scratch for these static shapes: ``[Hkv, T, parts, state]`` when
     the rows' parts go to their own CTAs, else ``[Hkv, 1]`` (KV heads first: it is sharded
     with them)."""
-    parts = -(-max_blocks // _PART_BLOCKS)
+    parts = -(-max_blocks // part_blocks)
     if parts >= 2 and num_tokens * num_kv_heads * parts <= _MAX_WORKSPACE_STATES:
         return (num_kv_heads, num_tokens, parts, _STATE_FLOATS)
     return (num_kv_heads, 1)
 
 
 def _abstract_eval(q, kv_cache, block_table, query_req_id, query_abs_pos, k_scale, v_scale,
-                   layer, *, scale, layout, workspace_shape):
+                   layer, *, scale, layout, workspace_shape, part_blocks):
     return q.update(weak_type=False), ShapedArray(workspace_shape, jnp.float32)
 
 
 def _cpu_lowering(q, kv_cache, block_table, query_req_id, query_abs_pos, k_scale, v_scale,
-                  layer, *, scale, layout, workspace_shape):
+                  layer, *, scale, layout, workspace_shape, part_blocks):
     """The CPU kernels serve any K: sparse_prefill with every block selected."""
     topk = reference.all_blocks(kv_cache.shape[-3] // 2, q.shape[0], block_table.shape[1])
     out = sparse_prefill_p.bind(q, kv_cache, topk, block_table, query_req_id, query_abs_pos,
@@ -55,8 +57,8 @@ full_attention_p = define_primitive(
     abstract_eval=_abstract_eval,
     reference=reference.full_impl,
     multiple_results=True,
-    attributes=lambda scale, layout, workspace_shape: {"scale": f32(scale),
-                                                       "layout": i64(layout)},
+    attributes=lambda scale, layout, workspace_shape, part_blocks: {
+        "scale": f32(scale), "layout": i64(layout), "part_blocks": i64(part_blocks)},
     platform_reason=_platform_reason,
     native_platforms=("cuda",),
     lowerings={"cpu": _cpu_lowering},
@@ -106,5 +108,6 @@ def full_attention(q, kv_cache, block_table, query_req_id, query_abs_pos, k_scal
         q, kv_cache, block_table, query_req_id, query_abs_pos,
         _checks.scalar(k_scale, "k_scale", jnp.float32),
         _checks.scalar(v_scale, "v_scale", jnp.float32), layer_op, scale=scale, layout=code,
-        workspace_shape=workspace_shape(q.shape[0], kv_cache.shape[-3] // 2, block_table.shape[1]))
+        workspace_shape=workspace_shape(q.shape[0], kv_cache.shape[-3] // 2, block_table.shape[1]),
+        part_blocks=PART_BLOCKS)
     return out

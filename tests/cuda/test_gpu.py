@@ -14,7 +14,7 @@ import oracle  # noqa: E402  (tests/support/, on the path through pyproject.toml
 
 import jax_m3sparse as m3  # noqa: E402
 from jax_m3sparse import _ffi  # noqa: E402
-from jax_m3sparse.ops.full import full_attention_p, workspace_shape  # noqa: E402
+from jax_m3sparse.ops.full import PART_BLOCKS, full_attention_p, workspace_shape  # noqa: E402
 
 
 def _gpus():
@@ -527,14 +527,15 @@ def _full_problem(rng, Hkv, G, seq_lens, chunk, dtype):
     return q, cache, bt, req.astype(np.int32), pos.astype(np.int32)
 
 
-def _full(q, cache, bt, req, pos, ws=None):
-    """full_attention on the GPU; ``ws`` (a workspace shape) forces a launch shape ((Hkv, 1):
-    one CTA per row folding its parts)."""
-    ws = ws or workspace_shape(q.shape[0], cache.shape[-3] // 2, bt.shape[1])
+def _full(q, cache, bt, req, pos, ws=None, part=PART_BLOCKS):
+    """full_attention on the GPU with parts of ``part`` blocks; ``ws`` (a workspace shape)
+    forces a launch shape ((Hkv, 1): one CTA per row folding its parts)."""
+    ws = ws or workspace_shape(q.shape[0], cache.shape[-3] // 2, bt.shape[1], part)
 
     def fn(*a):
         return full_attention_p.bind(*a, jnp.float32(1.0), jnp.float32(0.5), jnp.int32(0),
-                                     scale=128 ** -0.5, layout=0, workspace_shape=ws)[0]
+                                     scale=128 ** -0.5, layout=0, workspace_shape=ws,
+                                     part_blocks=part)[0]
     return jax.jit(fn)(*map(_gpu, (q, cache, bt, req, pos)))
 
 
@@ -554,15 +555,23 @@ def test_full_attention_matches_oracle(rng, dtype, Hkv, G):
     assert cos >= GPU_COS and relf <= GPU_RELF, (cos, relf)
 
 
-def test_full_attention_launch_shapes_and_batch_give_the_same_bits(rng):
+@pytest.mark.parametrize("part", [PART_BLOCKS, 7, 64])
+def test_full_attention_launch_shapes_and_batch_give_the_same_bits(rng, part):
     """One CTA per part plus the merge, or one CTA per row folding its parts: the same bits;
-    and a row alone equals the row in a batch."""
+    a row alone equals the row in a batch; every part size agrees with the oracle."""
     q, cache, bt, req, pos = _full_problem(rng, 1, 8, [9000, 4097, 300], [4, 3, 2],
                                            jnp.bfloat16)
-    parts = _bits(_full(q, cache, bt, req, pos))
-    rows = _bits(_full(q, cache, bt, req, pos, ws=(1, 1)))
+    parts = _bits(_full(q, cache, bt, req, pos, part=part))
+    rows = _bits(_full(q, cache, bt, req, pos, ws=(1, 1), part=part))
+    out = np.asarray(jnp.asarray(_full(q, cache, bt, req, pos, part=part), jnp.float32))
+    topk = np.broadcast_to(np.arange(bt.shape[1], dtype=np.int32), (1, len(req), bt.shape[1]))
+    ref = oracle.attention(np.asarray(jnp.asarray(q, jnp.float32)), cache, topk, bt, req, pos,
+                           1.0, 0.5)
+    cos, relf = oracle.metrics(out, ref)
+    assert cos >= GPU_COS and relf <= GPU_RELF, (cos, relf)
     assert (parts != 0).any()
     np.testing.assert_array_equal(parts, rows)
     for t in (0, 3, 5, 7):
         np.testing.assert_array_equal(
-            _bits(_full(q[t:t + 1], cache, bt, req[t:t + 1], pos[t:t + 1])), parts[t:t + 1])
+            _bits(_full(q[t:t + 1], cache, bt, req[t:t + 1], pos[t:t + 1], part=part)),
+            parts[t:t + 1])
