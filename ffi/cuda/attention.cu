@@ -725,7 +725,10 @@ __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
 
 // full_attention's merge (full_parts > 0): row (t, g) is the left fold of its parts' states in
 // part order, element by element with the same fold_stats / fold_o as the one-CTA-per-row fold,
-// so both launch shapes give the same bits.
+// so both launch shapes give the same bits. Grid (rows, kMergeSlices): a CTA takes 1/16 of the
+// row's 2048 state elements, a thread one element; the parts' values do not depend on the fold,
+// so their loads run ahead of it.
+constexpr int kMergeSlices = kGroup * kHeadDim / kThreads;  // 16
 template <typename T, bool kCvt>
 __global__ void __launch_bounds__(kThreads) full_merge_kernel(const AttentionParams p) {
   const int64_t pair = blockIdx.x;
@@ -733,25 +736,23 @@ __global__ void __launch_bounds__(kThreads) full_merge_kernel(const AttentionPar
   const int64_t t = pair / Hkv;
   const int g = int(pair % Hkv);
   const int G = p.group > 0 ? p.group : kGroup;
+  const int k = int(blockIdx.y) * kThreads + threadIdx.x;
+  int h, d;
+  state_elem<kCvt>(k, h, d);
+  if (h >= G) return;
   const int64_t parts = full_parts_of_row(token_position(p, t).vis, p.full_part);
   const float* ws = p.workspace + (int64_t(g) * p.num_tokens + t) * p.full_parts * kStateFloats;
   constexpr float kComp = kCvt ? kCvtComp : Traits<T>::kComp;
-  const float vsc = (*p.v_scale) * kComp;
-  uint16_t* out = static_cast<uint16_t*>(p.out) + ((t * Hkv * G + int64_t(g) * G) * kHeadDim);
-  for (int k = threadIdx.x; k < kGroup * kHeadDim; k += kThreads) {
-    int h, d;
-    state_elem<kCvt>(k, h, d);
-    if (h >= G) continue;
-    float m = -INFINITY, l = 0.f, o = 0.f;
-    for (int64_t i = 0; i < parts; ++i) {
-      const float* S = ws + i * kStateFloats;
-      float fR, fL;
-      fold_stats(m, l, S[kGroup * kHeadDim + h], S[kGroup * kHeadDim + kGroup + h], m, l, fR,
-                 fL);
-      o = fold_o(o, S[k], fR, fL);
-    }
-    out[h * kHeadDim + d] = final_value<T>(o, l, vsc);
+  float m = -INFINITY, l = 0.f, o = 0.f;
+#pragma unroll 8
+  for (int64_t i = 0; i < parts; ++i) {
+    const float* S = ws + i * kStateFloats;
+    float fR, fL;
+    fold_stats(m, l, S[kGroup * kHeadDim + h], S[kGroup * kHeadDim + kGroup + h], m, l, fR, fL);
+    o = fold_o(o, S[k], fR, fL);
   }
+  uint16_t* out = static_cast<uint16_t*>(p.out) + ((t * Hkv * G + int64_t(g) * G) * kHeadDim);
+  out[h * kHeadDim + d] = final_value<T>(o, l, (*p.v_scale) * kComp);
 }
 
 struct DeviceInfo {
@@ -805,7 +806,7 @@ cudaError_t launch_typed(const AttentionParams& p, cudaStream_t stream) {
       sparse_attention_kernel<T, kCvt, 1, true><<<grid, kThreads, kSmemRow, stream>>>(p);
       err = cudaGetLastError();
       if (err != cudaSuccess) return err;
-      full_merge_kernel<T, kCvt><<<unsigned(rows), kThreads, 0, stream>>>(p);
+      full_merge_kernel<T, kCvt><<<dim3(unsigned(rows), kMergeSlices), kThreads, 0, stream>>>(p);
     } else {
       sparse_attention_kernel<T, kCvt, 1, true><<<unsigned(rows), kThreads, kSmemFull, stream>>>(p);
     }

@@ -301,9 +301,9 @@ def full_inputs(device, rng, T, context, Hkv=1, G=8, prefill=False, reps=4):
 
 def full(device, rng, T, context, Hkv=1, G=8, prefill=False, with_ref=True, reps=4,
          part_blocks=None):
-    """(seconds per call through jax.jit, kernel seconds per call from the trace, reference
-    seconds per call, bytes, flops) of full_attention; ``part_blocks``: the CUDA kernel's part
-    size (default the library's)."""
+    """(seconds per call through jax.jit, kernel seconds per call from the trace (attention and
+    merge kernels), the merge's share, reference seconds per call, bytes, flops) of
+    full_attention; ``part_blocks``: the CUDA kernel's part size (default the library's)."""
     args, nbytes, flops = full_inputs(device, rng, T, context, Hkv, G, prefill, reps)
     attend = m3.full_attention
     if part_blocks:
@@ -323,9 +323,10 @@ def full(device, rng, T, context, Hkv=1, G=8, prefill=False, with_ref=True, reps
     t = _median_wall(ours, args) / reps
     events = gpu_events(ours, args)
     kern = sum(d for n, _, d in events if "sparse_attention" in n or "full_merge" in n)
+    merge = sum(d for n, _, d in events if "full_merge" in n)
     t_ref = (_median_wall(model(reference.full_attention), args, runs=2) / reps
              if with_ref else float("nan"))
-    return t, kern * 1e-6 / reps, t_ref, nbytes, flops
+    return t, kern * 1e-6 / reps, merge * 1e-6 / reps, t_ref, nbytes, flops
 
 
 def pack(device, rng, T, Hkv=4):
@@ -490,19 +491,20 @@ def tp_bench(tp, platform="cuda", T=128, seq=32768, prefill_T=2048, context=8192
 def bench_full(device, rng, copy_bw, args):
     """The full_attention table: decode at long context and a prefill chunk, TP-8 rank shape."""
     print("full_attention (Hkv 1, G 8: one TP-8 rank) | rows | part | µs/call | kernel µs | "
-          "floor µs (bytes / copy) | kernel / floor | XLA ref µs | ref / ours | TFLOP/s (kernel)")
+          "of which merge | floor µs (bytes / copy) | kernel / floor | XLA ref µs | ref / ours | "
+          "TFLOP/s (kernel)")
     cases = [(8, 131072, False), (128, 16384, False), (2048, 8192, True)]
     if not args.quick:
         cases[1:1] = [(32, 32768, False)]
     for T, ctx, pre in cases:
         for part in args.part_blocks or [full_ops.PART_BLOCKS]:
-            t, kern, tr, nb, fl = full(device, rng, T, ctx, prefill=pre, part_blocks=part,
+            t, kern, merge, tr, nb, fl = full(device, rng, T, ctx, prefill=pre, part_blocks=part,
                                        with_ref=not args.no_ref and not pre and
                                        part == (args.part_blocks or [part])[0])
             floor = nb / copy_bw
             label = f"prefill {T} @ {ctx}" if pre else f"decode {T} @ {ctx}"
             print(f"full | {label} | {part} | {t * 1e6:9.1f} | {kern * 1e6:9.1f} | "
-                  f"{floor * 1e6:8.1f} | {kern / floor:5.2f}x | {tr * 1e6:9.1f} | {tr / t:6.1f}x | "
+                  f"{merge * 1e6:7.1f} | {floor * 1e6:8.1f} | {kern / floor:5.2f}x | {tr * 1e6:9.1f} | {tr / t:6.1f}x | "
                   f"{fl / kern / 1e12:6.1f}")
     return 0
 

@@ -1,5 +1,6 @@
 """One TP serving step over a 5-D cache, shared by test_sharding.py and the two-process test:
-``lax.scan`` over layers (traced layer index) of pack -> decode -> prefill -> mixed batch."""
+``lax.scan`` over layers (traced layer index) of pack -> decode -> prefill -> mixed batch ->
+full attention."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def make_case(rng, tp, num_kv_heads, num_heads, layers=2, layout="LBHNC", seq=(2
 
 
 def step(cache, a, layout):
-    """pack -> decode -> prefill -> mixed for every layer, in one scan (traced layer)."""
+    """pack -> decode -> prefill -> mixed -> full for every layer, in one scan (traced layer)."""
     meta = m3.SparseAttentionMetadata(a["block_table"], a["seq_lens"], a["req"], a["pos"],
                                       num_decode_tokens=a["q_dec"].shape[1])
 
@@ -79,7 +80,9 @@ def step(cache, a, layout):
         mixed = m3.sparse_attention(jnp.concatenate([qd, qp]), cache,
                                     jnp.concatenate([a["topk_dec"], a["topk_pre"]], axis=1),
                                     meta, K_SCALE, V_SCALE, **kw)
-        return cache, (dec, pre, mixed)
+        full = m3.full_attention(qp, cache, a["block_table"], a["req"], a["pos"], K_SCALE,
+                                 V_SCALE, **kw)
+        return cache, (dec, pre, mixed, full)
 
     layers = a["key"].shape[0]
     xs = (jnp.arange(layers, dtype=jnp.int32), a["key"], a["value"], a["q_dec"], a["q_pre"])
