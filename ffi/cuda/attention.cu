@@ -110,13 +110,13 @@ __device__ __forceinline__ TokenPos token_position(const AttentionParams& p, int
 // The valid slots are compacted into s_off / s_nvalid (slot k's entry is the number of valid
 // slots before it, from warp ballots). Every thread calls it (two barriers); returns the count.
 __device__ __forceinline__ int compact_slots(const AttentionParams& p, const TokenPos& tp, int g,
-                                             int64_t bsel, int64_t* s_off, int* s_nvalid,
+                                             int K, int64_t bsel, int64_t* s_off, int* s_nvalid,
                                              uint32_t* s_mask) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   bool ok = false;
   int nv = 0;
   int64_t off = 0;
-  if (tid < p.topk && tp.vis > 0) {
+  if (tid < K && tp.vis > 0) {
     const int64_t b = bsel;
     if (b >= 0 && b < p.max_blocks && b * kBlockSize < tp.vis) {
       const int64_t page = p.block_table[tp.r * p.max_blocks + b];
@@ -395,7 +395,7 @@ __global__ void __launch_bounds__(kThreads, kCluster > 1 ? 1 : kMinBlocks)
   for (int64_t part = part0; part < part1; ++part) {
   if constexpr (!kSplitted) clear_state(R);
   const int64_t bsel = kFull ? (tid < K ? part * K + tid : -1) : bsel0;
-  const int count = compact_slots(p, tp, g, bsel, s_off, s_nvalid, s_mask);  // (barriers)
+  const int count = compact_slots(p, tp, g, K, bsel, s_off, s_nvalid, s_mask);  // (barriers)
   const int cpr = (count + kRounds - 1) / kRounds;  // entries per round
   const int jbeg = rank * kRoundsPerCta, jend = jbeg + kRoundsPerCta;
   const int e0 = min(count, jbeg * cpr), e1 = min(count, jend * cpr);  // this CTA's entries

@@ -44,6 +44,8 @@ from jax_m3sparse.bench.timing import D, K, N, TOKEN_BYTES, copy_bandwidth, fill
 from jax_m3sparse.ops import full as full_ops
 
 REPS = 20
+HBM_BYTES_PER_S = 4.25e12   # the H200's cudaMemcpy rate and dense bf16 rate: BENCHMARKS.md's
+BF16_FLOPS = 790e12         # floors
 LAYERS = 8
 
 
@@ -491,8 +493,8 @@ def tp_bench(tp, platform="cuda", T=128, seq=32768, prefill_T=2048, context=8192
 def bench_full(device, rng, copy_bw, args):
     """The full_attention table: decode at long context and a prefill chunk, TP-8 rank shape."""
     print("full_attention (Hkv 1, G 8: one TP-8 rank) | rows | part | µs/call | kernel µs | "
-          "of which merge | floor µs (bytes / copy) | kernel / floor | XLA ref µs | ref / ours | "
-          "TFLOP/s (kernel)")
+          "of which merge | floor µs (bytes ÷ 4.25 TB/s or FLOPs ÷ 790 TFLOP/s) | kernel / floor | "
+          "XLA ref µs | ref / ours | TFLOP/s (kernel)")
     cases = [(8, 131072, False), (128, 16384, False), (2048, 8192, True)]
     if not args.quick:
         cases[1:1] = [(32, 32768, False)]
@@ -501,7 +503,7 @@ def bench_full(device, rng, copy_bw, args):
             t, kern, merge, tr, nb, fl = full(device, rng, T, ctx, prefill=pre, part_blocks=part,
                                        with_ref=not args.no_ref and not pre and
                                        part == (args.part_blocks or [part])[0])
-            floor = nb / copy_bw
+            floor = max(nb / HBM_BYTES_PER_S, fl / BF16_FLOPS)
             label = f"prefill {T} @ {ctx}" if pre else f"decode {T} @ {ctx}"
             print(f"full | {label} | {part} | {t * 1e6:9.1f} | {kern * 1e6:9.1f} | "
                   f"{merge * 1e6:7.1f} | {floor * 1e6:8.1f} | {kern / floor:5.2f}x | {tr * 1e6:9.1f} | {tr / t:6.1f}x | "
