@@ -21,7 +21,7 @@ import json
 import os
 import time
 
-from minimax_m3 import text
+from minimax_m3 import runtime, text
 from minimax_m3.config import ModelConfig
 from minimax_m3.engine import Engine, EngineConfig
 from minimax_m3.sampling import SamplingParams
@@ -139,7 +139,7 @@ def model_config(args) -> ModelConfig:
 
 def main(argv=None):
     args = parse_args(argv)
-    flags = os.environ.get("XLA_FLAGS", "")
+    flags = runtime.apply_xla_flags()
     if args.tp > 1 and not args.dry_run and "xla_force_host_platform_device_count" not in flags:
         # Simulated CPU devices; must be set before JAX starts (harmless on GPU backends).
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.tp}"

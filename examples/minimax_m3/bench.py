@@ -32,6 +32,8 @@ import statistics
 import sys
 import time
 
+from . import runtime
+
 M3_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                          "m3_config", "config.json")
 
@@ -86,6 +88,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    runtime.apply_xla_flags()                 # before JAX starts (Bench imports it)
     impls = _impls_requested(args)
     frac = args.mem_fraction or (0.5 if "tokamax" in impls else 0.85)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(frac))
@@ -528,7 +531,7 @@ class Parts:
         compile_s = time.perf_counter() - t0
         times = wall_times(call, a.warmup, a.repeats)
         us = 1e6 * statistics.median(times) / layers
-        kernel_us = self.kernel_time(call)
+        kernel_us = self.kernel_time(call, name)
         floor_b, floor_f = floor_bytes / a.bandwidth * 1e6, floor_flops / a.flops * 1e6
         return dict(part=name, us_per_layer=us, kernel_us_per_layer=(kernel_us / layers
                                                                      if kernel_us else None),
@@ -536,15 +539,18 @@ class Parts:
                     else "FLOPs", floor_bytes=floor_bytes, floor_flops=floor_flops,
                     layers=layers, compile_s=compile_s, **extra)
 
-    def kernel_time(self, call):
-        """GPU kernels' µs of one call from a profiler trace, else None (CPU, or no trace)."""
+    def kernel_time(self, call, name):
+        """GPU kernels' µs of one call from a profiler trace, else None (CPU, or no trace);
+        with M3SPARSE_BENCH_TRACE set, each kernel's count and mean µs on stderr."""
         if not (self.b.gpu and self.b.args.kernel_times):
             return None
         try:
-            from jax_m3sparse.bench.cuda import gpu_events  # noqa: PLC0415
-            ev = gpu_events(call, ())
+            from jax_m3sparse.bench import cuda  # noqa: PLC0415
+            ev = cuda.gpu_events(call, ())
         except Exception:  # noqa: BLE001 (the wall time stands)
             return None
+        if os.environ.get("M3SPARSE_BENCH_TRACE"):
+            cuda.summary(ev, name, top=int(os.environ["M3SPARSE_BENCH_TRACE"]))
         return sum(d for _, _, d in ev) or None
 
     def seg(self, i):

@@ -84,7 +84,8 @@ def gpu_events(fn, args, host=None):
     return sorted(out, key=lambda x: x[1])
 
 
-def _summary(events, label, top=10, file=sys.stderr):
+def summary(events, label, top=10, file=sys.stderr):
+    """Each kernel name's count and mean µs in ``events`` (gpu_events), the ``top`` by total."""
     names = {}
     for name, _, d in events:
         c, tot = names.get(name[:100], (0, 0.0))
@@ -179,7 +180,7 @@ def decode_scan(device, rng, T, dql, Hkv, G, seq=32768, with_ref=True, min_pages
         steps * LAYERS) if with_ref else float("nan")
     events = gpu_events(ours, args)
     if os.environ.get("M3SPARSE_BENCH_TRACE"):  # what the jitted scan launches, per name
-        _summary(events, f"T={T} G={G}", 12)
+        summary(events, f"T={T} G={G}", 12)
     mine, other, span, idle = split_events(events, "sparse_attention")
     n = steps * LAYERS
     kern = statistics.median(mine) * 1e-6 if mine else float("nan")
@@ -237,8 +238,8 @@ def gap(device, rng, T, Hkv=4, G=16, seq=32768, min_pages=8192):
               f"other {other / LAYERS:6.2f} | idle {idle / LAYERS:6.2f} | host events "
               f"{len(hs)} x {statistics.median(hs) if hs else float('nan'):.2f} µs")
         if os.environ.get("M3SPARSE_BENCH_TRACE") and name == "scan, ours":
-            _summary(ev, f"gap T={T} GPU", 10)
-            _summary(host, f"gap T={T} host", 25)
+            summary(ev, f"gap T={T} GPU", 10)
+            summary(host, f"gap T={T} host", 25)
 
 
 def prefill_inputs(device, rng, T, Hkv=4, G=16, context=8192, reps=4):
