@@ -261,7 +261,9 @@ def full_impl(q, kv_cache, block_table, query_req_id, query_abs_pos, k_scale, v_
 
 def full_attention(q, kv_cache, block_table, query_req_id, query_abs_pos, k_scale, v_scale, *,
                    scale=None, layer=None, layout=None):
-    """Reference of :func:`jax_m3sparse.full_attention` (SPEC §5.7)."""
+    """Reference of :func:`jax_m3sparse.full_attention` (SPEC §5.7): sparse attention with every
+    block selected, in fp32. The kernels round differently (bf16/fp16 products on GPUs, their own
+    summation order): compare with a tolerance (SPEC §6), not bitwise."""
     q, kv_cache, block_table, query_req_id, query_abs_pos = map(
         jnp.asarray, (q, kv_cache, block_table, query_req_id, query_abs_pos))
     scale = q.shape[-1] ** -0.5 if scale is None else scale

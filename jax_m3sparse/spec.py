@@ -137,7 +137,8 @@ def unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, topk_bl
     ``platform`` None or "cpu": any G = Hq/Hkv ≥ 1, K ≥ 1, N = 128, D a multiple of 32
     (the CPU backend and the reference). "rocm": the gfx950 kernels (D = 128, G = 16 or 8,
     K = 16, N = 128). "cuda": the sm_90 kernels (D = 128, 1 ≤ G ≤ 16, 1 ≤ K ≤ 64, N = 128;
-    q in bf16 or f16, checked when lowering).
+    q in bf16 or f16, checked when lowering). For :func:`full_attention` K plays no part
+    (every block is attended): pass ``topk_blocks=1``; its CUDA kernel serves any context.
     """
     problems = []
     if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads:

@@ -82,8 +82,8 @@ def full_attention(q, kv_cache, block_table, query_req_id, query_abs_pos, k_scal
       kv_cache: ``uint8`` NVFP4 cache, 4-D or 5-D (see :func:`pack_kv_pages`). Only read.
       block_table: ``int32[R, max_blocks]``; rows indexed by ``query_req_id``; entries outside
         ``[0, P)`` are skipped.
-      query_req_id, query_abs_pos: ``int32[T]`` (−1 request or negative position: a padding
-        row, zero output).
+      query_req_id, query_abs_pos: ``int32[T]`` (a request < 0 or ≥ R, or a negative
+        position: a padding row, zero output).
       k_scale, v_scale: fp32 scalar global scales (operands, may be traced).
       scale: static softmax scale, default ``D ** -0.5``.
       layer, layout: as :func:`sparse_prefill`.
@@ -100,6 +100,8 @@ def full_attention(q, kv_cache, block_table, query_req_id, query_abs_pos, k_scal
     q, kv_cache, block_table, query_req_id, query_abs_pos = map(
         jnp.asarray, (q, kv_cache, block_table, query_req_id, query_abs_pos))
     layer_op, code, scale = check_attention(q, kv_cache, None, block_table, layer, layout, scale)
+    if block_table.shape[1] == 0:      # no block in any request: nothing can be attended
+        return jnp.zeros(q.shape, q.dtype)
     for name, x in (("query_req_id", query_req_id), ("query_abs_pos", query_abs_pos)):
         _checks.rank(x, name, 1, "[T]")
         _checks.dtype(x, name, (jnp.int32,))

@@ -29,7 +29,7 @@ def sparse_prefill(q, kv_cache, topk_indices, block_table, query_req_id, query_a
                    v_scale, *, scale=None, layer=None, layout=None):
     """Sparse attention of prefill tokens over their selected 128-token blocks (SPEC §5.4).
 
-    Token t belongs to request ``query_req_id[t]`` (−1: padding, zero output) at position
+    Token t belongs to request ``query_req_id[t]`` (< 0 or ≥ R: padding, zero output) at position
     ``query_abs_pos[t]`` (both from :func:`query_token_positions`), and attends the keys of
     its selected blocks at positions ≤ its own (SPEC §5.2, §5.5).
 

@@ -63,6 +63,18 @@ def test_faults_give_defined_results(rng):
     assert (out[:2] == 0).all()
 
 
+def test_request_ids_past_r_and_an_empty_table_attend_nothing(rng):
+    """A request id ≥ R is padding (SPEC §5.7), as < 0 is; a table without columns attends
+    nothing (not an error about a top-k size the op does not take)."""
+    p = prefill_problem(rng, 1, 8, [3], [200])
+    p.req[1] = 1                                  # R = 1
+    out = run(p)
+    assert (out[1] == 0).all() and (out[[0, 2]] != 0).any()
+    empty = np.asarray(m3.full_attention(p.q, p.cache, p.block_table[:, :0], p.req, p.pos,
+                                         0.75, 0.85))
+    assert empty.shape == p.q.shape and (empty == 0).all()
+
+
 def test_equals_sparse_prefill_with_every_block(rng):
     """The CPU lowering is sparse_prefill over every block: the same bits."""
     p = prefill_problem(rng, 2, 4, [7, 2], [400, 129])
