@@ -51,6 +51,24 @@ build_harness() {
     { echo "harness build failed"; return 1; }
 }
 
+# Both Python modules (CPU and CUDA) into jax_m3sparse/, or exit naming the failure.
+build_modules() {
+  cmake -S ffi -B "$B/cmake" -G Ninja -DM3SPARSE_ENABLE_CUDA=ON -DM3SPARSE_NATIVE=OFF \
+    -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/cmake.log" 2>&1 &&
+    cmake --build "$B/cmake" -j 16 >>"$OUT/cmake.log" 2>&1 &&
+    cp "$B"/cmake/_m3sparse_cpu.*.so "$B"/cmake/cuda/_m3sparse_cuda*.so jax_m3sparse/ ||
+    { echo "module build failed"; tail -30 "$OUT/cmake.log"; exit 1; }
+}
+
+# M3_AFTER="<bench args>": the M3 example at real size with these arguments, last.
+m3_after() {
+  [ -n "${M3_AFTER:-}" ] || return 0
+  echo "=== python -m examples.minimax_m3.bench $M3_AFTER"
+  PYTHONPATH=$ROOT timeout ${M3_S:-300} python3 -m examples.minimax_m3.bench $M3_AFTER 2>&1 |
+    grep -vE "^[WI][0-9]{4} " | tee "$OUT/m3_bench.log" | tail -${M3_TAIL:-80}
+  date -u
+}
+
 if [ "$MODE" = tp ]; then  # several GPUs: tensor parallel over KV heads
   # NVLink multicast stays off (the device docs: it can take the host's GPUs out of service)
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -221,11 +239,7 @@ fi
 if [ "$MODE" = m3 ]; then  # the M3 example at real size: one TP-8 rank (examples/minimax_m3/bench.py)
   # M3_ARGS: the bench's arguments (default --quick); CUDA_BENCH=1: bench.cuda --quick --no-ref
   # after it (the attention kernel at the TP-8 rank's shapes beside TP 1)
-  cmake -S ffi -B "$B/cmake" -G Ninja -DM3SPARSE_ENABLE_CUDA=ON -DM3SPARSE_NATIVE=OFF \
-    -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/cmake.log" 2>&1 &&
-    cmake --build "$B/cmake" -j 16 >>"$OUT/cmake.log" 2>&1 &&
-    cp "$B"/cmake/_m3sparse_cpu.*.so "$B"/cmake/cuda/_m3sparse_cuda*.so jax_m3sparse/ ||
-    { echo "module build failed"; tail -30 "$OUT/cmake.log"; exit 1; }
+  build_modules
   date -u
   echo "=== python -m examples.minimax_m3.bench ${M3_ARGS:---quick}"
   PYTHONPATH=$ROOT timeout ${M3_S:-420} python3 -m examples.minimax_m3.bench ${M3_ARGS:---quick} \
@@ -242,11 +256,7 @@ if [ "$MODE" = m3 ]; then  # the M3 example at real size: one TP-8 rank (example
 fi
 
 if [ "$MODE" = fullattn ]; then  # full_attention: pytest, the bench rows, memcheck, the M3 step
-  cmake -S ffi -B "$B/cmake" -G Ninja -DM3SPARSE_ENABLE_CUDA=ON -DM3SPARSE_NATIVE=OFF \
-    -DPython_EXECUTABLE="$(command -v python3)" >"$OUT/cmake.log" 2>&1 &&
-    cmake --build "$B/cmake" -j 16 >>"$OUT/cmake.log" 2>&1 &&
-    cp "$B"/cmake/_m3sparse_cpu.*.so "$B"/cmake/cuda/_m3sparse_cuda*.so jax_m3sparse/ ||
-    { echo "module build failed"; tail -30 "$OUT/cmake.log"; exit 1; }
+  build_modules
   date -u
   echo "=== pytest tests/cuda/test_gpu.py -k '${PYK:-full or decode_matches or prefill_batch}'"
   PYTHONPATH=$ROOT timeout 200 python3 -m pytest -q tests/cuda/test_gpu.py \
@@ -257,12 +267,7 @@ if [ "$MODE" = fullattn ]; then  # full_attention: pytest, the bench rows, memch
   PYTHONPATH=$ROOT timeout 240 python3 -m jax_m3sparse.bench.cuda --full ${FULL_ARGS:-} 2>&1 |
     grep -vE "^[WI][0-9]{4} " | tee "$OUT/bench_full.log"
   date -u
-  if [ -n "${M3_AFTER:-}" ]; then
-    echo "=== python -m examples.minimax_m3.bench $M3_AFTER"
-    PYTHONPATH=$ROOT timeout ${M3_S:-300} python3 -m examples.minimax_m3.bench $M3_AFTER 2>&1 |
-      grep -vE "^[WI][0-9]{4} " | tee "$OUT/m3_bench.log" | tail -${M3_TAIL:-80}
-    date -u
-  fi
+  m3_after
   if [ "${SANITIZE:-1}" = 1 ]; then
     echo "=== compute-sanitizer memcheck: pytest -k full_attention"
     PYTHONPATH=$ROOT XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MEM_S:-200} \
@@ -322,12 +327,7 @@ if [ "$MODE" = select ] || [ "$MODE" = grouped ]; then  # one op: harness, timin
     grep -m 2 -A 8 -E "^========= (Invalid|Error)" "$OUT/sanitize_$MODE.log"
   fi
   date -u
-  if [ -n "${M3_AFTER:-}" ]; then  # then the M3 example at real size with these arguments
-    echo "=== python -m examples.minimax_m3.bench $M3_AFTER"
-    PYTHONPATH=$ROOT timeout ${M3_S:-300} python3 -m examples.minimax_m3.bench $M3_AFTER 2>&1 |
-      grep -vE "^[WI][0-9]{4} " | tee "$OUT/m3_bench.log" | tail -${M3_TAIL:-80}
-    date -u
-  fi
+  m3_after
   exit 0
 fi
 

@@ -99,6 +99,26 @@ ffi::Error SparseDecode(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv
   return cuda_error(launch_sparse_attention(p, stream), "sparse_decode launch");
 }
 
+// Rows with their own request and position (SPEC §5.4; full_attention's too) and the scalars.
+ffi::Error prefill_rows(const ffi::Buffer<ffi::S32>& query_req_id,
+                        const ffi::Buffer<ffi::S32>& query_abs_pos,
+                        const ffi::BufferR0<ffi::F32>& k_scale,
+                        const ffi::BufferR0<ffi::F32>& v_scale,
+                        const ffi::BufferR0<ffi::S32>& layer, float scale, AttentionParams* p) {
+  if (int64_t(query_req_id.element_count()) != p->num_tokens ||
+      int64_t(query_abs_pos.element_count()) != p->num_tokens)
+    return invalid("query_req_id and query_abs_pos must be [T]");
+  p->query_req_id = query_req_id.typed_data();
+  p->query_abs_pos = query_abs_pos.typed_data();
+  p->k_scale = k_scale.typed_data();
+  p->v_scale = v_scale.typed_data();
+  p->layer = layer.typed_data();
+  p->decode_query_len = 1;
+  p->is_prefill = 1;
+  p->scale = scale;
+  return ffi::Error::Success();
+}
+
 ffi::Error SparsePrefill(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer kv_cache,
                          ffi::Buffer<ffi::S32> topk, ffi::Buffer<ffi::S32> block_table,
                          ffi::Buffer<ffi::S32> query_req_id, ffi::Buffer<ffi::S32> query_abs_pos,
@@ -108,17 +128,8 @@ ffi::Error SparsePrefill(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   AttentionParams p = {};
   ffi::Error e = attention_params(q, kv_cache, &topk, block_table, *out, layout, &p);
   if (e.failure()) return e;
-  if (int64_t(query_req_id.element_count()) != p.num_tokens ||
-      int64_t(query_abs_pos.element_count()) != p.num_tokens)
-    return invalid("query_req_id and query_abs_pos must be [T]");
-  p.query_req_id = query_req_id.typed_data();
-  p.query_abs_pos = query_abs_pos.typed_data();
-  p.k_scale = k_scale.typed_data();
-  p.v_scale = v_scale.typed_data();
-  p.layer = layer.typed_data();
-  p.decode_query_len = 1;
-  p.is_prefill = 1;
-  p.scale = scale;
+  e = prefill_rows(query_req_id, query_abs_pos, k_scale, v_scale, layer, scale, &p);
+  if (e.failure()) return e;
   return cuda_error(launch_sparse_attention(p, stream), "sparse_prefill launch");
 }
 
@@ -131,17 +142,8 @@ ffi::Error FullAttention(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   AttentionParams p = {};
   ffi::Error e = attention_params(q, kv_cache, nullptr, block_table, *out, layout, &p);
   if (e.failure()) return e;
-  if (int64_t(query_req_id.element_count()) != p.num_tokens ||
-      int64_t(query_abs_pos.element_count()) != p.num_tokens)
-    return invalid("query_req_id and query_abs_pos must be [T]");
-  p.query_req_id = query_req_id.typed_data();
-  p.query_abs_pos = query_abs_pos.typed_data();
-  p.k_scale = k_scale.typed_data();
-  p.v_scale = v_scale.typed_data();
-  p.layer = layer.typed_data();
-  p.decode_query_len = 1;
-  p.is_prefill = 1;
-  p.scale = scale;
+  e = prefill_rows(query_req_id, query_abs_pos, k_scale, v_scale, layer, scale, &p);
+  if (e.failure()) return e;
   p.full = 1;
   if (part_blocks < 1 || part_blocks > kMaxTopk) return invalid("part_blocks must be in [1, 64]");
   p.full_part = int32_t(part_blocks);

@@ -311,10 +311,9 @@ def full(device, rng, T, context, Hkv=1, G=8, prefill=False, with_ref=True, reps
     attend = m3.full_attention
     if part_blocks:
         def attend(q, cache, bt, req, pos, ks, vs):
-            ws = full_ops.workspace_shape(q.shape[0], Hkv, bt.shape[1], part_blocks)
-            return full_ops.full_attention_p.bind(
-                q, cache, bt, req, pos, jnp.float32(ks), jnp.float32(vs), jnp.int32(0),
-                scale=D ** -0.5, layout=0, workspace_shape=ws, part_blocks=part_blocks)[0]
+            return full_ops.bind(q, cache, bt, req, pos, jnp.float32(ks), jnp.float32(vs),
+                                 jnp.int32(0), scale=D ** -0.5, layout=0,
+                                 part_blocks=part_blocks)
 
     def model(fn):
         @jax.jit

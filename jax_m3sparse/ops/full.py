@@ -106,10 +106,20 @@ def full_attention(q, kv_cache, block_table, query_req_id, query_abs_pos, k_scal
         _checks.rank(x, name, 1, "[T]")
         _checks.dtype(x, name, (jnp.int32,))
         _checks.dim(name, "length (T of q)", q.shape[0], x.shape[0])
-    out, _ = full_attention_p.bind(
-        q, kv_cache, block_table, query_req_id, query_abs_pos,
-        _checks.scalar(k_scale, "k_scale", jnp.float32),
-        _checks.scalar(v_scale, "v_scale", jnp.float32), layer_op, scale=scale, layout=code,
-        workspace_shape=workspace_shape(q.shape[0], kv_cache.shape[-3] // 2, block_table.shape[1]),
-        part_blocks=PART_BLOCKS)
-    return out
+    return bind(q, kv_cache, block_table, query_req_id, query_abs_pos,
+                _checks.scalar(k_scale, "k_scale", jnp.float32),
+                _checks.scalar(v_scale, "v_scale", jnp.float32), layer_op, scale=scale,
+                layout=code)
+
+
+def bind(q, kv_cache, block_table, query_req_id, query_abs_pos, k_scale, v_scale, layer, *,
+         scale, layout, part_blocks=PART_BLOCKS, workspace=None):
+    """The primitive on checked operands (``layer`` an int32 scalar, ``layout`` its code);
+    returns ``out``. ``part_blocks`` and ``workspace`` (a workspace shape; ``(Hkv, 1)``: one CTA
+    per row) choose the CUDA kernel's parts and launch shape — for the tests and benchmarks that
+    compare them; the bits depend on ``part_blocks`` only."""
+    shape = workspace or workspace_shape(q.shape[0], kv_cache.shape[-3] // 2,
+                                         block_table.shape[1], part_blocks)
+    return full_attention_p.bind(q, kv_cache, block_table, query_req_id, query_abs_pos, k_scale,
+                                 v_scale, layer, scale=scale, layout=layout,
+                                 workspace_shape=shape, part_blocks=part_blocks)[0]

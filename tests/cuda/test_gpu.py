@@ -14,7 +14,7 @@ import oracle  # noqa: E402  (tests/support/, on the path through pyproject.toml
 
 import jax_m3sparse as m3  # noqa: E402
 from jax_m3sparse import _ffi  # noqa: E402
-from jax_m3sparse.ops.full import PART_BLOCKS, full_attention_p, workspace_shape  # noqa: E402
+from jax_m3sparse.ops import full as full_ops  # noqa: E402
 
 
 def _gpus():
@@ -527,15 +527,12 @@ def _full_problem(rng, Hkv, G, seq_lens, chunk, dtype):
     return q, cache, bt, req.astype(np.int32), pos.astype(np.int32)
 
 
-def _full(q, cache, bt, req, pos, ws=None, part=PART_BLOCKS):
+def _full(q, cache, bt, req, pos, ws=None, part=full_ops.PART_BLOCKS):
     """full_attention on the GPU with parts of ``part`` blocks; ``ws`` (a workspace shape)
     forces a launch shape ((Hkv, 1): one CTA per row folding its parts)."""
-    ws = ws or workspace_shape(q.shape[0], cache.shape[-3] // 2, bt.shape[1], part)
-
     def fn(*a):
-        return full_attention_p.bind(*a, jnp.float32(1.0), jnp.float32(0.5), jnp.int32(0),
-                                     scale=128 ** -0.5, layout=0, workspace_shape=ws,
-                                     part_blocks=part)[0]
+        return full_ops.bind(*a, jnp.float32(1.0), jnp.float32(0.5), jnp.int32(0),
+                             scale=128 ** -0.5, layout=0, part_blocks=part, workspace=ws)
     return jax.jit(fn)(*map(_gpu, (q, cache, bt, req, pos)))
 
 
@@ -555,7 +552,7 @@ def test_full_attention_matches_oracle(rng, dtype, Hkv, G):
     assert cos >= GPU_COS and relf <= GPU_RELF, (cos, relf)
 
 
-@pytest.mark.parametrize("part", [PART_BLOCKS, 7, 64])
+@pytest.mark.parametrize("part", [full_ops.PART_BLOCKS, 7, 64])
 def test_full_attention_launch_shapes_and_batch_give_the_same_bits(rng, part):
     """One CTA per part plus the merge, or one CTA per row folding its parts: the same bits;
     a row alone equals the row in a batch; every part size agrees with the oracle."""

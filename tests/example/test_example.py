@@ -23,6 +23,8 @@ from minimax_m3.model import init_params, param_shapes
 import jax_m3sparse as m3
 from jax_m3sparse.select import select_blocks
 
+from prompts import license_prompts
+
 CFG = ModelConfig(hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=1, index_n_heads=1, dense_intermediate_size=256,
                   intermediate_size=64, shared_intermediate_size=64, num_local_experts=4,
@@ -30,18 +32,11 @@ CFG = ModelConfig(hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
                   mlp_layer_types=(MOE, DENSE_MLP, MOE))
 ECFG = EngineConfig(num_pages=9, max_running=2, chunk_size=256, max_seq_len=768,
                     spec_tokens=2, compare=True, keep_logits=True)
-LICENSES = pathlib.Path("/usr/share/common-licenses")
 
 
 def _prompts():
     """Real text of 3 lengths (2, 4 and 5 blocks); the third waits for freed pages."""
-    files = [("BSD", 200), ("Apache-2.0", 470), ("GPL-3", 600)]
-    out = []
-    for name, n in files:
-        path = LICENSES / name
-        data = path.read_bytes() if path.exists() else bytes(range(32, 127)) * 10
-        out.append(list(data[:n]))
-    return out
+    return license_prompts({"BSD": 200, "Apache-2.0": 470, "GPL-3": 600}, filler_repeat=10)
 
 
 @pytest.fixture(scope="module")

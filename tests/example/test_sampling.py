@@ -7,8 +7,6 @@ reproducibility (same seed: same tokens, alone or batched, with or without specu
 
 from __future__ import annotations
 
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +17,8 @@ from minimax_m3.config import DENSE_MLP, FULL, MOE, SPARSE, ModelConfig
 from minimax_m3.engine import Engine, EngineConfig
 from minimax_m3.model import init_params
 from minimax_m3.sampling import SamplingParams
+
+from prompts import license_prompts
 
 CFG = ModelConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=1, index_n_heads=1, dense_intermediate_size=256,
@@ -111,13 +111,7 @@ def test_logprobs():
 
 # ----------------------------------------------------------------------------- the engine
 def _prompts():
-    files = [("BSD", 150), ("Apache-2.0", 300), ("GPL-3", 200)]
-    out = []
-    for name, n in files:
-        path = pathlib.Path("/usr/share/common-licenses") / name
-        data = path.read_bytes() if path.exists() else bytes(range(32, 127)) * 4
-        out.append(list(data[:n]))
-    return out
+    return license_prompts({"BSD": 150, "Apache-2.0": 300, "GPL-3": 200}, filler_repeat=4)
 
 
 @pytest.fixture(scope="module")
