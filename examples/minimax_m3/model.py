@@ -220,9 +220,13 @@ class _Step:
         self.slots = batch["slot_mapping"]
         self.collect = frozenset(collect)
         self.cos, self.sin = rotary_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta)
-        # every block, as a top-k list: the baseline stream's full layers (compare.py)
-        self.all_blocks = m3.reference.all_blocks(cfg.num_key_value_heads, pos.shape[0],
-                                                  meta.block_table.shape[1])
+
+    @property
+    def all_blocks(self):
+        """Every block, as a top-k list: the baseline stream's full layers (compare.py); made
+        in the trace that asks (a step object outlives one trace)."""
+        return m3.reference.all_blocks(self.cfg.num_key_value_heads, self.pos.shape[0],
+                                       self.meta.block_table.shape[1])
 
     def served_attention(self, p, h, caches, layer, li, sparse):
         """The NVFP4 path's attention output ``[T, Hq·D]`` (fp32), caches, and the indexer's

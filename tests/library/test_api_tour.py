@@ -11,6 +11,7 @@ def test_api_tour_runs(capsys):
     assert "selection equals the reference: True" in out
     assert "padding rows select nothing: True" in out
     assert "decode row equals sparse_decode: True" in out
+    assert "full attention (8, 16, 128) equals every block selected: True" in out
     assert "gfx950 serves this geometry: True" in out
     assert ("mixed batch rows: requests [ 0  1  1  1  1  1 -1 -1] "
             "positions [299 995 996 997 998 999  -1  -1]") in out
