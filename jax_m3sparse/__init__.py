@@ -10,7 +10,8 @@ Public API (SPEC.md sections in each docstring):
 * attention: :func:`sparse_decode`, :func:`sparse_prefill`, :func:`sparse_attention` (SPEC §5),
   :func:`full_attention` (every key up to the position: M3's full layers, SPEC §5.7)
 * MiniMax M3's indexer selection: :func:`select_blocks` (SPEC §8)
-* the routed experts' matmuls: :func:`grouped_matmul` (SPEC §9)
+* the routed experts' matmuls: :func:`grouped_matmul` (SPEC §9), bf16 or MXFP8 weights
+  (:func:`mxfp8_quantize`, :func:`mxfp8_dequantize`, SPEC §9.1)
 * geometry and faults: :func:`unsupported_reason` (SPEC §1), :func:`check_inputs` (SPEC §7)
 * :func:`export_disabled_checks` for ``jax.export`` of functions that call these ops
 * :mod:`jax_m3sparse.sharding`: PartitionSpecs and KV-head replication for many devices
@@ -27,6 +28,7 @@ from jax_m3sparse._ffi import (NativeModuleWarning, cpu_attention_paths, export_
                                native_module, native_platforms)
 from jax_m3sparse.faults import check_inputs
 from jax_m3sparse.metadata import SparseAttentionMetadata, build_attention_metadata
+from jax_m3sparse.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from jax_m3sparse.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 from jax_m3sparse.ops.attention import sparse_attention
 from jax_m3sparse.ops.decode import sparse_decode
@@ -43,7 +45,8 @@ __version__ = "0.1.0"
 __all__ = [
     "KVCacheSpec", "NativeModuleWarning", "SparseAttentionMetadata", "allocate_kv_cache",
     "build_attention_metadata", "check_inputs", "cpu_attention_paths", "export_disabled_checks",
-    "full_attention", "grouped_matmul", "native_module", "native_platforms", "nvfp4_dequantize",
+    "full_attention", "grouped_matmul", "mxfp8_dequantize", "mxfp8_quantize", "native_module",
+    "native_platforms", "nvfp4_dequantize",
     "nvfp4_quantize",
     "pack_kv_pages", "query_token_positions", "reference", "select_blocks", "sharding",
     "sparse_attention", "sparse_decode", "sparse_prefill", "unpack_kv_pages", "unsupported_reason",

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_m3sparse import nvfp4
+from jax_m3sparse.mxfp8 import mxfp8_dequantize, mxfp8_quantize  # noqa: F401  (re-exported)
 from jax_m3sparse.nvfp4 import nvfp4_dequantize, nvfp4_quantize  # noqa: F401  (re-exported)
 from jax_m3sparse.spec import layout_code
 
@@ -415,9 +416,12 @@ _GROUPED_DIMS = jax.lax.RaggedDotDimensionNumbers(
     rhs_group_dimensions=[0])
 
 
-def grouped_matmul_impl(lhs, rhs, group_sizes):
+def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale):
     """Primitive-level reference of grouped_matmul (SPEC §9): XLA's ``ragged_dot`` on the
-    sizes made valid (negative counts as 0, rows past M dropped), rows no group covers 0."""
+    sizes made valid (negative counts as 0, rows past M dropped), rows no group covers 0;
+    MXFP8 weights (``rhs`` fp8, ``rhs_scale`` [G, N, K/32]) dequantized to bf16 first (§9.1)."""
+    if rhs.dtype == jnp.float8_e4m3fn:
+        rhs = mxfp8_dequantize(rhs, rhs_scale)
     M = lhs.shape[0]
     ends = jnp.minimum(jnp.cumsum(jnp.clip(group_sizes, 0, M)), M)   # no overflow: G·M < 2^31
     sizes = jnp.diff(ends, prepend=0).astype(jnp.int32)
@@ -427,7 +431,9 @@ def grouped_matmul_impl(lhs, rhs, group_sizes):
     return jnp.where(covered[:, None], out, 0.0)
 
 
-def grouped_matmul(lhs, rhs, group_sizes):
+def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None):
     """Reference of :func:`jax_m3sparse.grouped_matmul` (SPEC §9)."""
-    return grouped_matmul_impl(jnp.asarray(lhs), jnp.asarray(rhs),
-                               jnp.asarray(group_sizes, jnp.int32))
+    rhs = jnp.asarray(rhs)
+    scale = (jnp.zeros((*rhs.shape[:2], 0), jnp.uint8) if rhs_scale is None
+             else jnp.asarray(rhs_scale))
+    return grouped_matmul_impl(jnp.asarray(lhs), rhs, jnp.asarray(group_sizes, jnp.int32), scale)

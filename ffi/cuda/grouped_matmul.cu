@@ -1,5 +1,6 @@
 // grouped_matmul for sm_90 (SPEC §9): out[i] = lhs[i] · rhs[g(i)]ᵀ in fp32, the rows of lhs
 // grouped by consecutive group_sizes — the routed experts of a mixture of experts, read once each.
+// rhs is bf16, or MXFP8 (fp8 e4m3 with an E8M0 exponent per 32 k: weight-only, half the bytes).
 //
 //   1. Grid (column tiles of BN) × (min(G, M) + 1). CTA row y finds the y-th non-empty group
 //      (sizes clamped at 0, the running end clamped at M; one warp scans them) and its rows
@@ -7,19 +8,27 @@
 //      weights of experts no token routes to are never read, and a decode batch's few groups
 //      launch few CTAs.
 //   2. The CTA walks its rows in tiles of BM (16 for decode-sized groups; 64 when groups are
-//      large, so each weight tile is read once per 64 rows) and, per tile, streams K in
-//      steps of 64 through a ring of shared-memory stages (16-byte cp.async; rows past the
-//      group, columns past N and k past K are zero-filled, so nothing outside the operands is
-//      read). Chunk c of row r sits at chunk c ^ (r & 7) of the row: ldmatrix reads 8 rows ×
-//      16 B without bank conflicts.
+//      large, so each weight tile is read once per 64 rows) and, per tile, streams K through a
+//      ring of shared-memory stages (16-byte cp.async; rows past the group, columns past N and
+//      k past K are zero-filled, so nothing outside the operands is read). A stage holds 64 k
+//      of bf16 weights, or 128 k of fp8 weights (the same 128 bytes per row) with their four
+//      scale bytes per row; lhs rows in [BM][64] sub-tiles. Chunk c of row r sits at chunk
+//      c ^ (r & 7) of the row: ldmatrix, and the fp8 fragments' 2-byte loads, read 8 rows
+//      without bank conflicts.
 //   3. Each warp owns 32 columns (four n8 tiles) and the BM rows; BN = 32, 64 or 128 (1, 2 or 4
-//      warps: narrower tiles give a decode batch's few groups more CTAs). Every output element is one chain of m16n8k16 bf16 mma in k order
-//      with an fp32 accumulator: a row's bits depend on its own lhs row and its group's weights
-//      only, never on the other rows, the group sizes or the tile shape (batch-invariant;
-//      tests/cuda checks it).
+//      warps: narrower tiles give a decode batch's few groups more CTAs). bf16 weight fragments
+//      come from ldmatrix; fp8 ones are loaded per thread and widened in registers to exactly
+//      the bf16 value bf16(float(w) · 2^(e − 127)) — the fragment a bf16 launch on the
+//      dequantized weights would load. Every output element is one chain of m16n8k16 bf16 mma
+//      in k order with an fp32 accumulator: a row's bits depend on its own lhs row and its
+//      group's weights only, never on the other rows, the group sizes or the tile shape
+//      (batch-invariant; tests/cuda checks it), and an MXFP8 launch equals the bf16 launch on
+//      the dequantized weights bit for bit.
 //   4. The accumulators are stored (fp32) for the tile's rows inside the group and columns < N.
 // No workspace, no host reads of device data: CUDA-graph safe.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 
@@ -29,12 +38,17 @@ namespace m3sparse {
 namespace cuda {
 namespace {
 
-constexpr int kBK = 64;           // k per stage (8 chunks of 16 B per row)
+constexpr int kRowBytes = 128;    // bytes per row and stage: 8 chunks of 16 B (64 bf16 / 128 fp8)
 
 __device__ __forceinline__ void cp_async16_zfill(void* smem_dst, const void* gmem_src, bool valid) {
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
   const int n = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled, nothing is read
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(gmem_src), "r"(n));
+}
+__device__ __forceinline__ void cp_async4_zfill(void* smem_dst, const void* gmem_src, bool valid) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  const int n = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(gmem_src), "r"(n));
 }
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
@@ -57,7 +71,22 @@ __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, ui
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Byte offset of 16-byte chunk c of row r in a [rows][64] bf16 stage (swizzled, step 2).
+// E8M0 byte -> 2^(e - 127) (e = 0: 2^-127, a subnormal; e = 255: NaN), as the OCP MX spec reads it.
+__device__ __forceinline__ float e8m0(uint8_t e) {
+  return __uint_as_float(e == 0 ? 0x00400000u : e == 255 ? 0x7FC00000u : uint32_t(e) << 23);
+}
+
+// Two fp8 e4m3 (the lower k in the low byte) times scale s, rounded to a packed bf16 pair: the
+// exact dequantized weights (fp8 -> f16 -> f32 are exact, a power-of-two product is exact unless
+// it leaves fp32's range), as an mma B fragment register.
+__device__ __forceinline__ uint32_t dequant_fp8x2(uint16_t q, float s) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(q, __NV_E4M3);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * s, f.y * s);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// Byte offset of 16-byte chunk c of row r in a [rows][128 B] stage (swizzled, step 2).
 __device__ __forceinline__ int swz(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
 
 // Step 1: the rows [start, end) of the y-th non-empty group (sizes clamped at 0, the running end
@@ -107,16 +136,25 @@ __device__ void find_group(const int32_t* sizes, int G, int64_t M, int y, bool t
   *g = s_g, *start = s_start, *end = s_end;
 }
 
-template <int kMTiles, int kWarpsN, int kStages>
+// Stage geometry of a launch: kFp8 weights take 128 k per stage (lhs in two [BM][64] sub-tiles).
+template <bool kFp8, int kMTiles, int kWarpsN>
+struct Geometry {
+  static constexpr int kThreads = 32 * kWarpsN, kBN = 32 * kWarpsN, kBM = 16 * kMTiles;
+  static constexpr int kSubTiles = kFp8 ? 2 : 1;         // [BM][64] bf16 lhs sub-tiles
+  static constexpr int kStepK = 64 * kSubTiles;          // k per stage
+  static constexpr int kSubA = kBM * kRowBytes;
+  static constexpr int kStageA = kSubA * kSubTiles, kStageB = kBN * kRowBytes;
+  static constexpr int kStageS = kFp8 ? kBN * 4 : 0;     // four E8M0 bytes per weight row
+  static constexpr int kStage = kStageA + kStageB + kStageS;
+};
+
+template <bool kFp8, int kMTiles, int kWarpsN, int kStages>
 __global__ void __launch_bounds__(32 * kWarpsN, kMTiles == 1 ? 4 : 2)
 grouped_matmul_kernel(GroupedMatmulParams p) {
-  constexpr int kThreads = 32 * kWarpsN;
-  constexpr int kBN = 32 * kWarpsN;
-  constexpr int kBM = 16 * kMTiles;
-  constexpr int kStageA = kBM * kBK * 2, kStageB = kBN * kBK * 2;
+  using Geo = Geometry<kFp8, kMTiles, kWarpsN>;
+  constexpr int kThreads = Geo::kThreads, kBN = Geo::kBN, kBM = Geo::kBM;
+  constexpr int kElem = kFp8 ? 1 : 2;                    // weight bytes per element
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* sa = smem;
-  uint8_t* sb = smem + kStages * kStageA;
 
   const int64_t n0 = int64_t(blockIdx.x) * kBN;
   int g;
@@ -135,36 +173,48 @@ grouped_matmul_kernel(GroupedMatmulParams p) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wn = warp;
   const __nv_bfloat16* lhs = p.lhs;
-  const __nv_bfloat16* rhs = p.rhs + int64_t(g) * p.n * p.k;
-  const int ksteps = int((p.k + kBK - 1) / kBK);
+  const uint8_t* rhs = static_cast<const uint8_t*>(p.rhs) + int64_t(g) * p.n * p.k * kElem;
+  const int64_t scale_row = p.k / 32;                    // E8M0 bytes per weight row
+  const uint8_t* scales = kFp8 ? p.rhs_scale + int64_t(g) * p.n * scale_row : nullptr;
+  const int ksteps = int((p.k + Geo::kStepK - 1) / Geo::kStepK);
 
   for (int64_t m0 = start; m0 < end; m0 += kBM) {
     // Enqueues k-step ks into stage ks % kStages (an empty commit past the end keeps counts).
     // Each thread copies chunk c = tid % 8 of rows tid / 8 + j · kRowStep of both tiles: the
     // pointers and row checks are made once per tile, a k-step only adds k0 (a single warp
     // issuing per-chunk address arithmetic would otherwise cost more than the copy's latency).
+    // With fp8 weights thread t also copies the scale bytes of weight row t (BN = threads).
     constexpr int kRowStep = kThreads / 8, kRowsA = kBM / kRowStep, kRowsB = kBN / kRowStep;
     const int c = tid & 7, r0 = tid >> 3;
     const __nv_bfloat16* pa = lhs + (m0 + r0) * p.k + 8 * c;
-    const __nv_bfloat16* pb = rhs + (n0 + r0) * p.k + 8 * c;
+    const uint8_t* pb = rhs + (n0 + r0) * p.k * kElem + 16 * c;
     const int64_t live_a = end - m0 - r0, live_b = p.n - n0 - r0;   // row j valid: j·step < live
     auto load = [&](int ks) {
       if (ks < ksteps) {
-        uint8_t* a = sa + (ks % kStages) * kStageA;
-        uint8_t* b = sb + (ks % kStages) * kStageB;
-        const int64_t k0 = int64_t(ks) * kBK;
-        const bool k_ok = k0 + 8 * c < p.k;
+        uint8_t* a = smem + (ks % kStages) * Geo::kStage;
+        uint8_t* b = a + Geo::kStageA;
+        const int64_t k0 = int64_t(ks) * Geo::kStepK;
 #pragma unroll
-        for (int j = 0; j < kRowsA; ++j) {
-          const bool ok = k_ok && j * kRowStep < live_a;
-          const __nv_bfloat16* src = pa + int64_t(j) * kRowStep * p.k + k0;
-          cp_async16_zfill(a + swz(r0 + j * kRowStep, c), ok ? src : lhs, ok);
+        for (int h = 0; h < Geo::kSubTiles; ++h) {
+          const bool k_ok = k0 + 64 * h + 8 * c < p.k;
+#pragma unroll
+          for (int j = 0; j < kRowsA; ++j) {
+            const bool ok = k_ok && j * kRowStep < live_a;
+            const __nv_bfloat16* src = pa + int64_t(j) * kRowStep * p.k + k0 + 64 * h;
+            cp_async16_zfill(a + h * Geo::kSubA + swz(r0 + j * kRowStep, c), ok ? src : lhs, ok);
+          }
         }
+        const bool kb_ok = (k0 * kElem + 16 * c) < p.k * kElem;
 #pragma unroll
         for (int j = 0; j < kRowsB; ++j) {
-          const bool ok = k_ok && j * kRowStep < live_b;
-          const __nv_bfloat16* src = pb + int64_t(j) * kRowStep * p.k + k0;
+          const bool ok = kb_ok && j * kRowStep < live_b;
+          const uint8_t* src = pb + int64_t(j) * kRowStep * p.k * kElem + k0 * kElem;
           cp_async16_zfill(b + swz(r0 + j * kRowStep, c), ok ? src : rhs, ok);
+        }
+        if constexpr (kFp8) {   // K % 128 == 0: a stage's four scale bytes are whole and aligned
+          const bool ok = tid < live_b + r0;   // weight row n0 + tid < N
+          const uint8_t* src = scales + (n0 + tid) * scale_row + k0 / 32;
+          cp_async4_zfill(b + Geo::kStageB + 4 * tid, ok ? src : scales, ok);
         }
       }
       commit();
@@ -176,24 +226,37 @@ grouped_matmul_kernel(GroupedMatmulParams p) {
       wait_groups<kStages - 2>();
       __syncthreads();                  // stage ks visible; stage ks - 1 free for reuse
       load(ks + kStages - 1);
-      const uint8_t* a = sa + (ks % kStages) * kStageA;
-      const uint8_t* b = sb + (ks % kStages) * kStageB;
+      const uint8_t* a = smem + (ks % kStages) * Geo::kStage;
+      const uint8_t* b = a + Geo::kStageA;
 #pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
+      for (int kk = 0; kk < Geo::kStepK / 16; ++kk) {
         uint32_t bf[4][2];
+        if constexpr (kFp8) {
+          // Thread (g, t) of n8 tile nt holds rows nt·8 + g, k = 16·kk + 2t (+1) and + 8.
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {   // n8 tiles 2h, 2h + 1 of this warp's 32 columns
-          const int r = wn * 32 + h * 16 + (lane & 7) + ((lane >> 4) << 3);
-          uint32_t x[4];
-          ldmatrix_x4(x, b + swz(r, 2 * kk + ((lane >> 3) & 1)));
-          bf[2 * h][0] = x[0], bf[2 * h][1] = x[1], bf[2 * h + 1][0] = x[2],
-          bf[2 * h + 1][1] = x[3];
+          for (int nt = 0; nt < 4; ++nt) {
+            const int r = wn * 32 + nt * 8 + (lane >> 2);
+            const uint8_t* q = b + swz(r, kk) + 2 * (lane & 3);
+            const float s = e8m0(b[Geo::kStageB + 4 * r + (kk >> 1)]);
+            bf[nt][0] = dequant_fp8x2(*reinterpret_cast<const uint16_t*>(q), s);
+            bf[nt][1] = dequant_fp8x2(*reinterpret_cast<const uint16_t*>(q + 8), s);
+          }
+        } else {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {   // n8 tiles 2h, 2h + 1 of this warp's 32 columns
+            const int r = wn * 32 + h * 16 + (lane & 7) + ((lane >> 4) << 3);
+            uint32_t x[4];
+            ldmatrix_x4(x, b + swz(r, 2 * kk + ((lane >> 3) & 1)));
+            bf[2 * h][0] = x[0], bf[2 * h][1] = x[1], bf[2 * h + 1][0] = x[2],
+            bf[2 * h + 1][1] = x[3];
+          }
         }
+        const uint8_t* a_sub = a + (kk >> 2) * Geo::kSubA;
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
           uint32_t af[4];
           const int r = mt * 16 + (lane & 15);
-          ldmatrix_x4(af, a + swz(r, 2 * kk + (lane >> 4)));
+          ldmatrix_x4(af, a_sub + swz(r, 2 * (kk & 3) + (lane >> 4)));
 #pragma unroll
           for (int nt = 0; nt < 4; ++nt) mma(acc[mt][nt], af, bf[nt][0], bf[nt][1]);
         }
@@ -225,20 +288,31 @@ grouped_matmul_kernel(GroupedMatmulParams p) {
   }
 }
 
-template <int kMTiles, int kWarpsN, int kStages>
+template <bool kFp8, int kMTiles, int kWarpsN, int kStages>
 cudaError_t launch(const GroupedMatmulParams& p, cudaStream_t stream) {
-  constexpr int kThreads = 32 * kWarpsN;
-  constexpr int kBM = 16 * kMTiles, kBN = 32 * kWarpsN;
-  constexpr size_t kSmem = size_t(kStages) * (kBM + kBN) * kBK * 2;
-  auto kernel = grouped_matmul_kernel<kMTiles, kWarpsN, kStages>;
+  using Geo = Geometry<kFp8, kMTiles, kWarpsN>;
+  constexpr size_t kSmem = size_t(kStages) * Geo::kStage;
+  auto kernel = grouped_matmul_kernel<kFp8, kMTiles, kWarpsN, kStages>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        int(kSmem));
   if (e != cudaSuccess) return e;
   // At most min(G, M) groups are non-empty: one CTA row each, plus the uncovered rows' one.
   const int64_t groups = p.num_groups < p.m ? p.num_groups : p.m;
-  const dim3 grid(unsigned((p.n + kBN - 1) / kBN), unsigned(groups + 1));
-  kernel<<<grid, kThreads, kSmem, stream>>>(p);
+  const dim3 grid(unsigned((p.n + Geo::kBN - 1) / Geo::kBN), unsigned(groups + 1));
+  kernel<<<grid, Geo::kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
+}
+
+// The tile's launch for bf16 (kFp8 false) or MXFP8 weights. Stages: a ring of about 64-84 KB
+// for 16-row tiles (4 CTAs per SM: the copies in flight cover the latency), 2 CTAs per SM for
+// 64-row tiles.
+template <bool kFp8>
+cudaError_t launch_tile(const GroupedMatmulParams& p, const GroupedMatmulTile& t,
+                        cudaStream_t stream) {
+  if (t.block_m == 64) return launch<kFp8, 4, 4, kFp8 ? 3 : 4>(p, stream);
+  if (t.block_n == 32) return launch<kFp8, 1, 1, kFp8 ? 6 : 8>(p, stream);
+  if (t.block_n == 64) return launch<kFp8, 1, 2, kFp8 ? 5 : 6>(p, stream);
+  return launch<kFp8, 1, 4, 4>(p, stream);
 }
 
 // CTAs of a launch with column tiles of bn, if every possible group is non-empty.
@@ -256,7 +330,7 @@ GroupedMatmulTile grouped_matmul_tile(const GroupedMatmulParams& p) {
     // when a tile's weights (BN × K) outgrow what L2 serves again cheaply (H200, one TP-8 rank
     // of M3: gate_up K 6144 from 16 rows, down K 384 from 32; BENCHMARKS.md).
     const int64_t rows = p.num_groups > 0 ? p.m / p.num_groups : p.m;
-    const bool big_tile = 128 * p.k * 2 > (256 << 10);
+    const bool big_tile = 128 * p.k * (p.rhs_scale ? 1 : 2) > (256 << 10);
     t.block_m = rows >= 32 || (rows >= 16 && big_tile) ? 64 : 16;
   }
   if (t.block_m != 16 || (t.block_n != 32 && t.block_n != 64 && t.block_n != 128)) {
@@ -266,19 +340,21 @@ GroupedMatmulTile grouped_matmul_tile(const GroupedMatmulParams& p) {
   return t;
 }
 
-const char* grouped_matmul_unsupported(int64_t k) {
+const char* grouped_matmul_unsupported(int64_t k, bool mxfp8) {
+  if (mxfp8)
+    return k % 128 == 0 ? "" : "the CUDA grouped_matmul kernel needs K % 128 == 0 for MXFP8 "
+                               "weights (whole stages of 128 k and 4-byte scale rows)";
   return k % 8 == 0 ? "" : "the CUDA grouped_matmul kernel needs K (the contracted dim) % 8 == 0";
 }
 
 cudaError_t launch_grouped_matmul(const GroupedMatmulParams& p, cudaStream_t stream) {
-  if (p.k % 8 != 0 || p.m < 0 || p.n < 1 || p.num_groups < 0 || p.num_groups > 65534)
+  const bool mxfp8 = p.rhs_scale != nullptr;
+  if (grouped_matmul_unsupported(p.k, mxfp8)[0] != '\0' || p.m < 0 || p.n < 1 ||
+      p.num_groups < 0 || p.num_groups > 65534)
     return cudaErrorInvalidValue;
   if (p.m == 0) return cudaSuccess;
   const GroupedMatmulTile t = grouped_matmul_tile(p);
-  if (t.block_m == 64) return launch<4, 4, 4>(p, stream);
-  if (t.block_n == 32) return launch<1, 1, 8>(p, stream);
-  if (t.block_n == 64) return launch<1, 2, 6>(p, stream);
-  return launch<1, 4, 4>(p, stream);
+  return mxfp8 ? launch_tile<true>(p, t, stream) : launch_tile<false>(p, t, stream);
 }
 
 }  // namespace cuda

@@ -247,21 +247,29 @@ ffi::Error SelectBlocks(cudaStream_t stream, ffi::AnyBuffer idx_q, ffi::AnyBuffe
   return cuda_error(launch_select_blocks(p, stream), "select_blocks launch");
 }
 
-ffi::Error GroupedMatmul(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
-                         ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::S32> group_sizes,
+ffi::Error GroupedMatmul(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::AnyBuffer rhs,
+                         ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::U8> rhs_scale,
                          ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto ld = lhs.dimensions(), rd = rhs.dimensions(), gd = group_sizes.dimensions();
+  auto sd = rhs_scale.dimensions();
   if (ld.size() != 2 || rd.size() != 3 || gd.size() != 1 || gd[0] != rd[0] || rd[2] != ld[1])
     return invalid("grouped_matmul: lhs [M, K], rhs [G, N, K], group_sizes [G]");
+  const bool mxfp8 = rhs.element_type() == ffi::F8E4M3FN;
+  if (!mxfp8 && rhs.element_type() != ffi::BF16)
+    return invalid("grouped_matmul: rhs must be bf16 or float8_e4m3fn (MXFP8)");
+  if (sd.size() != 3 || sd[0] != rd[0] || sd[1] != rd[1] || sd[2] != (mxfp8 ? rd[2] / 32 : 0))
+    return invalid("grouped_matmul: rhs_scale must be [G, N, K / 32] for MXFP8 rhs, "
+                   "[G, N, 0] for bf16");
   auto od = out->dimensions();
   if (od.size() != 2 || od[0] != ld[0] || od[1] != rd[1])
     return invalid("grouped_matmul: out must be [M, N]");
-  const char* why = grouped_matmul_unsupported(ld[1]);
+  const char* why = grouped_matmul_unsupported(ld[1], mxfp8);
   if (why[0] != '\0') return invalid(why);
   if (rd[0] > 65534) return invalid("grouped_matmul: G must be below 65535");
   GroupedMatmulParams p = {};
   p.lhs = reinterpret_cast<const __nv_bfloat16*>(lhs.typed_data());
-  p.rhs = reinterpret_cast<const __nv_bfloat16*>(rhs.typed_data());
+  p.rhs = rhs.untyped_data();
+  p.rhs_scale = mxfp8 ? rhs_scale.typed_data() : nullptr;
   p.group_sizes = group_sizes.typed_data();
   p.out = out->typed_data();
   p.m = ld[0];
@@ -372,7 +380,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_grouped_matmul_cuda, m3sparse::cuda::Grou
                               xffi::Ffi::Bind()
                                   .Ctx<xffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xffi::Buffer<xffi::BF16>>()      // lhs
-                                  .Arg<xffi::Buffer<xffi::BF16>>()      // rhs
+                                  .Arg<xffi::AnyBuffer>()               // rhs (bf16 / fp8)
                                   .Arg<xffi::Buffer<xffi::S32>>()       // group_sizes
+                                  .Arg<xffi::Buffer<xffi::U8>>()        // rhs_scale
                                   .Ret<xffi::Buffer<xffi::F32>>(),      // out
                               {xffi::Traits::kCmdBufferCompatible});

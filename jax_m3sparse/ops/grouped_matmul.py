@@ -10,12 +10,15 @@ from jax_m3sparse import _checks, reference
 from jax_m3sparse._primitives import define_primitive
 
 
-def _abstract_eval(lhs, rhs, group_sizes):
+def _abstract_eval(lhs, rhs, group_sizes, rhs_scale):
     return ShapedArray((lhs.shape[0], rhs.shape[1]), jnp.float32)
 
 
-def _platform_reason(platform, lhs, *_):
+def _platform_reason(platform, lhs, rhs, *_):
     """Why ``platform``'s kernel cannot serve these shapes (raised when lowering), or None."""
+    if platform == "cuda" and rhs.dtype == jnp.float8_e4m3fn and lhs.shape[1] % 128:
+        return (f"the CUDA grouped_matmul kernel needs K (lhs.shape[1]) % 128 == 0 for MXFP8 "
+                f"weights (stages of 128 k, 4-byte scale rows); got K = {lhs.shape[1]}")
     if platform == "cuda" and lhs.shape[1] % 8:
         return (f"the CUDA grouped_matmul kernel needs K (lhs.shape[1]) % 8 == 0 (16-byte rows); "
                 f"got K = {lhs.shape[1]}")
@@ -33,7 +36,7 @@ grouped_matmul_p = define_primitive(
 )
 
 
-def grouped_matmul(lhs, rhs, group_sizes):
+def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None):
     """``out[i] = lhs[i] · rhs[g]ᵀ`` for the rows i of group g, in fp32 (SPEC §9).
 
     The rows of ``lhs`` are grouped in order: group 0 is the first ``group_sizes[0]`` rows,
@@ -42,11 +45,19 @@ def grouped_matmul(lhs, rhs, group_sizes):
     (token, expert) pairs by expert and calls this once per projection: each routed expert's
     weights are read once, unrouted experts not at all (on CUDA; elsewhere XLA's ``ragged_dot``).
 
+    The weights may be MXFP8 (SPEC §9.1; :func:`jax_m3sparse.mxfp8_quantize`): ``rhs`` fp8
+    e4m3 with ``rhs_scale``, one E8M0 exponent per 32 k. The CUDA kernel reads them as they are
+    (half the bytes of bf16) and widens them in registers; the result equals the bf16 call on
+    ``mxfp8_dequantize(rhs, rhs_scale)`` bit for bit, on every backend.
+
     Args:
       lhs: ``bfloat16[M, K]``, the rows sorted by group.
-      rhs: ``bfloat16[G, N, K]``, one ``[N, K]`` matrix per group.
+      rhs: ``bfloat16[G, N, K]`` or ``float8_e4m3fn[G, N, K]`` (MXFP8), one ``[N, K]`` matrix
+        per group.
       group_sizes: ``int32[G]`` rows per group. Data, not static: a negative size counts as 0,
         rows past M are dropped, and rows after the last group are 0 in the result.
+      rhs_scale: ``uint8[G, N, K/32]`` E8M0 exponents, with fp8 ``rhs`` only (the checkpoints'
+        ``weight_scale_inv``); 255 reads as NaN.
 
     Returns:
       ``float32[M, N]``. Each element is a fixed-order fp32 sum over K: a row's result depends
@@ -54,18 +65,35 @@ def grouped_matmul(lhs, rhs, group_sizes):
       Inference-only (SPEC §7).
 
     Raises:
-      ValueError / TypeError at trace time for wrong ranks, dtypes or mismatched K / G; on CUDA
-      when K % 8 != 0.
+      ValueError / TypeError at trace time for wrong ranks, dtypes or mismatched K / G, an fp8
+      ``rhs`` without ``rhs_scale`` (or a scale with bf16 ``rhs``), K % 32 != 0 with MXFP8; on
+      CUDA when K % 8 != 0 (MXFP8: K % 128 != 0).
     """
     lhs, rhs, group_sizes = map(jnp.asarray, (lhs, rhs, group_sizes))
     _checks.rank(lhs, "lhs", 2, "[M, K]")
     _checks.rank(rhs, "rhs", 3, "[G, N, K]")
     _checks.rank(group_sizes, "group_sizes", 1, "[G]")
     _checks.dtype(lhs, "lhs", (jnp.bfloat16,))
-    _checks.dtype(rhs, "rhs", (jnp.bfloat16,))
+    _checks.dtype(rhs, "rhs", (jnp.bfloat16, jnp.float8_e4m3fn))
     _checks.dtype(group_sizes, "group_sizes", (jnp.int32,))
     if lhs.shape[1] != rhs.shape[2]:
         raise ValueError(f"lhs [M, K] and rhs [G, N, K] must share K: lhs.shape {lhs.shape}, "
                          f"rhs.shape {rhs.shape}")
     _checks.dim("group_sizes", "length (G of rhs)", rhs.shape[0], group_sizes.shape[0])
-    return grouped_matmul_p.bind(lhs, rhs, group_sizes)
+    G, N, K = rhs.shape
+    if rhs.dtype == jnp.bfloat16:
+        if rhs_scale is not None:
+            raise ValueError("rhs_scale is for MXFP8 weights (rhs float8_e4m3fn); rhs is "
+                             "bfloat16: pass rhs_scale=None")
+        rhs_scale = jnp.zeros((G, N, 0), jnp.uint8)
+    else:
+        if rhs_scale is None:
+            raise ValueError("rhs is float8_e4m3fn (MXFP8): pass rhs_scale, uint8[G, N, K/32] "
+                             "E8M0 exponents (jax_m3sparse.mxfp8_quantize makes both)")
+        rhs_scale = jnp.asarray(rhs_scale)
+        _checks.dtype(rhs_scale, "rhs_scale", (jnp.uint8,))
+        if K % 32 or rhs_scale.shape != (G, N, K // 32):
+            raise ValueError(f"MXFP8 rhs [G, N, K] needs K % 32 == 0 and rhs_scale "
+                             f"[G, N, K/32] = {(G, N, K // 32)}: rhs.shape {rhs.shape}, "
+                             f"rhs_scale.shape {rhs_scale.shape}")
+    return grouped_matmul_p.bind(lhs, rhs, group_sizes, rhs_scale)

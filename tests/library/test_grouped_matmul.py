@@ -110,3 +110,58 @@ def test_dtype_errors():
     with pytest.raises((TypeError, ValueError), match="group_sizes"):
         m3.grouped_matmul(jnp.zeros((8, 16), jnp.bfloat16), jnp.zeros((2, 8, 16), jnp.bfloat16),
                           jnp.zeros(2, jnp.float32))
+
+
+# ------------------------------------------------------------------ MXFP8 weights (SPEC §9.1)
+def mxfp8_operands(rng, M, K, G, N, spread=4):
+    """bf16 rows and MXFP8 weights whose 32-blocks differ in scale by up to 2^±spread."""
+    lhs = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    w = rng.normal(size=(G, N, K // 32, 32)) * 2.0 ** rng.integers(-spread, spread + 1,
+                                                                    (G, N, K // 32, 1))
+    data, scale = m3.mxfp8_quantize(jnp.asarray(w.reshape(G, N, K), jnp.float32))
+    return lhs, data, scale
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 5, 2], [2, -3, 20, 1], [0, 0, 0, 0]])
+def test_mxfp8_matches_oracle(rng, sizes):
+    lhs, data, scale = mxfp8_operands(rng, 10, 64, 4, 16)
+    got = np.asarray(jax.jit(m3.grouped_matmul)(lhs, data, jnp.asarray(sizes, jnp.int32), scale))
+    want = oracle.grouped_matmul(lhs, data, sizes, rhs_scale=scale)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert not np.any(got[np.all(want == 0, axis=1)])
+
+
+def test_mxfp8_equals_bf16_on_dequantized_weights(rng):
+    """SPEC §9.1: an MXFP8 call is the bf16 call on mxfp8_dequantize(rhs, scale), bit for bit
+    (here both through the CPU's lowering; on CUDA tests/cuda checks the kernel)."""
+    lhs, data, scale = mxfp8_operands(rng, 16, 96, 3, 24)
+    sizes = jnp.asarray([6, 0, 10], jnp.int32)
+    np.testing.assert_array_equal(
+        np.asarray(m3.grouped_matmul(lhs, data, sizes, scale)),
+        np.asarray(m3.grouped_matmul(lhs, m3.mxfp8_dequantize(data, scale), sizes)))
+
+
+def test_mxfp8_cuda_lowering(rng):
+    lhs, data, scale = mxfp8_operands(rng, 8, 128, 2, 8)
+    sizes = jnp.asarray([3, 5], jnp.int32)
+    exp = jax.export.export(jax.jit(m3.grouped_matmul), platforms=["cuda"],
+                            disabled_checks=m3.export_disabled_checks())(lhs, data, sizes, scale)
+    text = exp.mlir_module()
+    assert "m3sparse_grouped_matmul_cuda" in text and "f8E4M3FN" in text
+    with pytest.raises(ValueError, match=r"% 128 == 0 for MXFP8"):
+        jax.jit(m3.grouped_matmul).trace(*mxfp8_operands(rng, 8, 96, 2, 8)[:2], sizes,
+                                         mxfp8_operands(rng, 8, 96, 2, 8)[2]).lower(
+            lowering_platforms=("cuda",))
+
+
+def test_mxfp8_argument_errors(rng):
+    lhs, data, scale = mxfp8_operands(rng, 8, 64, 2, 8)
+    sizes = jnp.asarray([3, 5], jnp.int32)
+    with pytest.raises(ValueError, match="pass rhs_scale"):
+        m3.grouped_matmul(lhs, data, sizes)
+    with pytest.raises(ValueError, match="rhs_scale=None"):
+        m3.grouped_matmul(lhs, m3.mxfp8_dequantize(data, scale), sizes, scale)
+    with pytest.raises(ValueError, match=r"rhs_scale \[G, N, K/32\]"):
+        m3.grouped_matmul(lhs, data, sizes, scale[:, :, :1])
+    with pytest.raises(TypeError, match="rhs_scale must be uint8"):
+        m3.grouped_matmul(lhs, data, sizes, scale.astype(jnp.int32))

@@ -172,11 +172,26 @@ def metrics(out, ref):
     return cos, float(np.linalg.norm(a - b) / nb) if nb else float(np.linalg.norm(a))
 
 
-def grouped_matmul(lhs, rhs, sizes):
+def mxfp8_weights(data, scales):
+    """MXFP8 (SPEC §9.1) in float64: the fp8 byte's value (its bits decoded here, not by a
+    dtype conversion) · 2^(e − 127), e = 255 NaN, values below 2^-126 in magnitude ±0, then
+    rounded to bf16 (every normal product has 4 significant bits: exact)."""
+    bits = np.asarray(data).view(np.uint8).astype(np.int64)
+    sign = np.where(bits & 0x80, -1.0, 1.0)
+    exp, man = (bits >> 3) & 15, bits & 7
+    mag = np.where(exp == 0, man / 8.0 * 2.0 ** -6, (1 + man / 8.0) * 2.0 ** (exp - 7.0))
+    mag = np.where((exp == 15) & (man == 7), np.nan, mag)
+    e = np.repeat(np.asarray(scales).astype(np.int64), 32, axis=-1)
+    w = sign * mag * np.where(e == 255, np.nan, 2.0 ** (e - 127.0))
+    w = np.where(np.abs(w) < 2.0 ** -126, 0.0 * sign, w)
+    return np.asarray(w.astype(ml_dtypes.bfloat16), np.float64)
+
+
+def grouped_matmul(lhs, rhs, sizes, rhs_scale=None):
     """grouped_matmul (SPEC §9) in float64, per group; negative sizes count 0, rows past M
-    dropped, uncovered rows 0."""
+    dropped, uncovered rows 0; MXFP8 rhs (with rhs_scale) decoded by mxfp8_weights."""
     a = np.asarray(lhs, np.float64)
-    w = np.asarray(rhs, np.float64)
+    w = np.asarray(rhs, np.float64) if rhs_scale is None else mxfp8_weights(rhs, rhs_scale)
     out = np.zeros((a.shape[0], w.shape[1]))
     start = 0
     for g, s in enumerate(np.asarray(sizes)):
