@@ -76,6 +76,10 @@ def parse_args(argv=None):
                                 "tokamax"),
                        help="the routed experts' formulation (minimax_m3/moe.py; auto: dense "
                             "on the CPU, grouped on GPUs)")
+    model.add_argument("--expert-format", default="bf16", choices=("bf16", "mxfp8"),
+                       help="the routed experts' weights on the device: mxfp8 keeps fp8 with an "
+                            "exponent per 32 inputs (half the bytes; lossless from an MXFP8 "
+                            "checkpoint, quantized on the device from others)"),
     plan = p.add_argument_group("dry run (no weights)")
     plan.add_argument("--config", metavar="PATH", help="a config.json (or its directory): the "
                       "model's shapes (with random weights unless --dry-run)")
@@ -122,7 +126,8 @@ def model_config(args) -> ModelConfig:
     source = args.checkpoint or args.config
     if source:
         return from_hf_config(source, baseline_dtype=args.baseline_dtype,
-                              index_cache_dtype=args.index_cache_dtype, moe_impl=args.moe_impl)
+                              index_cache_dtype=args.index_cache_dtype, moe_impl=args.moe_impl,
+                              expert_format=args.expert_format)
     L = args.layers
     return ModelConfig(hidden_size=args.hidden, num_hidden_layers=L,
                        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
@@ -134,7 +139,8 @@ def model_config(args) -> ModelConfig:
                        layer_types=(FULL,) + (SPARSE,) * (L - 1),
                        mlp_layer_types=(DENSE_MLP,) + (MOE,) * (L - 1),
                        baseline_dtype=args.baseline_dtype,
-                       index_cache_dtype=args.index_cache_dtype, moe_impl=args.moe_impl)
+                       index_cache_dtype=args.index_cache_dtype, moe_impl=args.moe_impl,
+                       expert_format=args.expert_format)
 
 
 def main(argv=None):
@@ -157,15 +163,19 @@ def main(argv=None):
 
 
 def load_model(args, cfg, mesh):
-    """The checkpoint's params placed on ``mesh``, or random weights."""
+    """The checkpoint's params placed on ``mesh``, or random weights; MXFP8 experts
+    (``--expert-format mxfp8``) are made on the device from the loaded bf16 ones."""
     from tqdm import tqdm  # noqa: PLC0415
-    from minimax_m3 import checkpoint, model, parallel  # noqa: PLC0415
+    from minimax_m3 import checkpoint, model, moe, parallel  # noqa: PLC0415
     shardings = parallel.param_shardings(model.param_shapes(cfg), cfg, mesh)
     if not args.checkpoint:
         return model.init_params(cfg, args.weight_seed, shardings, dtype=args.dtype)
-    with tqdm(total=checkpoint.count_tensors(cfg), unit="tensor", desc="loading") as bar:
-        return checkpoint.load_params(args.checkpoint, cfg, shardings, dtype=args.dtype,
-                                      progress=bar.update)
+    bf16 = dataclasses.replace(cfg, expert_format="bf16")
+    with tqdm(total=checkpoint.count_tensors(bf16), unit="tensor", desc="loading") as bar:
+        params = checkpoint.load_params(
+            args.checkpoint, bf16, parallel.param_shardings(model.param_shapes(bf16), bf16, mesh),
+            dtype=args.dtype, progress=bar.update)
+    return params if cfg.expert_format == "bf16" else moe.quantize_experts(params, shardings)
 
 
 def sampling_note(args, stops) -> str:

@@ -5,8 +5,9 @@
 #   tools/device_check.sh [quick|full|sanitize|profile|final|harness|race|tp|cpu|select|grouped|m3|fullattn]
 #     fullattn: full_attention: pytest tests/cuda (PYK), bench.cuda --full (FULL_ARGS), the M3
 #     example (M3_AFTER="<bench args>"), memcheck of its pytest (SANITIZE=0 skips);
-#     m3: the M3 example at real size (python -m examples.minimax_m3.bench; M3_ARGS, and
-#     CUDA_BENCH=1 for bench.cuda --quick --no-ref after it);
+#     m3: the M3 example at real size (python -m examples.minimax_m3.bench; M3_ARGS, M3_FORMATS
+#     "bf16 mxfp8" for each experts' format in turn, and CUDA_BENCH=1 for bench.cuda --quick
+#     --no-ref after it);
 #     quick: smaller benchmark set; sanitize: compute-sanitizer memcheck + racecheck on the
 #     harness and memcheck on the public-API GPU tests (no timings); profile: ncu on the harness;
 #     final: the bench.cuda table, sanitizers and the scan gap analysis in one call;
@@ -239,13 +240,17 @@ fi
 if [ "$MODE" = m3 ]; then  # the M3 example at real size: one TP-8 rank (examples/minimax_m3/bench.py)
   # M3_ARGS: the bench's arguments (default --quick); CUDA_BENCH=1: bench.cuda --quick --no-ref
   # after it (the attention kernel at the TP-8 rank's shapes beside TP 1)
+  # M3_FORMATS: the experts' formats to run it with, in turn (default bf16; "bf16 mxfp8")
   build_modules
   date -u
-  echo "=== python -m examples.minimax_m3.bench ${M3_ARGS:---quick}"
-  PYTHONPATH=$ROOT timeout ${M3_S:-420} python3 -m examples.minimax_m3.bench ${M3_ARGS:---quick} \
-    --json "$OUT/m3_bench.json" 2>"$OUT/m3_bench.err" | tee "$OUT/m3_bench.log"
-  echo "rc=${PIPESTATUS[0]}"; tail -5 "$OUT/m3_bench.err"
-  date -u
+  for F in ${M3_FORMATS:-bf16}; do
+    echo "=== python -m examples.minimax_m3.bench ${M3_ARGS:---quick} --expert-format $F"
+    PYTHONPATH=$ROOT timeout ${M3_S:-420} python3 -m examples.minimax_m3.bench ${M3_ARGS:---quick} \
+      --expert-format $F --json "$OUT/m3_bench_$F.json" 2>"$OUT/m3_bench_$F.err" |
+      tee "$OUT/m3_bench_$F.log"
+    echo "rc=${PIPESTATUS[0]}"; tail -5 "$OUT/m3_bench_$F.err"
+    date -u
+  done
   if [ "${CUDA_BENCH:-0}" = 1 ]; then
     echo "=== python -m jax_m3sparse.bench.cuda --quick --no-ref"
     PYTHONPATH=$ROOT timeout ${CUDA_S:-200} python3 -m jax_m3sparse.bench.cuda --quick --no-ref 2>&1 |

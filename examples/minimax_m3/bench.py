@@ -55,6 +55,9 @@ def parse_args(argv=None):
     ap.add_argument("--reserve-gb", type=float, default=10.0,
                     help="device memory kept for activations and workspace when fitting layers")
     ap.add_argument("--moe-impl", default="auto", help="the step's moe_impl (moe.IMPLS)")
+    ap.add_argument("--expert-format", default="bf16", choices=("bf16", "mxfp8"),
+                    help="the routed experts' weights on the device (mxfp8: fp8 + an E8M0 "
+                         "exponent per 32 inputs, through grouped_matmul)")
     ap.add_argument("--moe-impls", default=None,
                     help="formulations timed as parts (default: --moe-impl's, dense, and "
                          "tokamax if it imports)")
@@ -139,8 +142,9 @@ def full_config(args):
                            shared_intermediate_size=64, num_local_experts=16,
                            num_experts_per_tok=4, index_head_dim=64, index_topk_blocks=4,
                            layer_types=(FULL, SPARSE, SPARSE, SPARSE),
-                           mlp_layer_types=(DENSE_MLP, "sparse", "sparse", "sparse"))
-    cfg = from_hf_config(args.config)
+                           mlp_layer_types=(DENSE_MLP, "sparse", "sparse", "sparse"),
+                           expert_format=args.expert_format)
+    cfg = from_hf_config(args.config, expert_format=args.expert_format)
     if not args.keep_layer_types:
         cfg = dataclasses.replace(cfg, layer_types=tuple(
             FULL if m == DENSE_MLP else SPARSE for m in cfg.mlp_layer_types))
@@ -167,11 +171,17 @@ def rank_config(full, tp: int, layers: int, moe_impl: str):
 
 
 def layer_bytes(cfg, attn, mlp, dtype_bytes=2) -> int:
+    """One layer's weight bytes: ``dtype_bytes`` per element, MXFP8 experts 1 (+ exponents)."""
     from . import model  # noqa: PLC0415
     from .parallel import is_shape  # noqa: PLC0415
     import jax  # noqa: PLC0415
-    return dtype_bytes * sum(math.prod(s) for s in jax.tree_util.tree_leaves(
-        model.layer_shapes(cfg, attn, mlp), is_leaf=is_shape))
+
+    def nbytes(path, shape):
+        names = [getattr(k, "key", None) for k in path]
+        mx = cfg.expert_format == "mxfp8" and "experts" in names
+        return (1 if mx else dtype_bytes) * math.prod(shape)
+    return sum(jax.tree_util.tree_leaves(jax.tree_util.tree_map_with_path(
+        nbytes, model.layer_shapes(cfg, attn, mlp), is_leaf=is_shape)))
 
 
 # ----------------------------------------------------------------------------- the bench
@@ -674,7 +684,7 @@ class Parts:
 
         if is_moe:
             I, E, k = cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok
-            per_expert = 3 * I * H * 2
+            per_expert = 3 * I * H * (1 + 1 / 32 if cfg.expert_format == "mxfp8" else 2)
             shared = 3 * cfg.shared_intermediate_size * H * 2
             nbytes = routed * per_expert + shared + E * H * 2
             flops = 2 * T * (k * 3 * I * H + 3 * cfg.shared_intermediate_size * H + E * H)
@@ -803,7 +813,7 @@ def format_report(r) -> str:
         f" q / {cfg['num_key_value_heads']} KV heads, {cfg['num_local_experts']} experts of "
         f"{cfg['intermediate_size']}, top {cfg['num_experts_per_tok']}, vocab "
         f"{cfg['vocab_size']}), {r['pages']} pages, weights made in {r['init_s']:.1f} s, "
-        f"moe_impl {r['moe_impl']}",
+        f"moe_impl {r['moe_impl']}, experts {cfg.get('expert_format', 'bf16')}",
         f"floors: bytes ÷ {r['model']['bandwidth'] / 1e12:.2f} TB/s or FLOPs ÷ "
         f"{r['model']['flops'] / 1e12:.0f} TFLOP/s; the MoE's counts the routed experts only. "
         f"All-reduces: {r['model']['allreduce']}, {r['model']['link_bandwidth'] / 1e9:.0f} GB/s, "

@@ -557,7 +557,7 @@ def to_hf_config(cfg: ModelConfig) -> dict:
     """A transformers ``config.json`` (``model_type`` minimax_m3_vl_text) for ``cfg``."""
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     for serving in ("kv_replicas", "baseline_dtype", "baseline_selection", "moe_impl",
-                    "index_cache_dtype",
+                    "index_cache_dtype", "expert_format",
                     "rope_theta"):
         fields.pop(serving)
     fields.update(model_type="minimax_m3_vl_text", architectures=["MiniMaxM3VLForCausalLM"],

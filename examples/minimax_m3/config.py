@@ -23,6 +23,7 @@ import jax_m3sparse as m3
 
 FULL, SPARSE = "full_attention", "minimax_m3_sparse"     # layer_types
 DENSE_MLP, MOE = "dense", "sparse"                       # mlp_layer_types
+EXPERT_FORMATS = ("bf16", "mxfp8")                       # expert_format (model.expert_format)
 
 _LEGACY_INDEX = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
                  "index_block_size": "sparse_block_size",
@@ -72,6 +73,7 @@ class ModelConfig:
     baseline_selection: str = "served"         # its block selections: "served" or "own"
     moe_impl: str = "auto"                     # routed experts: moe.IMPLS ("auto", "dense", ...)
     index_cache_dtype: str = "bfloat16"        # the index keys' cache: or "float8_e4m3fn"
+    expert_format: str = "bf16"                # routed experts on the device: or "mxfp8"
 
     def __post_init__(self):
         L = self.num_hidden_layers
@@ -100,6 +102,13 @@ class ModelConfig:
         if self.index_cache_dtype not in ("bfloat16", "float8_e4m3fn"):
             raise ValueError(f"index_cache_dtype {self.index_cache_dtype!r}: 'bfloat16' or "
                              f"'float8_e4m3fn' (what jax_m3sparse.select_blocks reads)")
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ValueError(f"expert_format {self.expert_format!r}: one of {EXPERT_FORMATS} "
+                             f"(the routed experts' weights as the device holds them)")
+        if self.expert_format == "mxfp8" and (self.hidden_size % 32 or self.intermediate_size % 32):
+            raise ValueError(f"expert_format 'mxfp8' needs hidden_size ({self.hidden_size}) and "
+                             f"intermediate_size ({self.intermediate_size}) multiples of 32 "
+                             f"(one E8M0 exponent per 32 inputs)")
         if self.baseline_selection not in ("served", "own"):
             raise ValueError(f"baseline_selection {self.baseline_selection!r}: 'served' or 'own'")
         if self.index_block_size != 128:

@@ -57,8 +57,10 @@ def layer_shapes(cfg: ModelConfig, attn: str, mlp: str) -> dict:
 
     if mlp == MOE:
         E, I = cfg.num_local_experts, cfg.intermediate_size
-        mlp_shapes = dict(gate=(E, H), e_score_correction_bias=(E,),
-                          experts=dict(gate_up_proj=(E, 2, I, H), down_proj=(E, H, I)),
+        experts = dict(gate_up_proj=(E, 2, I, H), down_proj=(E, H, I))
+        if cfg.expert_format == "mxfp8":   # fp8 weights + one E8M0 exponent per 32 inputs
+            experts.update(gate_up_proj_scale=(E, 2, I, H // 32), down_proj_scale=(E, H, I // 32))
+        mlp_shapes = dict(gate=(E, H), e_score_correction_bias=(E,), experts=experts,
                           shared_experts=swiglu(cfg.shared_intermediate_size))
     else:
         mlp_shapes = swiglu(cfg.dense_intermediate_size)
@@ -79,10 +81,24 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
+def param_dtypes(cfg: ModelConfig, dtype) -> dict:
+    """Each leaf's dtype, a pytree like :func:`param_shapes`: ``dtype``, except the routed
+    experts' weights under ``cfg.expert_format == "mxfp8"`` — ``float8_e4m3fn``, with their
+    ``*_scale`` E8M0 exponents ``uint8`` (jax_m3sparse.grouped_matmul's MXFP8 operands)."""
+    def one(path, _):
+        names = [getattr(k, "key", None) for k in path]
+        if cfg.expert_format == "mxfp8" and "experts" in names:
+            return jnp.dtype(jnp.uint8 if names[-1].endswith("_scale") else jnp.float8_e4m3fn)
+        return jnp.dtype(dtype)
+    return jax.tree_util.tree_map_with_path(one, param_shapes(cfg), is_leaf=is_shape)
+
+
 def init_params(cfg: ModelConfig, seed: int = 0, shardings=None, dtype=None,
                 cache_bytes: int = 0) -> dict:
     """Seeded random weights made on the device(s): matmuls N(0, 1/fan_in), norms N(0, 0.1)
-    (Gemma's 1 + w), embeddings N(0, 1), router bias N(0, 0.1).
+    (Gemma's 1 + w), embeddings N(0, 1), router bias N(0, 0.1). MXFP8 experts
+    (``cfg.expert_format``): fp8 N(0, 16) under one exponent per leaf that scales them to
+    about N(0, 1/fan_in).
 
     With ``jax.random`` on the device(s), in ``dtype`` (default float32 on the CPU, bfloat16
     elsewhere), by jitted calls whose ``out_shardings`` are the leaves' shardings (each device
@@ -104,25 +120,34 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None, dtype=None,
     shapes = param_shapes(cfg)
     plan.check_fits(cfg, dtype, shardings, cache_bytes=cache_bytes)
     paths, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
+    dtypes = treedef.flatten_up_to(param_dtypes(cfg, dtype))
     places = (treedef.flatten_up_to(shardings) if shardings is not None
               else [None] * len(paths))
     root = jax.random.key(seed)
     specs = [(jax.random.fold_in(root, zlib.crc32(jax.tree_util.keystr(path).encode())),
-              shape, _init_std(path, shape), place,
-              shape[0] if getattr(path[0], "key", None) == "segments" else None)
-             for (path, shape), place in zip(paths, places)]
-    big = [math.prod(sp[1]) * dtype.itemsize > _ONE_CALL_BYTES for sp in specs]
-    small = tuple(sp[1:4] for sp, b in zip(specs, big) if not b)
+              shape, _init_std(path, shape, dt), place,
+              shape[0] if getattr(path[0], "key", None) == "segments" else None, dt)
+             for (path, shape), place, dt in zip(paths, places, dtypes)]
+    big = [math.prod(sp[1]) * sp[5].itemsize > _ONE_CALL_BYTES for sp in specs]
+    small = tuple((*sp[1:4], sp[5]) for sp, b in zip(specs, big) if not b)
     drawn = iter(_draw_small(small, dtype)(jax.random.fold_in(root, 0)))
-    leaves = [_big_leaf(*sp, dtype) if b else next(drawn) for sp, b in zip(specs, big)]
+    leaves = [_big_leaf(*sp) if b else next(drawn) for sp, b in zip(specs, big)]
     return treedef.unflatten(leaves)
 
 
 _ONE_CALL_BYTES = 256 << 20   # leaves above this get their own calls (stacked: per layer)
 
 
-def _init_std(path, shape) -> float:
+_FP8_STD = 16.0   # random MXFP8 elements: N(0, 16), far inside e4m3's ±448
+
+
+def _init_std(path, shape, dtype=None) -> float:
+    """The leaf's standard deviation; for MXFP8 exponents (uint8) the exponent itself."""
     name = jax.tree_util.keystr(path)
+    if dtype == jnp.uint8:      # 2^(e − 127) · N(0, 16) ≈ N(0, 1/fan_in), fan_in = 32 · last dim
+        return float(127 + round(math.log2((32 * shape[-1]) ** -0.5 / _FP8_STD)))
+    if dtype == jnp.float8_e4m3fn:
+        return _FP8_STD
     if "norm" in name or "bias" in name:
         return 0.1
     return 1.0 if "embed" in name else shape[-1] ** -0.5
@@ -130,15 +155,21 @@ def _init_std(path, shape) -> float:
 
 @functools.lru_cache(maxsize=None)
 def _draw_small(specs, dtype):
-    """jitted ``key -> leaves`` for the small leaves ((shape, std, sharding) each): slices of
-    one flat draw (one RNG op, a fast compile), each placed by its sharding."""
-    sizes = [math.prod(shape) for shape, _, _ in specs]
+    """jitted ``key -> leaves`` for the small leaves ((shape, std, sharding, leaf dtype) each):
+    slices of one flat draw in ``dtype`` (one RNG op, a fast compile), each placed by its
+    sharding; uint8 leaves (MXFP8 exponents) are filled with their "std"."""
+    sizes = [math.prod(shape) for shape, *_ in specs]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+
+    def leaf(flat, o, n, shape, std, dt):
+        if dt == jnp.uint8:
+            return jnp.full(shape, int(std), jnp.uint8)
+        return (flat[o:o + n].reshape(shape) * jnp.asarray(std, dtype)).astype(dt)
 
     def draw(key):
         flat = jax.random.normal(key, (int(offsets[-1]),), dtype)
-        return tuple((flat[o:o + n].reshape(shape) * jnp.asarray(std, dtype)).astype(dtype)
-                     for o, n, (shape, std, _) in zip(offsets, sizes, specs))
+        return tuple(leaf(flat, o, n, shape, std, dt)
+                     for o, n, (shape, std, _, dt) in zip(offsets, sizes, specs))
     return jax.jit(draw, out_shardings=tuple(sp[2] for sp in specs))
 
 
@@ -146,7 +177,7 @@ def _big_leaf(key, shape, std, sharding, layers, dtype):
     """A leaf with its own jitted call(s); layer j of a stacked one from ``fold_in(key, j)``,
     written into a donated buffer one layer at a time."""
     if layers is None:
-        return _draw_small(((shape, std, sharding),), dtype)(key)[0]
+        return _draw_small(((shape, std, sharding, dtype),), _draw_dtype(dtype))(key)[0]
     buf = _zeros(shape, dtype, sharding)
     put = _layer_setter(shape, dtype, std, sharding)
     for j in range(layers):
@@ -164,7 +195,17 @@ def _zeros(shape, dtype, sharding):
 
 
 def _normal(key, shape, dtype, std):
-    return (jax.random.normal(key, shape, dtype) * jnp.asarray(std, dtype)).astype(dtype)
+    """N(0, std) in ``dtype`` (fp8: drawn in bf16, then rounded); uint8 (MXFP8 exponents): the
+    constant ``std``."""
+    if dtype == jnp.uint8:
+        return jnp.full(shape, int(std), jnp.uint8)
+    draw = _draw_dtype(dtype)
+    return (jax.random.normal(key, shape, draw) * jnp.asarray(std, draw)).astype(dtype)
+
+
+def _draw_dtype(dtype):
+    """The dtype random normals are drawn in for a leaf of ``dtype`` (fp8 and uint8: bf16)."""
+    return dtype if dtype in (jnp.float32, jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.bfloat16)
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,11 +22,16 @@ The routed experts have these formulations, chosen by ``cfg.moe_impl`` (:func:`r
   wherever the backend's ``ragged_dot`` is a grouped GEMM;
 * ``"grouped"``: the same sorted rows through :func:`jax_m3sparse.grouped_matmul` (on CUDA our
   grouped GEMM kernel, which reads each routed expert's weights once and skips the others;
-  elsewhere XLA's ``ragged_dot``). bf16 weights;
+  elsewhere XLA's ``ragged_dot``). bf16 or MXFP8 weights (``cfg.expert_format``: fp8 with an
+  E8M0 exponent per 32 inputs, read as they are, half the bytes);
 * ``"tokamax"``: the same sorted rows through ``tokamax.ragged_dot_general`` (Pallas Mosaic GPU
   / Triton kernels; optional, imported only when asked for);
 * ``"auto"``: one of those per backend and load (:data:`AUTO`, from measurements): "grouped"
   on GPUs, dense dispatch on CPUs.
+
+MXFP8 experts (``gate_up_proj`` / ``down_proj`` fp8 beside ``*_scale`` uint8) run as they are
+through "grouped"; every other formulation first widens them to bf16
+(:func:`jax_m3sparse.mxfp8_dequantize`, the same values the kernel multiplies).
 
 Tensor parallel (``parallel.py``): every MLP's intermediate axis ``I`` is split over the mesh
 axis "tp" (Megatron style; each device holds ``1/tp`` of every expert, never all of one
@@ -104,18 +109,18 @@ def resolve_impl(impl: str, load: float, backend: str | None = None,
     """The formulation ``impl`` names for a call of ``load = T·k / E`` routed (token, expert)
     pairs per expert on ``backend`` (default: JAX's): ``impl`` itself, or for "auto" the first
     :data:`AUTO` entry whose bound admits ``load`` ("tokamax" entries are skipped when it does
-    not import, "grouped" ones when the weights are not bfloat16).
+    not import, "grouped" ones when the weights are neither bfloat16 nor MXFP8's fp8).
 
     Raises:
-      ValueError: an unknown ``impl``; "grouped" asked for with weights not in bfloat16.
+      ValueError: an unknown ``impl``; "grouped" asked for with float32 / float16 weights.
     """
     if impl not in IMPLS:
         raise ValueError(f"moe_impl {impl!r}: one of {IMPLS}")
-    bf16 = jnp.dtype(weight_dtype) == jnp.bfloat16
+    bf16 = jnp.dtype(weight_dtype) in (jnp.bfloat16, jnp.float8_e4m3fn)
     if impl == "grouped" and not bf16:
         raise ValueError(f"moe_impl 'grouped' (jax_m3sparse.grouped_matmul) takes bfloat16 "
-                         f"expert weights, got {jnp.dtype(weight_dtype)}: use --dtype bfloat16 "
-                         f"or moe_impl 'ragged' / 'dense'")
+                         f"or MXFP8 expert weights, got {jnp.dtype(weight_dtype)}: use --dtype "
+                         f"bfloat16 or moe_impl 'ragged' / 'dense'")
     if impl != "auto":
         return impl
     backend = backend or jax.default_backend()
@@ -143,6 +148,9 @@ def experts(p, x, weights, chosen, cfg, impl: str | None = None):
     load = chosen.shape[0] * chosen.shape[1] / p["gate_up_proj"].shape[0]   # T·k / E
     impl = resolve_impl(impl or getattr(cfg, "moe_impl", "auto"), load,
                         weight_dtype=p["gate_up_proj"].dtype)
+    if impl == "grouped":
+        return experts_sorted(p, x, weights, chosen, cfg, jax_m3sparse.grouped_matmul)
+    p = dequantized(p)
     if impl == "dense":
         return experts_dense(p, x, weights, chosen, cfg)
     if impl == "dense_batched":
@@ -150,6 +158,15 @@ def experts(p, x, weights, chosen, cfg, impl: str | None = None):
     if impl == "gather":
         return experts_gathered(p, x, weights, chosen, cfg)
     return experts_sorted(p, x, weights, chosen, cfg, _grouped_dot(impl))
+
+
+def dequantized(p):
+    """``p`` with MXFP8 expert weights widened to bf16 (``*_scale`` leaves dropped); bf16 ``p``
+    as it is."""
+    if "gate_up_proj_scale" not in p:
+        return p
+    return {name: jax_m3sparse.mxfp8_dequantize(p[name], p[name + "_scale"])
+            for name in ("gate_up_proj", "down_proj")}
 
 
 def experts_dense(p, x, weights, chosen, cfg, batched_down: bool = False, experts=None):
@@ -205,9 +222,7 @@ _OUT_IN = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), (
 
 
 def _grouped_dot(impl: str):
-    """``dot(lhs [M, in], rhs [G, out, in], group_sizes [G]) -> fp32 [M, out]``."""
-    if impl == "grouped":
-        return jax_m3sparse.grouped_matmul
+    """``dot(lhs [M, in], rhs [G, out, in], group_sizes [G]) -> fp32 [M, out]`` (bf16 rhs)."""
     if impl == "ragged":
         general = jax.lax.ragged_dot_general
     elif impl == "tokamax":
@@ -227,16 +242,21 @@ def _grouped_dot(impl: str):
 
 def experts_sorted(p, x, weights, chosen, cfg, dot):
     """Grouped formulation: pairs sorted by expert, two grouped matmuls over the routed rows
-    only (``T·k`` of them, static), each row weighted, then summed back per token."""
+    only (``T·k`` of them, static), each row weighted, then summed back per token. MXFP8
+    weights pass their ``*_scale`` exponents to ``dot`` (jax_m3sparse.grouped_matmul)."""
     T, k = chosen.shape
     w_gu, w_down = p["gate_up_proj"], p["down_proj"]
     E, _, I, H = w_gu.shape
+    act = jnp.bfloat16 if w_gu.dtype == jnp.float8_e4m3fn else w_gu.dtype   # lhs dtype
+    scales = ({} if "gate_up_proj_scale" not in p else
+              dict(gu=(p["gate_up_proj_scale"].reshape(E, 2 * I, H // 32),),
+                   down=(p["down_proj_scale"],)))
     order, sizes, inverse = sort_by_expert(chosen, E)
-    rows = x.astype(w_gu.dtype)[order // k]                              # [T·k, H]
-    gu = dot(rows, w_gu.reshape(E, 2 * I, H), sizes).reshape(T * k, 2, I)
+    rows = x.astype(act)[order // k]                                     # [T·k, H]
+    gu = dot(rows, w_gu.reshape(E, 2 * I, H), sizes, *scales.get("gu", ())).reshape(T * k, 2, I)
     # The routing weight before down_proj, as dense dispatch applies it (same bf16 rounding).
     h = swiglu_oai(gu, cfg.swiglu_alpha, cfg.swiglu_limit) * weights.reshape(-1)[order][:, None]
-    y = dot(h.astype(w_down.dtype), w_down, sizes)                       # [T·k, H]
+    y = dot(h.astype(act), w_down, sizes, *scales.get("down", ()))       # [T·k, H]
     return jnp.sum(y[inverse].reshape(T, k, H), axis=1)
 
 
@@ -263,3 +283,49 @@ def mlp(p, x, cfg, moe: bool):
         return jax.lax.psum(body(p_, x_), AXIS)
 
     return jax.shard_map(local, in_specs=(specs, P()), out_specs=P(), check_vma=False)(p, x)
+
+
+# ----------------------------------------------------------------------------- MXFP8 experts
+def quantize_experts(params, shardings):
+    """``params`` with every MoE segment's bf16 routed experts made MXFP8 on their devices
+    (``gate_up_proj`` / ``down_proj`` float8_e4m3fn + ``*_scale`` uint8 exponents, by
+    :func:`jax_m3sparse.mxfp8_quantize`), one stacked layer at a time. Lossless for weights
+    read from an MXFP8 checkpoint (their values are fp8 · 2^e: requantized exactly).
+
+    ``shardings``: parallel.param_shardings of the MXFP8 config's shapes (scale leaves
+    included). Each bf16 expert leaf is deleted once converted, so the peak holds one leaf in
+    both forms; the caller must not use ``params``' old expert leaves afterwards."""
+    segments = []
+    for seg, sh in zip(params["segments"], shardings["segments"]):
+        ex = seg.get("mlp", {}).get("experts")
+        if ex is None or "gate_up_proj_scale" in ex:
+            segments.append(seg)
+            continue
+        new, ex_sh = dict(ex), sh["mlp"]["experts"]
+        for name in ("gate_up_proj", "down_proj"):
+            new[name], new[name + "_scale"] = _quantize_stacked(
+                ex[name], ex_sh[name], ex_sh[name + "_scale"])
+        segments.append({**seg, "mlp": {**seg["mlp"], "experts": new}})
+    return {**params, "segments": segments}
+
+
+def _quantize_stacked(w, data_sharding, scale_sharding):
+    """A stacked ``[L, ...]`` bf16 leaf -> (fp8, uint8 exponents), layer by layer into donated
+    buffers; ``w`` deleted."""
+    L, K = w.shape[0], w.shape[-1]
+    data = jax.jit(lambda: jnp.zeros(w.shape, jnp.float8_e4m3fn),
+                   out_shardings=data_sharding)()
+    scale = jax.jit(lambda: jnp.zeros((*w.shape[:-1], K // 32), jnp.uint8),
+                    out_shardings=scale_sharding)()
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1),
+                       out_shardings=(data_sharding, scale_sharding))
+    def put(data, scale, w, j):
+        d, s = jax_m3sparse.mxfp8_quantize(w[j])
+        return data.at[j].set(d), scale.at[j].set(s)
+
+    for j in range(L):
+        data, scale = put(data, scale, w, jnp.int32(j))
+    jax.block_until_ready((data, scale))
+    w.delete()
+    return data, scale

@@ -55,6 +55,9 @@ def check_divisible(cfg, tp: int) -> None:
                  shared_intermediate_size=cfg.shared_intermediate_size,
                  vocab_size=cfg.vocab_size)
     bad = [f"{k} = {v}" for k, v in sizes.items() if v % tp]
+    if cfg.expert_format == "mxfp8" and (cfg.intermediate_size // tp) % 32:
+        bad.append(f"intermediate_size / tp = {cfg.intermediate_size // tp} into blocks of 32 "
+                   f"(MXFP8 experts: down_proj's exponents are split with its inputs)")
     if bad:
         raise ValueError(f"--tp {tp} must divide " + ", ".join(bad))
 
@@ -66,6 +69,8 @@ def leaf_spec(path, cfg, tp: int) -> P:
     stacked = names[0] == "segments"                  # leading layer axis
     lead = (None,) if stacked else ()
     leaf, parent = names[-1], names[-2] if len(names) > 1 else None
+    if parent == "experts" and leaf.endswith("_scale"):   # MXFP8 exponents: as their weights
+        leaf = leaf[:-len("_scale")]
     if names == [leaf] and leaf in ("embed_tokens", "lm_head"):    # [V, H], vocab-parallel
         return P(AXIS, None)
     if parent == "self_attn":

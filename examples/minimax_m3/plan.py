@@ -41,10 +41,10 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
     check_divisible(cfg, tp)
     cfg = dataclasses.replace(cfg, kv_replicas=kv_head_replicas(cfg.num_key_value_heads, tp))
     shapes = model.param_shapes(cfg)
-    itemsize = jnp.dtype(weight_dtype).itemsize
+    dtypes = model.param_dtypes(cfg, weight_dtype)
     weights = jax.tree_util.tree_map_with_path(
-        lambda path, s: _per_device(s, leaf_spec(path, cfg, tp), tp) * itemsize, shapes,
-        is_leaf=is_shape)
+        lambda path, s, dt: _per_device(s, leaf_spec(path, cfg, tp), tp) * dt.itemsize, shapes,
+        dtypes, is_leaf=is_shape)
     weight_bytes = sum(jax.tree_util.tree_leaves(weights))   # = weight_bytes_per_device's
     total_weights = sum(math.prod(s) for s in jax.tree_util.tree_leaves(shapes, is_leaf=is_shape))
     pages = batch * -(-context_len // cfg.block_size)
@@ -70,8 +70,8 @@ def _trace(cfg, shapes, weight_dtype, pages) -> tuple[int, ...]:
     """The logits shape of one decode step of 8 requests (every row sampled), traced
     abstractly (no weights)."""
     import inspect  # noqa: PLC0415
-    params = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(weight_dtype)),
-                                    shapes, is_leaf=is_shape)
+    params = jax.tree_util.tree_map(jax.ShapeDtypeStruct, shapes,
+                                    model.param_dtypes(cfg, weight_dtype), is_leaf=is_shape)
     R, M = 8, 4
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     batch = dict(tokens=i32(R), slot_mapping=i32(R), query_lens=i32(R), context_lens=i32(R),
@@ -97,12 +97,12 @@ def weight_bytes_per_device(cfg, dtype, shardings=None) -> int:
     ``shardings`` (a pytree of ``NamedSharding``, as parallel.param_shardings gives), else the
     whole model."""
     shapes = model.param_shapes(cfg)
-    itemsize = jnp.dtype(dtype).itemsize
+    leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=is_shape)
+    sizes = [dt.itemsize for dt in treedef.flatten_up_to(model.param_dtypes(cfg, dtype))]
     if shardings is None:
-        return sum(math.prod(s) for s in jax.tree_util.tree_leaves(shapes, is_leaf=is_shape)) * itemsize
-    leaves = jax.tree_util.tree_leaves(shapes, is_leaf=is_shape)
-    places = jax.tree_util.tree_structure(shapes, is_leaf=is_shape).flatten_up_to(shardings)
-    return sum(math.prod(sh.shard_shape(s)) for s, sh in zip(leaves, places)) * itemsize
+        return sum(math.prod(s) * b for s, b in zip(leaves, sizes))
+    places = treedef.flatten_up_to(shardings)
+    return sum(math.prod(sh.shard_shape(s)) * b for s, sh, b in zip(leaves, places, sizes))
 
 
 def available_memory(devices) -> tuple[int, str]:

@@ -71,18 +71,28 @@ __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, ui
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// E8M0 byte -> 2^(e - 127) (e = 0: 2^-127, a subnormal; e = 255: NaN), as the OCP MX spec reads it.
-__device__ __forceinline__ float e8m0(uint8_t e) {
-  return __uint_as_float(e == 0 ? 0x00400000u : e == 255 ? 0x7FC00000u : uint32_t(e) << 23);
+// E8M0 byte -> 2^(e - 127) as two normal fp32 factors (e = 0's 2^-127 is subnormal, which
+// flush-to-zero would read as 0): (2^-64, 2^-63) for e = 0, (NaN, 1) for e = 255, else
+// (2^(e - 127), 1) — jax_m3sparse/mxfp8.py's rule.
+__device__ __forceinline__ float2 e8m0_factors(uint8_t e) {
+  if (e == 0) return make_float2(0x1p-64f, 0x1p-63f);
+  return make_float2(__uint_as_float(e == 255 ? 0x7FC00000u : uint32_t(e) << 23), 1.0f);
 }
 
-// Two fp8 e4m3 (the lower k in the low byte) times scale s, rounded to a packed bf16 pair: the
-// exact dequantized weights (fp8 -> f16 -> f32 are exact, a power-of-two product is exact unless
-// it leaves fp32's range), as an mma B fragment register.
-__device__ __forceinline__ uint32_t dequant_fp8x2(uint16_t q, float s) {
+__device__ __forceinline__ float mul_ftz(float a, float b) {
+  float d;
+  asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+// Two fp8 e4m3 (the lower k in the low byte) times the scale s, rounded to a packed bf16 pair:
+// the dequantized weights of SPEC §9.1 (fp8 -> f16 -> f32 exact; the products exact, those
+// below 2^-126 flushed to ±0), as an mma B fragment register.
+__device__ __forceinline__ uint32_t dequant_fp8x2(uint16_t q, float2 s) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(q, __NV_E4M3);
   const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * s, f.y * s);
+  const __nv_bfloat162 b = __floats2bfloat162_rn(mul_ftz(mul_ftz(f.x, s.x), s.y),
+                                                 mul_ftz(mul_ftz(f.y, s.x), s.y));
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
@@ -237,7 +247,7 @@ grouped_matmul_kernel(GroupedMatmulParams p) {
           for (int nt = 0; nt < 4; ++nt) {
             const int r = wn * 32 + nt * 8 + (lane >> 2);
             const uint8_t* q = b + swz(r, kk) + 2 * (lane & 3);
-            const float s = e8m0(b[Geo::kStageB + 4 * r + (kk >> 1)]);
+            const float2 s = e8m0_factors(b[Geo::kStageB + 4 * r + (kk >> 1)]);
             bf[nt][0] = dequant_fp8x2(*reinterpret_cast<const uint16_t*>(q), s);
             bf[nt][1] = dequant_fp8x2(*reinterpret_cast<const uint16_t*>(q + 8), s);
           }

@@ -1,8 +1,9 @@
 // Standalone harness of the CUDA grouped_matmul kernel (SPEC §9; no JAX needed): the kernel
 // against a float64 host loop over the groups, the size rules (empty, negative, past M,
 // uncovered rows), bit-identity across tile heights and batches, then timings at one TP-8 rank
-// of MiniMax M3's routed experts (E 128, k 4, H 6144, I 384) beside the floor = (bytes of the
-// experts the batch routes to + activations) / 4.25 TB/s, or the FLOPs / 790 TFLOP/s.
+// of MiniMax M3's routed experts (E 128, k 4, H 6144, I 384), with bf16 and with MXFP8 weights,
+// beside the floor = (bytes of the experts the batch routes to + activations) / 4.25 TB/s, or
+// the FLOPs / 790 TFLOP/s. (MXFP8 values: tests/cuda/test_gpu.py, through the public API.)
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda \
 //        tests/cuda/grouped_harness.cu ffi/cuda/grouped_matmul.cu -o grouped_harness
@@ -177,18 +178,30 @@ static void bench() {
   printf("\ndevice-to-device copy: %.2f TB/s (floor below: 4.25 TB/s, 790 TFLOP/s)\n", copy);
   printf("M3 routed experts at one TP-8 rank: E 128, k 4; gate_up N 768 K 6144, down N 6144 "
          "K 384. Tokens routed uniformly (4 distinct experts each); 8 routings cycled.\n");
-  printf("%-8s %6s %4s %9s %9s %9s %9s %9s %9s %6s %6s %5s\n", "proj", "tokens", "U", "16x32",
-         "16x64", "16x128", "64x128", "auto µs", "floor µs", "xfloor", "GB/s", "tile");
+  printf("%-6s %-8s %6s %4s %9s %9s %9s %9s %9s %9s %6s %6s %5s\n", "rhs", "proj", "tokens", "U",
+         "16x32", "16x64", "16x128", "64x128", "auto µs", "floor µs", "xfloor", "GB/s", "tile");
   std::mt19937 rng(99);
   const int E = 128, k = 4;
   struct Proj { const char* name; int64_t N, K; };
+  for (const bool fp8 : {false, true})
   for (const Proj pr : {Proj{"gate_up", 768, 6144}, Proj{"down", 6144, 384}}) {
-    // Every expert's weights once on the device (a cheap pattern: the values do not matter).
-    std::vector<uint16_t> w(size_t(E) * pr.N * pr.K);
+    // Every expert's weights once on the device (a cheap pattern: the values do not matter);
+    // MXFP8: fp8 bytes and E8M0 scales 127 (2^0).
+    const size_t elems = size_t(E) * pr.N * pr.K, wbytes = fp8 ? elems : elems * 2;
+    std::vector<uint16_t> w(elems);
     for (size_t i = 0; i < w.size(); ++i) w[i] = float_to_bf16(float(int(i * 2654435761u >> 24) - 128) / 4096.0f);
+    if (fp8) {  // the same pattern's low bytes as e4m3 codes (never 0x7F / 0xFF: NaN)
+      auto* b = reinterpret_cast<uint8_t*>(w.data());
+      for (size_t i = 0; i < elems; ++i) b[i] = uint8_t(i * 2654435761u >> 24) & 0x77;
+    }
     void* rhs;
-    CK(cudaMalloc(&rhs, w.size() * 2));
-    CK(cudaMemcpy(rhs, w.data(), w.size() * 2, cudaMemcpyHostToDevice));
+    uint8_t* scale = nullptr;
+    CK(cudaMalloc(&rhs, wbytes));
+    CK(cudaMemcpy(rhs, w.data(), wbytes, cudaMemcpyHostToDevice));
+    if (fp8) {
+      CK(cudaMalloc(&scale, elems / 32));
+      CK(cudaMemset(scale, 127, elems / 32));
+    }
     std::vector<uint16_t>().swap(w);
     for (int T : {1, 4, 8, 16, 32, 64, 128, 256, 512, 2048}) {
       const int64_t M = int64_t(T) * k;
@@ -222,21 +235,26 @@ static void bench() {
       for (int b = 0; b < kTiles; ++b) {
         us[b] = time_graph([&](int v, cudaStream_t s) {
           GroupedMatmulParams gp = d.params(q, bms[b], bns[b]);
-          gp.rhs = static_cast<const __nv_bfloat16*>(rhs);
+          gp.rhs = rhs;
+          gp.rhs_scale = scale;
           gp.group_sizes = dsizes[v];
           CK(launch_grouped_matmul(gp, s));
         }, kVariants);
       }
-      const double bytes = touched * pr.N * pr.K * 2 + double(M) * pr.K * 2 + double(M) * pr.N * 4;
+      const double bytes = touched * pr.N * pr.K * (fp8 ? 1 + 1.0 / 32 : 2) +
+                           double(M) * pr.K * 2 + double(M) * pr.N * 4;
       const double floor_us = std::max(bytes / 4.25e12, 2.0 * M * pr.N * pr.K / 790e12) * 1e6;
-      const GroupedMatmulTile tile = grouped_matmul_tile(d.params(q, 0));
+      GroupedMatmulParams auto_p = d.params(q, 0);
+      auto_p.rhs_scale = scale;
+      const GroupedMatmulTile tile = grouped_matmul_tile(auto_p);
       const double best = us[kTiles - 1];
-      printf("%-8s %6d %4.0f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %6.2f %6.0f %dx%d\n",
-             pr.name, T, touched, us[0], us[1], us[2], us[3], best, floor_us,
+      printf("%-6s %-8s %6d %4.0f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %6.2f %6.0f %dx%d\n",
+             fp8 ? "mxfp8" : "bf16", pr.name, T, touched, us[0], us[1], us[2], us[3], best, floor_us,
              best / floor_us, bytes / (best * 1e-6) / 1e9, tile.block_m, tile.block_n);
       for (auto* x : dsizes) CK(cudaFree(x));
     }
     CK(cudaFree(rhs));
+    if (scale) CK(cudaFree(scale));
   }
 }
 

@@ -515,6 +515,59 @@ def test_grouped_matmul_rows_batch_invariant_in_scan(rng):
     np.testing.assert_array_equal(alone, full[:, 5 * (M // G):5 * (M // G) + 3])
 
 
+def _mxfp8_weights(rng, G, N, K, spread=6, edge=False):
+    """MXFP8 weights whose 32-blocks differ in scale by up to 2^±spread; ``edge``: some blocks
+    at exponents 0 (2^-127: products flushed to ±0), 1, 254 and 255 (NaN)."""
+    w = rng.normal(size=(G, N, K // 32, 32)) * 2.0 ** rng.integers(-spread, spread + 1,
+                                                                    (G, N, K // 32, 1))
+    data, scale = m3.mxfp8_quantize(jnp.asarray(w.reshape(G, N, K), jnp.float32))
+    scale = np.asarray(scale).copy()
+    if edge:
+        pick = rng.random(scale.shape)
+        scale[pick < 0.02] = 0
+        scale[(pick >= 0.02) & (pick < 0.04)] = 1
+        scale[(pick >= 0.04) & (pick < 0.05)] = 254
+        scale[(pick >= 0.05) & (pick < 0.06)] = 255
+    return _gpu(data), _gpu(jnp.asarray(scale))
+
+
+@pytest.mark.parametrize("M,K,G,N,sizes,edge", [
+    (37, 128, 5, 40, [9, 0, 20, 3, 5], True),
+    (300, 256, 4, 200, [70, -4, 200, 9], False),   # 64-row tiles
+    (24, 384, 128, 768, None, False),              # one TP-8 rank: down_proj K, 6 tokens × k 4
+    (16, 6144, 128, 768, None, False),             # gate_up_proj K 6144, 4 tokens × k 4
+])
+def test_grouped_matmul_mxfp8_equals_bf16_on_dequantized(rng, M, K, G, N, sizes, edge):
+    """SPEC §9.1: the kernel on MXFP8 weights equals the kernel on mxfp8_dequantize's bf16
+    weights bit for bit (NaN where they are NaN), and the float64 oracle within rounding."""
+    lhs, _ = _grouped_operands(rng, M, K, 1, 1)
+    data, scale = _mxfp8_weights(rng, G, N, K, edge=edge)
+    if sizes is None:
+        sizes = np.bincount(rng.integers(0, G, M), minlength=G)
+    sizes = _gpu(jnp.asarray(sizes, jnp.int32))
+    got = np.asarray(jax.jit(m3.grouped_matmul)(lhs, data, sizes, scale))
+    bf16 = np.asarray(jax.jit(lambda a, d, s, n: m3.grouped_matmul(
+        a, m3.mxfp8_dequantize(d, s), n))(lhs, data, scale, sizes))
+    np.testing.assert_array_equal(got, bf16)
+    if not edge:
+        want = oracle.grouped_matmul(lhs, data, sizes, rhs_scale=scale)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
+
+
+def test_grouped_matmul_mxfp8_rows_batch_invariant(rng):
+    """An MXFP8 row's bits do not depend on the other rows (16- and 64-row tiles)."""
+    M, K, G, N = 512, 256, 16, 384
+    lhs, _ = _grouped_operands(rng, M, K, 1, 1)
+    data, scale = _mxfp8_weights(rng, G, N, K)
+    full = np.asarray(jax.jit(m3.grouped_matmul)(lhs, data, _gpu(jnp.full((G,), M // G,
+                                                                          jnp.int32)), scale))
+    few = np.zeros(G, np.int32)
+    few[5] = 3
+    rows = slice(5 * (M // G), 5 * (M // G) + 3)
+    alone = np.asarray(jax.jit(m3.grouped_matmul)(lhs[rows], data, _gpu(jnp.asarray(few)), scale))
+    np.testing.assert_array_equal(alone, full[rows])
+
+
 # ----------------------------------------------------------------------------- full_attention
 def _full_problem(rng, Hkv, G, seq_lens, chunk, dtype):
     """Prefill chunks (chunk[r] last tokens of request r) and 3 padding rows, at contexts of

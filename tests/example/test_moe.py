@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_m3sparse
 from minimax_m3 import model, moe, parallel
 from minimax_m3.config import M3_TEXT, ModelConfig
 
@@ -148,3 +149,89 @@ def test_init_refuses_a_model_that_does_not_fit():
     with pytest.raises(MemoryError, match=r"1,704\.7 GB of float32 weights .* available"):
         model.init_params(ModelConfig(**M3_TEXT), 0, dtype=jnp.float32)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000   # KiB
+
+
+# ----------------------------------------------------------------------------- MXFP8 experts
+def _mxfp8_experts(p):
+    out = {}
+    for name, w in p.items():
+        out[name], out[name + "_scale"] = jax_m3sparse.mxfp8_quantize(w)
+    return out
+
+
+@pytest.mark.parametrize("T,E,k", [(3, 16, 2), (40, 8, 4)])
+def test_mxfp8_experts_equal_their_bf16_twin(rng, T, E, k):
+    """MXFP8 experts (fp8 + E8M0 exponents) give what their dequantized bf16 twin gives: dense
+    dispatch bit for bit (it widens them first), "grouped" (grouped_matmul's MXFP8 operands)
+    equal to "grouped" on the twin bit for bit, and "gather" too."""
+    p, x, w, chosen = _experts(rng, T, E, k, H=64, I=32)
+    mx = _mxfp8_experts(p)
+    twin = moe.dequantized(mx)
+    assert {v.dtype for v in twin.values()} == {jnp.dtype(jnp.bfloat16)}
+    for impl in ("dense", "grouped", "gather"):
+        f = jax.jit(lambda p_, *a, i=impl: moe.experts(p_, *a, CFG, impl=i))
+        np.testing.assert_array_equal(np.asarray(f(mx, x, w, chosen)),
+                                      np.asarray(f(twin, x, w, chosen)), err_msg=impl)
+    assert moe.resolve_impl("auto", 0.25, "cuda", jnp.float8_e4m3fn) == "grouped"
+
+
+def test_mxfp8_model_init_plan_and_tensor_parallel(rng):
+    """cfg.expert_format "mxfp8": param_shapes/param_dtypes carry fp8 experts and uint8
+    exponents (spread about N(0, 1/fan_in)), the plan counts their bytes, each exponent leaf
+    is sharded as its weight on a 2-device mesh, and the step on 2 devices equals 1 device."""
+    cfg = dataclasses.replace(CFG, hidden_size=256, vocab_size=256, intermediate_size=64,
+                              shared_intermediate_size=64, expert_format="mxfp8")
+    dts = model.param_dtypes(cfg, jnp.bfloat16)["segments"][1]["mlp"]["experts"]
+    assert dts == dict(gate_up_proj=jnp.float8_e4m3fn, down_proj=jnp.float8_e4m3fn,
+                       gate_up_proj_scale=jnp.uint8, down_proj_scale=jnp.uint8)
+    mesh = parallel.make_mesh(2)
+    shardings = parallel.param_shardings(model.param_shapes(cfg), cfg, mesh)
+    a = model.init_params(cfg, 3, shardings, dtype=jnp.bfloat16)
+    ex = a["segments"][1]["mlp"]["experts"]
+    assert ex["gate_up_proj"].dtype == jnp.float8_e4m3fn and ex["down_proj_scale"].dtype == jnp.uint8
+    assert {s.data.shape for s in ex["down_proj_scale"].addressable_shards} == {(3, 8, 256, 1)}
+    gu = np.asarray(jax_m3sparse.mxfp8_dequantize(ex["gate_up_proj"], ex["gate_up_proj_scale"],
+                                                  jnp.float32))
+    assert abs(gu.std() * 16 - 1) < 0.1                                    # ≈ N(0, 1/256)
+    bf16 = dataclasses.replace(cfg, expert_format="bf16")
+    from minimax_m3 import plan
+    saved = plan.weight_bytes_per_device(bf16, jnp.bfloat16) - plan.weight_bytes_per_device(
+        cfg, jnp.bfloat16)
+    n = sum(int(np.prod(s)) for s in jax.tree_util.tree_leaves(
+        [seg["mlp"]["experts"] for seg in model.param_shapes(bf16)["segments"]
+         if "experts" in seg["mlp"]], is_leaf=parallel.is_shape))
+    assert saved == n - n // 32                       # 2 bytes -> 1, plus one byte per 32
+    x = jnp.asarray(rng.normal(0, 1, (5, 256)), jnp.float32)
+    p1 = jax.tree_util.tree_map(lambda l: l[0], a["segments"][1]["mlp"])
+    one = np.asarray(jax.jit(lambda p, x: moe.mlp(p, x, cfg, True))(p1, x))
+    with jax.set_mesh(mesh):
+        two = np.asarray(jax.jit(lambda p, x: moe.mlp(p, x, cfg, True))(p1, x))
+    np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-5 * np.abs(one).max())
+
+
+def test_quantize_experts_is_lossless_for_mxfp8_values(rng):
+    """moe.quantize_experts on bf16 weights that are MXFP8 values (what an MXFP8 checkpoint
+    loads to): the experts it makes dequantize to those weights bit for bit; a bf16 model's
+    experts become its MXFP8 form, on their devices, the bf16 leaves deleted."""
+    cfg = dataclasses.replace(CFG, hidden_size=256, vocab_size=256, intermediate_size=64,
+                              shared_intermediate_size=64, expert_format="mxfp8")
+    bf16 = dataclasses.replace(cfg, expert_format="bf16")
+    mesh = parallel.make_mesh(2)
+    mx = model.init_params(cfg, 5, parallel.param_shardings(model.param_shapes(cfg), cfg, mesh),
+                           dtype=jnp.bfloat16)
+    loaded = {**mx, "segments": [
+        {**s, "mlp": {**s["mlp"], "experts": moe.dequantized(s["mlp"]["experts"])}}
+        if "experts" in s["mlp"] else s for s in mx["segments"]]}
+    twin = jax.tree_util.tree_map(lambda v: np.asarray(v), loaded)
+    out = moe.quantize_experts(loaded, parallel.param_shardings(model.param_shapes(cfg), cfg,
+                                                                mesh))
+    for seg, ref in zip(out["segments"], twin["segments"]):
+        if "experts" not in seg["mlp"]:
+            continue
+        back = moe.dequantized(seg["mlp"]["experts"])
+        for name in ("gate_up_proj", "down_proj"):
+            np.testing.assert_array_equal(np.asarray(back[name]), ref["mlp"]["experts"][name])
+        assert len(seg["mlp"]["experts"]["down_proj"].sharding.device_set) == 2
+    assert all(s["mlp"]["experts"]["gate_up_proj"].is_deleted()
+               for s in loaded["segments"] if "experts" in s["mlp"])
+    assert bf16.expert_format == "bf16"
