@@ -46,7 +46,10 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
         lambda path, s, dt: _per_device(s, leaf_spec(path, cfg, tp), tp) * dt.itemsize, shapes,
         dtypes, is_leaf=is_shape)
     weight_bytes = sum(jax.tree_util.tree_leaves(weights))   # = weight_bytes_per_device's
-    total_weights = sum(math.prod(s) for s in jax.tree_util.tree_leaves(shapes, is_leaf=is_shape))
+    # parameters: the weights' elements (MXFP8 exponents are part of their weights' format)
+    total_weights = sum(math.prod(s) for s, dt in zip(
+        jax.tree_util.tree_leaves(shapes, is_leaf=is_shape), jax.tree_util.tree_leaves(dtypes))
+        if dt != jnp.uint8)
     pages = batch * -(-context_len // cfg.block_size)
     spec = m3.KVCacheSpec(cfg.cache_kv_heads // tp, cfg.head_dim, cfg.block_size)
     kv_bytes = cfg.num_layers * pages * spec.page_bytes
@@ -54,7 +57,8 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
                  * jnp.dtype(cfg.index_cache_dtype).itemsize)
     traced = _trace(cfg, shapes, weight_dtype, pages)
     out = dict(tp=tp, context_len=context_len, batch=batch, pages=pages,
-               parameters=total_weights, weight_dtype=str(jnp.dtype(weight_dtype)),
+               parameters=total_weights, weight_dtype=str(jnp.dtype(weight_dtype)) + (
+                   ", routed experts mxfp8" if cfg.expert_format == "mxfp8" else ""),
                weight_bytes_per_device=weight_bytes, kv_cache_bytes_per_device=kv_bytes,
                index_cache_bytes_per_device=idx_bytes, index_cache_dtype=cfg.index_cache_dtype,
                total_bytes_per_device=weight_bytes + kv_bytes + idx_bytes,

@@ -371,6 +371,13 @@ def test_dry_run_plans_the_real_model(capsys):
     # weights: about 1/8 of 2 bytes per parameter plus the replicated embeddings, router, indexer
     assert 2 * p["parameters"] / 8 < p["weight_bytes_per_device"] < 2 * p["parameters"] / 8 + 6e9
     assert p["fits"] and "fits with 8.0 GB kept" in capsys.readouterr().out
+    # MXFP8 routed experts: the same parameters; each expert weight 1 byte + 1/32 for its
+    # exponent instead of 2 (57 MoE layers × 128 experts × 3 × 6144 × 3072 / 8 per device)
+    q = cli.main(["--config", cfg_path, "--dry-run", "--tp", "8", "--context-len", "131072",
+                  "--batch", "8", "--expert-format", "mxfp8"])
+    experts = 57 * 128 * 3 * 6144 * 3072 // 8
+    assert q["parameters"] == p["parameters"] and "mxfp8" in q["weight_dtype"]
+    assert p["weight_bytes_per_device"] - q["weight_bytes_per_device"] == experts - experts // 32
     with pytest.raises(ValueError, match="--tp 3 must divide num_attention_heads = 64"):
         cli.main(["--config", cfg_path, "--dry-run", "--tp", "3"])
 
