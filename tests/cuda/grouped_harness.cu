@@ -118,7 +118,68 @@ static void check(const std::string& name, const Problem& p, const std::vector<f
   report(bad == 0, name, d);
 }
 
+// e4m3 code (not a NaN code) -> its value, decoded from the bits.
+static double e4m3_value(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const double mag = e == 0 ? m / 8.0 * std::ldexp(1.0, -6) : (1 + m / 8.0) * std::ldexp(1.0, e - 7);
+  return (b & 0x80) ? -mag : mag;
+}
+
+// MXFP8 weights (SPEC §9.1): random codes and exponents 118..129; p.rhs gets their exact bf16
+// values, so the bf16 oracle applies. Every tile (16 × 32, 16 × 64, 64 × 32, the launch's
+// choice) must give the same bits.
+static void mxfp8_tests(std::mt19937& rng) {
+  struct Shape { int64_t M, N, K; int G; std::vector<int32_t> sizes; const char* what; };
+  const std::vector<Shape> shapes = {
+      {37, 40, 128, 5, {9, 0, 20, 3, 5}, "MXFP8: covers M; an empty group; N < 32"},
+      {50, 200, 384, 4, {7, -4, 100, 9}, "MXFP8: K 384 (a stage's last k range empty)"},
+      {300, 264, 1024, 3, {40, 250, 10}, "MXFP8: several 64-row tiles per group, 2 stages"},
+  };
+  for (const Shape& s : shapes) {
+    Problem p = random_problem(rng, s.M, s.N, s.K, s.G);
+    p.sizes = s.sizes;
+    std::vector<uint8_t> codes(p.rhs.size()), exps(p.rhs.size() / 32);
+    for (auto& e : exps) e = uint8_t(118 + rng() % 12);
+    for (size_t i = 0; i < codes.size(); ++i) {
+      uint8_t b = uint8_t(rng());
+      if ((b & 0x7F) == 0x7F) b ^= 1;
+      codes[i] = b;
+      p.rhs[i] = float_to_bf16(float(e4m3_value(b) * std::ldexp(1.0, exps[i / 32] - 127)));
+    }
+    Device d(p);
+    void *w8, *sc;
+    CK(cudaMalloc(&w8, codes.size()));
+    CK(cudaMalloc(&sc, exps.size()));
+    CK(cudaMemcpy(w8, codes.data(), codes.size(), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(sc, exps.data(), exps.size(), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d.sizes, p.sizes.data(), p.sizes.size() * 4, cudaMemcpyHostToDevice));
+    auto run = [&](int bm, int bn) {
+      GroupedMatmulParams q = d.params(p, bm, bn);
+      q.rhs = w8;
+      q.rhs_scale = static_cast<const uint8_t*>(sc);
+      CK(cudaMemset(d.out, 0xFF, p.M * p.N * 4));
+      CK(launch_grouped_matmul(q, nullptr));
+      CK(cudaDeviceSynchronize());
+      std::vector<float> h(p.M * p.N);
+      CK(cudaMemcpy(h.data(), d.out, h.size() * 4, cudaMemcpyDeviceToHost));
+      return h;
+    };
+    const auto a = run(16, 32);
+    check(std::string(s.what) + " (16 × 32 tiles)", p, a);
+    bool same = true;
+    for (auto [bm, bn] : {std::pair{16, 64}, {64, 0}, {0, 0}}) {
+      const auto b = run(bm, bn);
+      same = same && memcmp(a.data(), b.data(), a.size() * 4) == 0;
+    }
+    report(same, std::string(s.what) + ": tiles 16×32, 16×64, 64×32 and the launch's choice "
+                 "bit-identical");
+    CK(cudaFree(w8));
+    CK(cudaFree(sc));
+  }
+}
+
 static void tests(std::mt19937& rng) {
+  mxfp8_tests(rng);
   struct Shape { int64_t M, N, K; int G; std::vector<int32_t> sizes; const char* what; };
   const std::vector<Shape> shapes = {
       {37, 40, 72, 5, {9, 0, 20, 3, 5}, "covers M; an empty group; K % 64 != 0; N < 128"},
