@@ -19,13 +19,11 @@
 //      warps: narrower tiles give a decode batch's few groups more CTAs). bf16 weight fragments
 //      come from ldmatrix; fp8 ones are loaded per thread and widened in registers to exactly
 //      the bf16 value bf16(float(w) · 2^(e − 127)) — the fragment a bf16 launch on the
-//      dequantized weights would load. That widening, not the copy, is an fp8 tile's work, so
-//      MXFP8 decode tiles (16 rows) run 4 warps per 32 columns, each taking 128 of a stage's
-//      512 k, and add their partial sums in warp order at the end. Every output element is a
-//      fixed chain of m16n8k16 bf16 mma in k order with fp32 accumulators (per k range, then
-//      summed in order): a row's bits depend on its own lhs row and its group's weights only,
-//      never on the other rows, the group sizes or the tile shape (batch-invariant; every
-//      MXFP8 tile splits k alike; tests/cuda and the harness check it).
+//      dequantized weights would load. Every output element is one chain of m16n8k16 bf16 mma
+//      in k order with an fp32 accumulator: a row's bits depend on its own lhs row and its
+//      group's weights only, never on the other rows, the group sizes or the tile shape
+//      (batch-invariant; tests/cuda checks it), and an MXFP8 launch equals the bf16 launch on
+//      the dequantized weights bit for bit.
 //   4. The accumulators are stored (fp32) for the tile's rows inside the group and columns < N.
 // No workspace, no host reads of device data: CUDA-graph safe.
 #include <cuda_bf16.h>
@@ -157,28 +155,25 @@ __device__ void find_group(const int32_t* sizes, int G, int64_t M, int y, bool t
   *g = s_g, *start = s_start, *end = s_end;
 }
 
-// Stage geometry of a launch. bf16 weights: 64 k per warp and stage; fp8: 128 k (the same 128
-// bytes per weight row), lhs in [BM][64] bf16 sub-tiles. kSplitK warps share a column tile and
-// take consecutive k ranges of each stage (the decode tiles of fp8 weights: 4 warps where one
-// would otherwise widen the whole tile's weights alone).
-template <bool kFp8, int kMTiles, int kWarpsN, int kSplitK>
+// Stage geometry of a launch: kFp8 weights take 128 k per stage (lhs in two [BM][64] sub-tiles).
+// kN8: n8 column tiles per warp (4; MXFP8 decode tiles also 2, a 16-column warp: twice the
+// warps where one warp widening its weights is the bound).
+template <bool kFp8, int kMTiles, int kWarpsN, int kN8 = 4>
 struct Geometry {
-  static constexpr int kThreads = 32 * kWarpsN * kSplitK, kBN = 32 * kWarpsN, kBM = 16 * kMTiles;
-  static constexpr int kWarpK = kFp8 ? 128 : 64;          // k per warp and stage
-  static constexpr int kStepK = kWarpK * kSplitK;         // k per stage
-  static constexpr int kSubA = kBM * kRowBytes;           // one [BM][64] bf16 lhs sub-tile
-  static constexpr int kSubsA = kStepK / 64, kSubsB = kSplitK;   // sub-tiles per stage
-  static constexpr int kSubB = kBN * kRowBytes;           // one [BN][128 B] weight sub-tile
-  static constexpr int kStageA = kSubA * kSubsA, kStageB = kSubB * kSubsB;
-  static constexpr int kStageS = kFp8 ? kSplitK * kBN * 4 : 0;  // [split][BN][4] E8M0 bytes
+  static constexpr int kThreads = 32 * kWarpsN, kBN = 8 * kN8 * kWarpsN, kBM = 16 * kMTiles;
+  static constexpr int kSubTiles = kFp8 ? 2 : 1;         // [BM][64] bf16 lhs sub-tiles
+  static constexpr int kStepK = 64 * kSubTiles;          // k per stage
+  static constexpr int kSubA = kBM * kRowBytes;
+  static constexpr int kStageA = kSubA * kSubTiles, kStageB = kBN * kRowBytes;
+  static constexpr int kStageS = kFp8 ? kBN * 4 : 0;     // four E8M0 bytes per weight row
   static constexpr int kStage = kStageA + kStageB + kStageS;
 };
 
-template <bool kFp8, int kMTiles, int kWarpsN, int kSplitK, int kStages>
-__global__ void __launch_bounds__(32 * kWarpsN * kSplitK,
-                                  kSplitK > 1 ? (kWarpsN == 1 ? 2 : 1) : kMTiles == 1 ? 4 : 2)
+template <bool kFp8, int kMTiles, int kWarpsN, int kN8, int kStages>
+__global__ void __launch_bounds__(32 * kWarpsN, kMTiles == 1 ? 4 : 2)
 grouped_matmul_kernel(GroupedMatmulParams p) {
-  using Geo = Geometry<kFp8, kMTiles, kWarpsN, kSplitK>;
+  using Geo = Geometry<kFp8, kMTiles, kWarpsN, kN8>;
+  static_assert(kN8 == 4 || kFp8, "bf16 fragments come from ldmatrix in pairs of n8 tiles");
   constexpr int kThreads = Geo::kThreads, kBN = Geo::kBN, kBM = Geo::kBM;
   constexpr int kElem = kFp8 ? 1 : 2;                    // weight bytes per element
   extern __shared__ __align__(128) uint8_t smem[];
@@ -198,7 +193,7 @@ grouped_matmul_kernel(GroupedMatmulParams p) {
   }
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wn = warp % kWarpsN, wk = warp / kWarpsN;     // column slice, k range of a stage
+  const int wn = warp;
   const __nv_bfloat16* lhs = p.lhs;
   const uint8_t* rhs = static_cast<const uint8_t*>(p.rhs) + int64_t(g) * p.n * p.k * kElem;
   const int64_t scale_row = p.k / 32;                    // E8M0 bytes per weight row
@@ -207,31 +202,22 @@ grouped_matmul_kernel(GroupedMatmulParams p) {
 
   for (int64_t m0 = start; m0 < end; m0 += kBM) {
     // Enqueues k-step ks into stage ks % kStages (an empty commit past the end keeps counts).
-    // Each thread copies chunk c = tid % 8 of rows tid / 8 + j · kRowStep of every sub-tile:
-    // the pointers and row checks are made once per tile, a k-step only adds k0 (a single
-    // warp issuing per-chunk address arithmetic would otherwise cost more than the copy's
-    // latency). With fp8 weights thread t also copies the four scale bytes of weight row
-    // t % BN for the k range of warp t / BN (threads = BN · kSplitK).
-    constexpr int kRowStep = kThreads / 8;
-    constexpr int kRowsA = kBM > kRowStep ? kBM / kRowStep : 1;
-    constexpr int kRowsB = kBN > kRowStep ? kBN / kRowStep : 1;
-    const int c = tid & 7, r0 = (tid >> 3) % (kRowStep < kBM ? kRowStep : kBM);
-    const int hb = (tid >> 3) / (kRowStep < kBN ? kRowStep : kBN);   // sub-tile offset (B)
-    const int ha = (tid >> 3) / (kRowStep < kBM ? kRowStep : kBM);   // sub-tile offset (A)
-    const int rb = (tid >> 3) % (kRowStep < kBN ? kRowStep : kBN);
-    constexpr int kHStepA = kRowStep > kBM ? kRowStep / kBM : 1;     // sub-tiles per pass
-    constexpr int kHStepB = kRowStep > kBN ? kRowStep / kBN : 1;
+    // Each thread copies chunk c = tid % 8 of rows tid / 8 + j · kRowStep of both tiles: the
+    // pointers and row checks are made once per tile, a k-step only adds k0 (a single warp
+    // issuing per-chunk address arithmetic would otherwise cost more than the copy's latency).
+    // With fp8 weights thread t < BN also copies the scale bytes of weight row t.
+    constexpr int kRowStep = kThreads / 8, kRowsA = kBM / kRowStep, kRowsB = kBN / kRowStep;
+    const int c = tid & 7, r0 = tid >> 3;
     const __nv_bfloat16* pa = lhs + (m0 + r0) * p.k + 8 * c;
-    const uint8_t* pb = rhs + (n0 + rb) * p.k * kElem + 16 * c;
-    const int64_t live_a = end - m0 - r0, live_b = p.n - n0 - rb;   // row j valid: j·step < live
+    const uint8_t* pb = rhs + (n0 + r0) * p.k * kElem + 16 * c;
+    const int64_t live_a = end - m0 - r0, live_b = p.n - n0 - r0;   // row j valid: j·step < live
     auto load = [&](int ks) {
       if (ks < ksteps) {
         uint8_t* a = smem + (ks % kStages) * Geo::kStage;
         uint8_t* b = a + Geo::kStageA;
         const int64_t k0 = int64_t(ks) * Geo::kStepK;
 #pragma unroll
-        for (int h0 = 0; h0 < Geo::kSubsA; h0 += kHStepA) {
-          const int h = h0 + ha;
+        for (int h = 0; h < Geo::kSubTiles; ++h) {
           const bool k_ok = k0 + 64 * h + 8 * c < p.k;
 #pragma unroll
           for (int j = 0; j < kRowsA; ++j) {
@@ -240,29 +226,25 @@ grouped_matmul_kernel(GroupedMatmulParams p) {
             cp_async16_zfill(a + h * Geo::kSubA + swz(r0 + j * kRowStep, c), ok ? src : lhs, ok);
           }
         }
+        const bool kb_ok = (k0 * kElem + 16 * c) < p.k * kElem;
 #pragma unroll
-        for (int h0 = 0; h0 < Geo::kSubsB; h0 += kHStepB) {
-          const int h = h0 + hb;                         // the sub-tile's k: h · 128 bytes
-          const bool k_ok = (k0 * kElem + h * kRowBytes + 16 * c) < p.k * kElem;
-#pragma unroll
-          for (int j = 0; j < kRowsB; ++j) {
-            const bool ok = k_ok && j * kRowStep < live_b;
-            const uint8_t* src = pb + int64_t(j) * kRowStep * p.k * kElem + k0 * kElem +
-                                 h * kRowBytes;
-            cp_async16_zfill(b + h * Geo::kSubB + swz(rb + j * kRowStep, c), ok ? src : rhs, ok);
-          }
+        for (int j = 0; j < kRowsB; ++j) {
+          const bool ok = kb_ok && j * kRowStep < live_b;
+          const uint8_t* src = pb + int64_t(j) * kRowStep * p.k * kElem + k0 * kElem;
+          cp_async16_zfill(b + swz(r0 + j * kRowStep, c), ok ? src : rhs, ok);
         }
-        if constexpr (kFp8) {   // K % 128 == 0: each warp's four scale bytes are whole, aligned
-          const int row = tid % kBN, part = tid / kBN;
-          const bool ok = row < p.n - n0 && k0 + part * 128 < p.k;
-          const uint8_t* src = scales + (n0 + row) * scale_row + k0 / 32 + 4 * part;
-          cp_async4_zfill(b + Geo::kStageB + 4 * tid, ok ? src : scales, ok);
+        if constexpr (kFp8) {   // K % 128 == 0: a stage's four scale bytes are whole and aligned
+          if (tid < kBN) {
+            const bool ok = tid < p.n - n0;      // weight row n0 + tid < N
+            const uint8_t* src = scales + (n0 + tid) * scale_row + k0 / 32;
+            cp_async4_zfill(b + Geo::kStageB + 4 * tid, ok ? src : scales, ok);
+          }
         }
       }
       commit();
     };
 
-    float acc[kMTiles][4][4] = {};
+    float acc[kMTiles][kN8][4] = {};
     for (int s = 0; s < kStages - 1; ++s) load(s);
     for (int ks = 0; ks < ksteps; ++ks) {
       wait_groups<kStages - 2>();
@@ -270,27 +252,30 @@ grouped_matmul_kernel(GroupedMatmulParams p) {
       load(ks + kStages - 1);
       const uint8_t* a = smem + (ks % kStages) * Geo::kStage;
       const uint8_t* b = a + Geo::kStageA;
+      // fp8: this thread's rows' four exponents (one per 32 k), read once per stage; with every
+      // exponent in the warp >= 10 (real weights) one multiply per weight is the exact value.
+      uint32_t ex[kN8] = {};
+      bool fast = true;
       if constexpr (kFp8) {
-        // This warp's 128 k: the weight sub-tile wk; thread (g, t) of n8 tile nt holds rows
-        // nt·8 + g, k = 16·kk + 2t (+1) and + 8. Its rows' exponents (4 per row, one per 32 k)
-        // are read once per stage; with every exponent >= 10 (real weights) one multiply per
-        // element is exact and never below 2^-126, else the two-factor, flushing form.
-        const uint8_t* bw = b + wk * Geo::kSubB;
-        uint32_t ex[4];
+        uint32_t lo = 0xFFFFFFFFu;
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
+        for (int nt = 0; nt < kN8; ++nt) {
           ex[nt] = *reinterpret_cast<const uint32_t*>(
-              b + Geo::kStageB + 4 * (wk * kBN + wn * 32 + nt * 8 + (lane >> 2)));
-        const uint32_t m = __vminu4(__vminu4(ex[0], ex[1]), __vminu4(ex[2], ex[3]));
-        const bool fast = __all_sync(0xFFFFFFFFu, min(m & 255u, (m >> 8) & 255u) >= 10u &&
-                                                      min((m >> 16) & 255u, m >> 24) >= 10u);
+              b + Geo::kStageB + 4 * (wn * 8 * kN8 + nt * 8 + (lane >> 2)));
+          lo = __vminu4(lo, ex[nt]);
+        }
+        lo = __vminu4(lo, lo >> 16);
+        fast = __all_sync(0xFFFFFFFFu, __vminu4(lo, lo >> 8) % 256u >= 10u);
+      }
 #pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {
-          uint32_t bf[4][2];
+      for (int kk = 0; kk < Geo::kStepK / 16; ++kk) {
+        uint32_t bf[kN8][2];
+        if constexpr (kFp8) {
+          // Thread (g, t) of n8 tile nt holds rows nt·8 + g, k = 16·kk + 2t (+1) and + 8.
 #pragma unroll
-          for (int nt = 0; nt < 4; ++nt) {
-            const int r = wn * 32 + nt * 8 + (lane >> 2);
-            const uint8_t* q = bw + swz(r, kk) + 2 * (lane & 3);
+          for (int nt = 0; nt < kN8; ++nt) {
+            const int r = wn * 8 * kN8 + nt * 8 + (lane >> 2);
+            const uint8_t* q = b + swz(r, kk) + 2 * (lane & 3);
             const uint8_t e = uint8_t(ex[nt] >> (8 * (kk >> 1)));
             const uint16_t q0 = *reinterpret_cast<const uint16_t*>(q);
             const uint16_t q1 = *reinterpret_cast<const uint16_t*>(q + 8);
@@ -304,65 +289,29 @@ grouped_matmul_kernel(GroupedMatmulParams p) {
               bf[nt][1] = dequant_fp8x2(q1, s);
             }
           }
-          const int kg = wk * 8 + kk;                    // 16-k step within the stage
-          const uint8_t* a_sub = a + (kg >> 2) * Geo::kSubA;
-#pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            uint32_t af[4];
-            const int r = mt * 16 + (lane & 15);
-            ldmatrix_x4(af, a_sub + swz(r, 2 * (kg & 3) + (lane >> 4)));
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) mma(acc[mt][nt], af, bf[nt][0], bf[nt][1]);
-          }
-        }
-      } else {
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          uint32_t bf[4][2];
-          const uint8_t* bw = b + wk * Geo::kSubB;
+        } else {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {   // n8 tiles 2h, 2h + 1 of this warp's 32 columns
             const int r = wn * 32 + h * 16 + (lane & 7) + ((lane >> 4) << 3);
             uint32_t x[4];
-            ldmatrix_x4(x, bw + swz(r, 2 * kk + ((lane >> 3) & 1)));
+            ldmatrix_x4(x, b + swz(r, 2 * kk + ((lane >> 3) & 1)));
             bf[2 * h][0] = x[0], bf[2 * h][1] = x[1], bf[2 * h + 1][0] = x[2],
             bf[2 * h + 1][1] = x[3];
           }
-          const uint8_t* a_sub = a + wk * Geo::kSubA;
+        }
+        const uint8_t* a_sub = a + (kk >> 2) * Geo::kSubA;
 #pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            uint32_t af[4];
-            const int r = mt * 16 + (lane & 15);
-            ldmatrix_x4(af, a_sub + swz(r, 2 * kk + (lane >> 4)));
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          uint32_t af[4];
+          const int r = mt * 16 + (lane & 15);
+          ldmatrix_x4(af, a_sub + swz(r, 2 * (kk & 3) + (lane >> 4)));
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) mma(acc[mt][nt], af, bf[nt][0], bf[nt][1]);
-          }
+          for (int nt = 0; nt < kN8; ++nt) mma(acc[mt][nt], af, bf[nt][0], bf[nt][1]);
         }
       }
     }
     wait_groups<0>();
     __syncthreads();                    // the ring is free before the next tile's prologue
-
-    if constexpr (kSplitK > 1) {
-      // The k ranges' partial sums, added in warp order (a fixed order: batch-invariant).
-      float* red = reinterpret_cast<float*>(smem);
-      constexpr int kVals = kMTiles * 16;
-      if (wk > 0) {
-#pragma unroll
-        for (int i = 0; i < kVals; ++i)
-          red[((wk - 1) * kVals + i) * 32 * kWarpsN + wn * 32 + lane] = (&acc[0][0][0])[i];
-      }
-      __syncthreads();
-      if (wk == 0) {
-#pragma unroll
-        for (int w = 1; w < kSplitK; ++w)
-#pragma unroll
-          for (int i = 0; i < kVals; ++i)
-            (&acc[0][0][0])[i] += red[((w - 1) * kVals + i) * 32 * kWarpsN + wn * 32 + lane];
-      }
-      __syncthreads();                  // red (the ring) free before the next tile
-      if (wk > 0) continue;
-    }
 
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
@@ -371,8 +320,8 @@ grouped_matmul_kernel(GroupedMatmulParams p) {
         const int64_t row = m0 + mt * 16 + (lane >> 2) + 8 * half;
         if (row >= end) continue;
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          const int64_t col = n0 + wn * 32 + nt * 8 + 2 * (lane & 3);
+        for (int nt = 0; nt < kN8; ++nt) {
+          const int64_t col = n0 + wn * 8 * kN8 + nt * 8 + 2 * (lane & 3);
           float* o = out + row * p.n + col;
           const float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
           if (col + 1 < p.n && (p.n & 1) == 0) {
@@ -387,13 +336,11 @@ grouped_matmul_kernel(GroupedMatmulParams p) {
   }
 }
 
-template <bool kFp8, int kMTiles, int kWarpsN, int kSplitK, int kStages>
+template <bool kFp8, int kMTiles, int kWarpsN, int kStages, int kN8 = 4>
 cudaError_t launch(const GroupedMatmulParams& p, cudaStream_t stream) {
-  using Geo = Geometry<kFp8, kMTiles, kWarpsN, kSplitK>;
+  using Geo = Geometry<kFp8, kMTiles, kWarpsN, kN8>;
   constexpr size_t kSmem = size_t(kStages) * Geo::kStage;
-  static_assert(kSplitK == 1 || (kSplitK - 1) * kMTiles * 16 * 32 * kWarpsN * 4 <= kSmem,
-                "the split-k reduction fits the ring");
-  auto kernel = grouped_matmul_kernel<kFp8, kMTiles, kWarpsN, kSplitK, kStages>;
+  auto kernel = grouped_matmul_kernel<kFp8, kMTiles, kWarpsN, kN8, kStages>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        int(kSmem));
   if (e != cudaSuccess) return e;
@@ -404,25 +351,19 @@ cudaError_t launch(const GroupedMatmulParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The tile's launch for bf16 (kFp8 false) or MXFP8 weights. bf16: a ring of about 64-74 KB for
-// 16-row tiles (4 CTAs per SM: the copies in flight cover the latency), 2 CTAs per SM for
-// 64-row tiles. MXFP8: 4 warps per column tile splitting each stage's 512 k (the widening in
-// registers is the work; one warp per tile left SMs with too few warps to issue it) in every
-// tile — 16 × 32, 16 × 64 and 64 × 32 — so that a row's sum has one order whatever tile the
-// batch gets.
+// The tile's launch for bf16 (kFp8 false) or MXFP8 weights. Stages: a ring of about 64-84 KB
+// for 16-row tiles (4 CTAs per SM: the copies in flight cover the latency), 2 CTAs per SM for
+// 64-row tiles.
 template <bool kFp8>
 cudaError_t launch_tile(const GroupedMatmulParams& p, const GroupedMatmulTile& t,
                         cudaStream_t stream) {
-  if constexpr (kFp8) {   // every MXFP8 tile splits k the same way: the same bits
-    if (t.block_m == 64) return launch<true, 4, 1, 4, 2>(p, stream);
-    if (t.block_n == 32) return launch<true, 1, 1, 4, 3>(p, stream);
-    return launch<true, 1, 2, 4, 3>(p, stream);
-  } else {
-    if (t.block_m == 64) return launch<false, 4, 4, 1, 4>(p, stream);
-    if (t.block_n == 32) return launch<false, 1, 1, 1, 8>(p, stream);
-    if (t.block_n == 64) return launch<false, 1, 2, 1, 6>(p, stream);
-    return launch<false, 1, 4, 1, 4>(p, stream);
+  if (t.block_m == 64) return launch<kFp8, 4, 4, kFp8 ? 3 : 4>(p, stream);
+  if constexpr (kFp8) {
+    if (t.block_n == 16) return launch<true, 1, 1, 4, 2>(p, stream);   // ~24 KB: 8+ CTAs per SM
   }
+  if (t.block_n == 32) return launch<kFp8, 1, 1, kFp8 ? 6 : 8>(p, stream);
+  if (t.block_n == 64) return launch<kFp8, 1, 2, kFp8 ? 5 : 6>(p, stream);
+  return launch<kFp8, 1, 4, 4>(p, stream);
 }
 
 // CTAs of a launch with column tiles of bn, if every possible group is non-empty.
@@ -443,13 +384,15 @@ GroupedMatmulTile grouped_matmul_tile(const GroupedMatmulParams& p) {
     const bool big_tile = 128 * p.k * (p.rhs_scale ? 1 : 2) > (256 << 10);
     t.block_m = rows >= 32 || (rows >= 16 && big_tile) ? 64 : 16;
   }
-  if (t.block_m != 16 || (t.block_n != 32 && t.block_n != 64 && t.block_n != 128)) {
+  const bool fp8 = p.rhs_scale != nullptr;
+  if (t.block_m != 16 ||
+      (t.block_n != 32 && t.block_n != 64 && t.block_n != 128 && !(fp8 && t.block_n == 16))) {
     // Narrower column tiles when few groups would leave SMs idle (one CTA streams its tile).
-    // MXFP8: 32 columns, 4 warps splitting k (the most CTAs, 8 warps per SM).
-    t.block_n = p.rhs_scale ? 32 : t.block_m != 16 ? 128 : ctas(p, 128) >= 264 ? 128
-                : ctas(p, 64) >= 264 ? 64 : 32;
+    // MXFP8 decode: one-warp 16-column tiles below 4 warps per SM of 32-column ones (the
+    // widening in registers binds: twice the warps issue it).
+    t.block_n = t.block_m != 16 || ctas(p, 128) >= 264 ? 128 : ctas(p, 64) >= 264 ? 64
+                : fp8 && ctas(p, 32) < 4 * 132 ? 16 : 32;
   }
-  if (p.rhs_scale && (t.block_m == 64 || t.block_n != 32)) t.block_n = t.block_m == 64 ? 32 : 64;
   return t;
 }
 

@@ -47,9 +47,8 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None):
 
     The weights may be MXFP8 (SPEC §9.1; :func:`jax_m3sparse.mxfp8_quantize`): ``rhs`` fp8
     e4m3 with ``rhs_scale``, one E8M0 exponent per 32 k. The CUDA kernel reads them as they are
-    (half the bytes of bf16) and widens them in registers to exactly
-    ``mxfp8_dequantize(rhs, rhs_scale)``: the result is the bf16 call on those weights (bit for
-    bit where XLA's ``ragged_dot`` serves; on CUDA to fp32 rounding, the sum split over k).
+    (half the bytes of bf16) and widens them in registers; the result equals the bf16 call on
+    ``mxfp8_dequantize(rhs, rhs_scale)`` bit for bit, on every backend.
 
     Args:
       lhs: ``bfloat16[M, K]``, the rows sorted by group.

@@ -125,26 +125,30 @@ static double e4m3_value(uint8_t b) {
   return (b & 0x80) ? -mag : mag;
 }
 
-// MXFP8 weights (SPEC §9.1): random codes and exponents 118..129; p.rhs gets their exact bf16
-// values, so the bf16 oracle applies. Every tile (16 × 32, 16 × 64, 64 × 32, the launch's
-// choice) must give the same bits.
+// MXFP8 weights (SPEC §9.1): random codes and exponents 118..129 (or 0..12: the two-factor,
+// flushing widening); p.rhs gets their exact bf16 values, so the bf16 oracle applies. Every
+// tile (16 × 16, 16 × 32, 16 × 64, 16 × 128, 64 × 128, the launch's choice) must give the bits
+// of the bf16 kernel on those values.
 static void mxfp8_tests(std::mt19937& rng) {
   struct Shape { int64_t M, N, K; int G; std::vector<int32_t> sizes; const char* what; };
   const std::vector<Shape> shapes = {
       {37, 40, 128, 5, {9, 0, 20, 3, 5}, "MXFP8: covers M; an empty group; N < 32"},
       {50, 200, 384, 4, {7, -4, 100, 9}, "MXFP8: K 384 (a stage's last k range empty)"},
-      {300, 264, 1024, 3, {40, 250, 10}, "MXFP8: several 64-row tiles per group, 2 stages"},
+      {300, 264, 1024, 3, {40, 250, 10}, "MXFP8: several 64-row tiles per group"},
+      {37, 40, 256, 5, {9, 0, 20, 3, 5}, "MXFP8: exponents 0..12 (products flushed below 2^-126)"},
   };
   for (const Shape& s : shapes) {
     Problem p = random_problem(rng, s.M, s.N, s.K, s.G);
     p.sizes = s.sizes;
     std::vector<uint8_t> codes(p.rhs.size()), exps(p.rhs.size() / 32);
-    for (auto& e : exps) e = uint8_t(118 + rng() % 12);
+    const bool tiny = s.K == 256;
+    for (auto& e : exps) e = uint8_t(tiny ? rng() % 13 : 118 + rng() % 12);
     for (size_t i = 0; i < codes.size(); ++i) {
       uint8_t b = uint8_t(rng());
       if ((b & 0x7F) == 0x7F) b ^= 1;
       codes[i] = b;
-      p.rhs[i] = float_to_bf16(float(e4m3_value(b) * std::ldexp(1.0, exps[i / 32] - 127)));
+      const double w = e4m3_value(b) * std::ldexp(1.0, exps[i / 32] - 127);
+      p.rhs[i] = float_to_bf16(float(std::fabs(w) < std::ldexp(1.0, -126) ? 0.0 * w : w));
     }
     Device d(p);
     void *w8, *sc;
@@ -164,15 +168,15 @@ static void mxfp8_tests(std::mt19937& rng) {
       CK(cudaMemcpy(h.data(), d.out, h.size() * 4, cudaMemcpyDeviceToHost));
       return h;
     };
-    const auto a = run(16, 32);
-    check(std::string(s.what) + " (16 × 32 tiles)", p, a);
+    const auto a = d.run(p, 16, 128);   // the bf16 kernel on the exact values
+    check(std::string(s.what) + " (bf16 kernel on the values)", p, a);
     bool same = true;
-    for (auto [bm, bn] : {std::pair{16, 64}, {64, 0}, {0, 0}}) {
+    for (auto [bm, bn] : {std::pair{16, 16}, {16, 32}, {16, 64}, {16, 128}, {64, 0}, {0, 0}}) {
       const auto b = run(bm, bn);
       same = same && memcmp(a.data(), b.data(), a.size() * 4) == 0;
     }
-    report(same, std::string(s.what) + ": tiles 16×32, 16×64, 64×32 and the launch's choice "
-                 "bit-identical");
+    report(same, std::string(s.what) + ": tiles 16×16, 16×32, 16×64, 16×128, 64×128 and the "
+                 "launch's choice bit-identical to the bf16 kernel on the dequantized values");
     CK(cudaFree(w8));
     CK(cudaFree(sc));
   }
