@@ -96,15 +96,6 @@ __device__ __forceinline__ uint32_t dequant_fp8x2(uint16_t q, float2 s) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
-// The same with one factor s = 2^(e - 127), e in [10, 254] or NaN: every nonzero product is
-// at least 2^-9 · 2^-117 = 2^-126 (normal), so one plain multiply is the exact, flushed value.
-__device__ __forceinline__ uint32_t dequant_fp8x2(uint16_t q, float s) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(q, __NV_E4M3);
-  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * s, f.y * s);
-  return *reinterpret_cast<const uint32_t*>(&b);
-}
-
 // Byte offset of 16-byte chunk c of row r in a [rows][128 B] stage (swizzled, step 2).
 __device__ __forceinline__ int swz(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
 
@@ -156,11 +147,9 @@ __device__ void find_group(const int32_t* sizes, int G, int64_t M, int y, bool t
 }
 
 // Stage geometry of a launch: kFp8 weights take 128 k per stage (lhs in two [BM][64] sub-tiles).
-// kN8: n8 column tiles per warp (4; MXFP8 decode tiles also 2, a 16-column warp: twice the
-// warps where one warp widening its weights is the bound).
-template <bool kFp8, int kMTiles, int kWarpsN, int kN8 = 4>
+template <bool kFp8, int kMTiles, int kWarpsN>
 struct Geometry {
-  static constexpr int kThreads = 32 * kWarpsN, kBN = 8 * kN8 * kWarpsN, kBM = 16 * kMTiles;
+  static constexpr int kThreads = 32 * kWarpsN, kBN = 32 * kWarpsN, kBM = 16 * kMTiles;
   static constexpr int kSubTiles = kFp8 ? 2 : 1;         // [BM][64] bf16 lhs sub-tiles
   static constexpr int kStepK = 64 * kSubTiles;          // k per stage
   static constexpr int kSubA = kBM * kRowBytes;
@@ -169,11 +158,10 @@ struct Geometry {
   static constexpr int kStage = kStageA + kStageB + kStageS;
 };
 
-template <bool kFp8, int kMTiles, int kWarpsN, int kN8, int kStages>
+template <bool kFp8, int kMTiles, int kWarpsN, int kStages>
 __global__ void __launch_bounds__(32 * kWarpsN, kMTiles == 1 ? 4 : 2)
 grouped_matmul_kernel(GroupedMatmulParams p) {
-  using Geo = Geometry<kFp8, kMTiles, kWarpsN, kN8>;
-  static_assert(kN8 == 4 || kFp8, "bf16 fragments come from ldmatrix in pairs of n8 tiles");
+  using Geo = Geometry<kFp8, kMTiles, kWarpsN>;
   constexpr int kThreads = Geo::kThreads, kBN = Geo::kBN, kBM = Geo::kBM;
   constexpr int kElem = kFp8 ? 1 : 2;                    // weight bytes per element
   extern __shared__ __align__(128) uint8_t smem[];
@@ -205,7 +193,7 @@ grouped_matmul_kernel(GroupedMatmulParams p) {
     // Each thread copies chunk c = tid % 8 of rows tid / 8 + j · kRowStep of both tiles: the
     // pointers and row checks are made once per tile, a k-step only adds k0 (a single warp
     // issuing per-chunk address arithmetic would otherwise cost more than the copy's latency).
-    // With fp8 weights thread t < BN also copies the scale bytes of weight row t.
+    // With fp8 weights thread t also copies the scale bytes of weight row t (BN = threads).
     constexpr int kRowStep = kThreads / 8, kRowsA = kBM / kRowStep, kRowsB = kBN / kRowStep;
     const int c = tid & 7, r0 = tid >> 3;
     const __nv_bfloat16* pa = lhs + (m0 + r0) * p.k + 8 * c;
@@ -234,17 +222,15 @@ grouped_matmul_kernel(GroupedMatmulParams p) {
           cp_async16_zfill(b + swz(r0 + j * kRowStep, c), ok ? src : rhs, ok);
         }
         if constexpr (kFp8) {   // K % 128 == 0: a stage's four scale bytes are whole and aligned
-          if (tid < kBN) {
-            const bool ok = tid < p.n - n0;      // weight row n0 + tid < N
-            const uint8_t* src = scales + (n0 + tid) * scale_row + k0 / 32;
-            cp_async4_zfill(b + Geo::kStageB + 4 * tid, ok ? src : scales, ok);
-          }
+          const bool ok = tid < live_b + r0;   // weight row n0 + tid < N
+          const uint8_t* src = scales + (n0 + tid) * scale_row + k0 / 32;
+          cp_async4_zfill(b + Geo::kStageB + 4 * tid, ok ? src : scales, ok);
         }
       }
       commit();
     };
 
-    float acc[kMTiles][kN8][4] = {};
+    float acc[kMTiles][4][4] = {};
     for (int s = 0; s < kStages - 1; ++s) load(s);
     for (int ks = 0; ks < ksteps; ++ks) {
       wait_groups<kStages - 2>();
@@ -252,42 +238,18 @@ grouped_matmul_kernel(GroupedMatmulParams p) {
       load(ks + kStages - 1);
       const uint8_t* a = smem + (ks % kStages) * Geo::kStage;
       const uint8_t* b = a + Geo::kStageA;
-      // fp8: this thread's rows' four exponents (one per 32 k), read once per stage; with every
-      // exponent in the warp >= 10 (real weights) one multiply per weight is the exact value.
-      uint32_t ex[kN8] = {};
-      bool fast = true;
-      if constexpr (kFp8) {
-        uint32_t lo = 0xFFFFFFFFu;
-#pragma unroll
-        for (int nt = 0; nt < kN8; ++nt) {
-          ex[nt] = *reinterpret_cast<const uint32_t*>(
-              b + Geo::kStageB + 4 * (wn * 8 * kN8 + nt * 8 + (lane >> 2)));
-          lo = __vminu4(lo, ex[nt]);
-        }
-        lo = __vminu4(lo, lo >> 16);
-        fast = __all_sync(0xFFFFFFFFu, __vminu4(lo, lo >> 8) % 256u >= 10u);
-      }
 #pragma unroll
       for (int kk = 0; kk < Geo::kStepK / 16; ++kk) {
-        uint32_t bf[kN8][2];
+        uint32_t bf[4][2];
         if constexpr (kFp8) {
           // Thread (g, t) of n8 tile nt holds rows nt·8 + g, k = 16·kk + 2t (+1) and + 8.
 #pragma unroll
-          for (int nt = 0; nt < kN8; ++nt) {
-            const int r = wn * 8 * kN8 + nt * 8 + (lane >> 2);
+          for (int nt = 0; nt < 4; ++nt) {
+            const int r = wn * 32 + nt * 8 + (lane >> 2);
             const uint8_t* q = b + swz(r, kk) + 2 * (lane & 3);
-            const uint8_t e = uint8_t(ex[nt] >> (8 * (kk >> 1)));
-            const uint16_t q0 = *reinterpret_cast<const uint16_t*>(q);
-            const uint16_t q1 = *reinterpret_cast<const uint16_t*>(q + 8);
-            if (fast) {
-              const float s = __uint_as_float(e == 255 ? 0x7FC00000u : uint32_t(e) << 23);
-              bf[nt][0] = dequant_fp8x2(q0, s);
-              bf[nt][1] = dequant_fp8x2(q1, s);
-            } else {
-              const float2 s = e8m0_factors(e);
-              bf[nt][0] = dequant_fp8x2(q0, s);
-              bf[nt][1] = dequant_fp8x2(q1, s);
-            }
+            const float2 s = e8m0_factors(b[Geo::kStageB + 4 * r + (kk >> 1)]);
+            bf[nt][0] = dequant_fp8x2(*reinterpret_cast<const uint16_t*>(q), s);
+            bf[nt][1] = dequant_fp8x2(*reinterpret_cast<const uint16_t*>(q + 8), s);
           }
         } else {
 #pragma unroll
@@ -306,7 +268,7 @@ grouped_matmul_kernel(GroupedMatmulParams p) {
           const int r = mt * 16 + (lane & 15);
           ldmatrix_x4(af, a_sub + swz(r, 2 * (kk & 3) + (lane >> 4)));
 #pragma unroll
-          for (int nt = 0; nt < kN8; ++nt) mma(acc[mt][nt], af, bf[nt][0], bf[nt][1]);
+          for (int nt = 0; nt < 4; ++nt) mma(acc[mt][nt], af, bf[nt][0], bf[nt][1]);
         }
       }
     }
@@ -320,8 +282,8 @@ grouped_matmul_kernel(GroupedMatmulParams p) {
         const int64_t row = m0 + mt * 16 + (lane >> 2) + 8 * half;
         if (row >= end) continue;
 #pragma unroll
-        for (int nt = 0; nt < kN8; ++nt) {
-          const int64_t col = n0 + wn * 8 * kN8 + nt * 8 + 2 * (lane & 3);
+        for (int nt = 0; nt < 4; ++nt) {
+          const int64_t col = n0 + wn * 32 + nt * 8 + 2 * (lane & 3);
           float* o = out + row * p.n + col;
           const float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
           if (col + 1 < p.n && (p.n & 1) == 0) {
@@ -336,11 +298,11 @@ grouped_matmul_kernel(GroupedMatmulParams p) {
   }
 }
 
-template <bool kFp8, int kMTiles, int kWarpsN, int kStages, int kN8 = 4>
+template <bool kFp8, int kMTiles, int kWarpsN, int kStages>
 cudaError_t launch(const GroupedMatmulParams& p, cudaStream_t stream) {
-  using Geo = Geometry<kFp8, kMTiles, kWarpsN, kN8>;
+  using Geo = Geometry<kFp8, kMTiles, kWarpsN>;
   constexpr size_t kSmem = size_t(kStages) * Geo::kStage;
-  auto kernel = grouped_matmul_kernel<kFp8, kMTiles, kWarpsN, kN8, kStages>;
+  auto kernel = grouped_matmul_kernel<kFp8, kMTiles, kWarpsN, kStages>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        int(kSmem));
   if (e != cudaSuccess) return e;
@@ -358,9 +320,6 @@ template <bool kFp8>
 cudaError_t launch_tile(const GroupedMatmulParams& p, const GroupedMatmulTile& t,
                         cudaStream_t stream) {
   if (t.block_m == 64) return launch<kFp8, 4, 4, kFp8 ? 3 : 4>(p, stream);
-  if constexpr (kFp8) {
-    if (t.block_n == 16) return launch<true, 1, 1, 4, 2>(p, stream);   // ~24 KB: 8+ CTAs per SM
-  }
   if (t.block_n == 32) return launch<kFp8, 1, 1, kFp8 ? 6 : 8>(p, stream);
   if (t.block_n == 64) return launch<kFp8, 1, 2, kFp8 ? 5 : 6>(p, stream);
   return launch<kFp8, 1, 4, 4>(p, stream);
@@ -384,14 +343,9 @@ GroupedMatmulTile grouped_matmul_tile(const GroupedMatmulParams& p) {
     const bool big_tile = 128 * p.k * (p.rhs_scale ? 1 : 2) > (256 << 10);
     t.block_m = rows >= 32 || (rows >= 16 && big_tile) ? 64 : 16;
   }
-  const bool fp8 = p.rhs_scale != nullptr;
-  if (t.block_m != 16 ||
-      (t.block_n != 32 && t.block_n != 64 && t.block_n != 128 && !(fp8 && t.block_n == 16))) {
+  if (t.block_m != 16 || (t.block_n != 32 && t.block_n != 64 && t.block_n != 128)) {
     // Narrower column tiles when few groups would leave SMs idle (one CTA streams its tile).
-    // MXFP8 decode: one-warp 16-column tiles below 4 warps per SM of 32-column ones (the
-    // widening in registers binds: twice the warps issue it).
-    t.block_n = t.block_m != 16 || ctas(p, 128) >= 264 ? 128 : ctas(p, 64) >= 264 ? 64
-                : fp8 && ctas(p, 32) < 4 * 132 ? 16 : 32;
+    t.block_n = t.block_m != 16 || ctas(p, 128) >= 264 ? 128 : ctas(p, 64) >= 264 ? 64 : 32;
   }
   return t;
 }
