@@ -215,8 +215,9 @@ def serve(args, cfg):
     moe_layers = sum(t == "sparse" for t in cfg.mlp_layer_types)
     print(f"backend {jax.default_backend()}, tp {args.tp} of {jax.device_count()} devices; "
           f"MiniMax M3: {cfg.num_layers} layers ({len(cfg.sparse_layers)} sparse attention, "
-          f"{moe_layers} MoE of {cfg.num_local_experts} experts top-{cfg.num_experts_per_tok} "
-          f"+ shared), hidden {cfg.hidden_size}, Hq {cfg.num_attention_heads}, Hkv "
+          f"{moe_layers} MoE of {cfg.num_local_experts} "
+          f"{'MXFP8 ' if cfg.expert_format == 'mxfp8' else ''}experts "
+          f"top-{cfg.num_experts_per_tok} + shared), hidden {cfg.hidden_size}, Hq {cfg.num_attention_heads}, Hkv "
           f"{cfg.num_key_value_heads}, D {cfg.head_dim}, top-{cfg.index_topk_blocks} of "
           f"{cfg.block_size}-token blocks; weights: "
           f"{args.checkpoint or f'random (seed {args.weight_seed})'}"

@@ -53,6 +53,8 @@ def mxfp8_dequantize(data, scales, dtype=jnp.bfloat16):
         raise TypeError(f"data must be float8_e4m3fn, got {data.dtype}")
     if scales.dtype != jnp.uint8:
         raise TypeError(f"scales must be uint8 (E8M0 exponents), got {scales.dtype}")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"dtype must be a floating dtype, got {jnp.dtype(dtype)}")
     K = data.shape[-1] if data.ndim else 0
     if data.ndim == 0 or K % BLOCK or scales.shape != (*data.shape[:-1], K // BLOCK):
         raise ValueError(f"data [..., K] (K % {BLOCK} == 0) and scales [..., K/{BLOCK}] "
@@ -69,8 +71,10 @@ def mxfp8_quantize(x):
     block in fp8's range, ``e = clamp(ceil(log2(max|x| / 448)) + 127, 0, 254)`` with the ratio
     in fp32 (127 for an all-zero block; the scale NVIDIA ModelOpt's MXFP8 export chooses:
     OCP's floor(log2(max|x|)) − 8 would clip the block's largest elements at 448), and the
-    elements ``x / 2^(e − 127)`` rounded to fp8 e4m3 (to nearest even), saturating at ±448;
-    NaN elements stay NaN.
+    elements ``x / 2^(e − 127)`` rounded to fp8 e4m3 (to nearest even), saturating at ±448.
+    Non-finite input: a NaN element stays NaN; a block holding a NaN or ±inf gets e = 127
+    (its finite elements then saturate at ±448); blocks whose largest element is within 2^-9
+    of fp32's range (e would exceed 254) saturate likewise.
 
     Args:
       x: ``float32 / bfloat16 / float16[..., K]``, K a multiple of 32.

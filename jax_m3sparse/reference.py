@@ -410,25 +410,27 @@ def select_blocks(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, 
                        topk_blocks=int(topk_blocks), local_blocks=int(local_blocks))
 
 
-# rhs [G, N, K] (PyTorch's [out, in] per group), contracting lhs [M, K] with rhs's last axis.
-_GROUPED_DIMS = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
-    rhs_group_dimensions=[0])
-
-
 def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale):
-    """Primitive-level reference of grouped_matmul (SPEC §9): XLA's ``ragged_dot`` on the
-    sizes made valid (negative counts as 0, rows past M dropped), rows no group covers 0;
-    MXFP8 weights (``rhs`` fp8, ``rhs_scale`` [G, N, K/32]) dequantized to bf16 first (§9.1)."""
+    """Primitive-level reference of grouped_matmul (SPEC §9): per group, every row multiplied
+    by the group's matrix and *selected* for the group's rows (sizes made valid: negative
+    counts as 0, rows past M dropped), rows no group covers 0; MXFP8 weights (``rhs`` fp8,
+    ``rhs_scale`` [G, N, K/32]) dequantized to bf16 first (§9.1). A select, not XLA's
+    ``ragged_dot``: on the CPU that is a masked product over every group, where a NaN or inf in
+    one group's weights (an unrouted expert's included) reached every row (0 · NaN)."""
     if rhs.dtype == jnp.float8_e4m3fn:
         rhs = mxfp8_dequantize(rhs, rhs_scale)
-    M = lhs.shape[0]
+    M, N = lhs.shape[0], rhs.shape[1]
     ends = jnp.minimum(jnp.cumsum(jnp.clip(group_sizes, 0, M)), M)   # no overflow: G·M < 2^31
-    sizes = jnp.diff(ends, prepend=0).astype(jnp.int32)
-    out = jax.lax.ragged_dot_general(lhs, rhs, sizes, _GROUPED_DIMS,
-                                     preferred_element_type=jnp.float32)
-    covered = jnp.arange(M) < (ends[-1] if group_sizes.shape[0] else 0)
-    return jnp.where(covered[:, None], out, 0.0)
+    starts = ends - jnp.diff(ends, prepend=0)
+    rows = jnp.arange(M)
+
+    def one(out, g):
+        y = jax.lax.dot_general(lhs, rhs[g], (([1], [1]), ([], [])),
+                                preferred_element_type=jnp.float32)
+        return jnp.where(((rows >= starts[g]) & (rows < ends[g]))[:, None], y, out), None
+
+    return jax.lax.scan(one, jnp.zeros((M, N), jnp.float32),
+                        jnp.arange(rhs.shape[0], dtype=jnp.int32))[0]
 
 
 def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None):

@@ -92,8 +92,10 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None):
                              "E8M0 exponents (jax_m3sparse.mxfp8_quantize makes both)")
         rhs_scale = jnp.asarray(rhs_scale)
         _checks.dtype(rhs_scale, "rhs_scale", (jnp.uint8,))
-        if K % 32 or rhs_scale.shape != (G, N, K // 32):
-            raise ValueError(f"MXFP8 rhs [G, N, K] needs K % 32 == 0 and rhs_scale "
-                             f"[G, N, K/32] = {(G, N, K // 32)}: rhs.shape {rhs.shape}, "
+        if K % 32:
+            raise ValueError(f"MXFP8 rhs [G, N, K] needs K % 32 == 0 (one exponent per 32 "
+                             f"k): rhs.shape {rhs.shape}")
+        if rhs_scale.shape != (G, N, K // 32):
+            raise ValueError(f"MXFP8 rhs_scale must be [G, N, K/32] = {(G, N, K // 32)}, got "
                              f"rhs_scale.shape {rhs_scale.shape}")
     return grouped_matmul_p.bind(lhs, rhs, group_sizes, rhs_scale)

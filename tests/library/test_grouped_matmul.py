@@ -35,6 +35,22 @@ def test_matches_oracle(rng, sizes):
     assert not np.any(got[np.all(want == 0, axis=1)])   # uncovered rows are exact zeros
 
 
+def test_non_finite_weights_stay_in_their_group(rng):
+    """SPEC §9 step 3: a NaN / inf in one group's matrix (an empty group's included) reaches only
+    that group's rows; bf16 and MXFP8 (an exponent of 255 is NaN)."""
+    lhs, rhs = operands(rng, 4, 64, 3, 8)
+    bad = rhs.at[1, 0, 0].set(jnp.nan).at[2, 1, 0].set(jnp.inf)
+    for sizes in ([2, 2, 0], [4, 0, 0]):
+        got = np.asarray(m3.grouped_matmul(lhs, bad, jnp.asarray(sizes, jnp.int32)))
+        want = oracle.grouped_matmul(lhs, rhs, sizes)
+        np.testing.assert_allclose(got[:sizes[0]], want[:sizes[0]], rtol=1e-5, atol=1e-4)
+        assert np.isnan(got[sizes[0]:, 0]).all() and np.isfinite(got[sizes[0]:, 1:]).all()
+    data, scale = m3.mxfp8_quantize(rhs)
+    got = np.asarray(m3.grouped_matmul(lhs, data, jnp.asarray([4, 0, 0], jnp.int32),
+                                       scale.at[1].set(255)))
+    assert np.isfinite(got).all()
+
+
 def test_reference_module_agrees(rng):
     lhs, rhs = operands(rng, 12, 16, 3, 8)
     sizes = jnp.asarray([5, 0, 7], jnp.int32)
@@ -161,7 +177,7 @@ def test_mxfp8_argument_errors(rng):
         m3.grouped_matmul(lhs, data, sizes)
     with pytest.raises(ValueError, match="rhs_scale=None"):
         m3.grouped_matmul(lhs, m3.mxfp8_dequantize(data, scale), sizes, scale)
-    with pytest.raises(ValueError, match=r"rhs_scale \[G, N, K/32\]"):
+    with pytest.raises(ValueError, match=r"rhs_scale must be \[G, N, K/32\]"):
         m3.grouped_matmul(lhs, data, sizes, scale[:, :, :1])
     with pytest.raises(TypeError, match="rhs_scale must be uint8"):
         m3.grouped_matmul(lhs, data, sizes, scale.astype(jnp.int32))
