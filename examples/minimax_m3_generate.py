@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import time
 
 from minimax_m3 import runtime, text
@@ -262,9 +263,12 @@ def serve(args, cfg):
     print(report.format_summary(summary, cfg))
     st = engine.stats
     summary["decode_step_ms"] = 1e3 * st.decode_seconds / max(st.decode_only_steps, 1)
-    print(f"decode step: {summary['decode_step_ms']:.2f} ms per decode-only step "
-          f"({st.decode_only_steps} timed steps), {1e3 / max(summary['decode_tok_s'], 1e-9):.2f} "
-          f"ms per decoded token")
+    if st.decode_only_steps and summary["decode_tok_s"] > 0:
+        print(f"decode step: {summary['decode_step_ms']:.2f} ms per decode-only step "
+              f"({st.decode_only_steps} timed steps), {1e3 / summary['decode_tok_s']:.2f} "
+              f"ms per decoded token")
+    else:   # every token came from a prefill step or a step beside one: nothing to time
+        print("decode step: no decode-only step was timed (more --max-new-tokens would)")
     if args.tokens_json:
         with open(args.tokens_json, "w") as f:
             json.dump({str(k): [int(t) for t in v] for k, v in summary["generated"].items()}, f)
@@ -278,4 +282,9 @@ def serve(args, cfg):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, MemoryError) as e:   # bad flags, a model that does not fit: the message
+        if os.environ.get("M3_TRACEBACK"):
+            raise
+        sys.exit(f"error: {e}\n(M3_TRACEBACK=1 shows where)")

@@ -55,9 +55,10 @@ def check_divisible(cfg, tp: int) -> None:
                  shared_intermediate_size=cfg.shared_intermediate_size,
                  vocab_size=cfg.vocab_size)
     bad = [f"{k} = {v}" for k, v in sizes.items() if v % tp]
-    if cfg.expert_format == "mxfp8" and (cfg.intermediate_size // tp) % 32:
-        bad.append(f"intermediate_size / tp = {cfg.intermediate_size // tp} into blocks of 32 "
-                   f"(MXFP8 experts: down_proj's exponents are split with its inputs)")
+    if not bad and cfg.expert_format == "mxfp8" and (cfg.intermediate_size // tp) % 32:
+        raise ValueError(f"--tp {tp} with MXFP8 experts needs intermediate_size / tp = "
+                         f"{cfg.intermediate_size // tp} to be a multiple of 32 (down_proj's "
+                         f"exponents, one per 32 inputs, are split with its inputs)")
     if bad:
         raise ValueError(f"--tp {tp} must divide " + ", ".join(bad))
 

@@ -235,3 +235,15 @@ def test_quantize_experts_is_lossless_for_mxfp8_values(rng):
     assert all(s["mlp"]["experts"]["gate_up_proj"].is_deleted()
                for s in loaded["segments"] if "experts" in s["mlp"])
     assert bf16.expert_format == "bf16"
+
+
+def test_mxfp8_needs_whole_exponent_blocks_per_device():
+    cfg = dataclasses.replace(CFG, intermediate_size=64, shared_intermediate_size=64,
+                              expert_format="mxfp8")
+    parallel.check_divisible(cfg, 2)
+    with pytest.raises(ValueError, match=r"intermediate_size / tp = 16 to be a multiple of 32"):
+        parallel.check_divisible(cfg, 4)
+    with pytest.raises(ValueError, match="expert_format 'mxfp8' needs hidden_size"):
+        dataclasses.replace(cfg, intermediate_size=48)
+    with pytest.raises(ValueError, match="expert_format 'fp4'"):
+        dataclasses.replace(cfg, expert_format="fp4")
