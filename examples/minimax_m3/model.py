@@ -96,15 +96,16 @@ def param_dtypes(cfg: ModelConfig, dtype) -> dict:
 def init_params(cfg: ModelConfig, seed: int = 0, shardings=None, dtype=None,
                 cache_bytes: int = 0) -> dict:
     """Seeded random weights made on the device(s): matmuls N(0, 1/fan_in), norms N(0, 0.1)
-    (Gemma's 1 + w), embeddings N(0, 1), router bias N(0, 0.1). MXFP8 experts
-    (``cfg.expert_format``): fp8 N(0, 16) under one exponent per leaf that scales them to
-    about N(0, 1/fan_in).
+    (Gemma's 1 + w), embeddings N(0, 1), router bias N(0, 0.1).
 
     With ``jax.random`` on the device(s), in ``dtype`` (default float32 on the CPU, bfloat16
     elsewhere), by jitted calls whose ``out_shardings`` are the leaves' shardings (each device
     draws its own shard of a big leaf): leaves over 256 MiB one by one (a key per leaf path;
     stacked ones one layer at a time into a donated buffer, a key per layer), the small ones as
-    slices of one draw. No host copy; the values do not depend on ``shardings``.
+    slices of one draw. No host copy; the values do not depend on ``shardings``. MXFP8 experts
+    (``cfg.expert_format``): the same model's draw, each expert leaf (or layer of one)
+    quantized on its devices as it is made (jax_m3sparse.mxfp8_quantize) — the bf16 random
+    model rounded, never held whole in both forms.
 
     Args:
       shardings: a matching pytree of ``NamedSharding`` (parallel.param_shardings), else the
@@ -115,39 +116,87 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None, dtype=None,
       MemoryError (before anything is allocated): the weights (+ ``cache_bytes``) do not fit the
         devices' memory (plan.check_fits names the numbers).
     """
+    import dataclasses  # noqa: PLC0415
     from . import plan  # noqa: PLC0415 (plan imports this module)
     dtype = jnp.dtype(dtype or (jnp.float32 if _cpu() else jnp.bfloat16))
-    shapes = param_shapes(cfg)
     plan.check_fits(cfg, dtype, shardings, cache_bytes=cache_bytes)
-    paths, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
-    dtypes = treedef.flatten_up_to(param_dtypes(cfg, dtype))
-    places = (treedef.flatten_up_to(shardings) if shardings is not None
-              else [None] * len(paths))
+    mx = cfg.expert_format == "mxfp8"
+    base = dataclasses.replace(cfg, expert_format="bf16") if mx else cfg   # what is drawn
+    where = ({jax.tree_util.keystr(p): sh for p, sh in
+              jax.tree_util.tree_leaves_with_path(shardings)} if shardings is not None else {})
+    paths, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(base), is_leaf=is_shape)
     root = jax.random.key(seed)
     specs = [(jax.random.fold_in(root, zlib.crc32(jax.tree_util.keystr(path).encode())),
-              shape, _init_std(path, shape, dt), place,
-              shape[0] if getattr(path[0], "key", None) == "segments" else None, dt)
-             for (path, shape), place, dt in zip(paths, places, dtypes)]
-    big = [math.prod(sp[1]) * sp[5].itemsize > _ONE_CALL_BYTES for sp in specs]
-    small = tuple((*sp[1:4], sp[5]) for sp, b in zip(specs, big) if not b)
+              shape, _init_std(path, shape), where.get(jax.tree_util.keystr(path)),
+              shape[0] if getattr(path[0], "key", None) == "segments" else None)
+             for path, shape in paths]
+    # MXFP8 expert leaves: (the weight's, its exponents') shardings
+    scale_key = lambda p: jax.tree_util.keystr(   # noqa: E731 (its exponents' path)
+        (*p[:-1], jax.tree_util.DictKey(p[-1].key + "_scale")))
+    quant = [(where.get(jax.tree_util.keystr(p)), where.get(scale_key(p)))
+             if mx and _is_expert_weight(p) else None for p, _ in paths]
+    big = [math.prod(sp[1]) * dtype.itemsize > _ONE_CALL_BYTES for sp in specs]
+    small = tuple(sp[1:4] for sp, b in zip(specs, big) if not b)
     drawn = iter(_draw_small(small, dtype)(jax.random.fold_in(root, 0)))
-    leaves = [_big_leaf(*sp) if b else next(drawn) for sp, b in zip(specs, big)]
-    return treedef.unflatten(leaves)
+    leaves = []
+    for sp, b, q in zip(specs, big, quant):
+        if q is None:
+            leaves.append(_big_leaf(*sp, dtype) if b else next(drawn))
+        else:
+            leaves.append(_big_mx_leaf(*sp, *q, dtype) if b else _quantize(next(drawn), *q))
+    params = treedef.unflatten(leaves)
+    for seg in params["segments"] if mx else ():
+        ex = seg["mlp"].get("experts", {})
+        for name in [n for n in ex if not n.endswith("_scale")]:
+            ex[name], ex[name + "_scale"] = ex[name]
+    return params
+
+
+def _is_expert_weight(path) -> bool:
+    names = [getattr(k, "key", None) for k in path]
+    return "experts" in names and names[-1] in ("gate_up_proj", "down_proj")
+
+
+@functools.lru_cache(maxsize=None)
+def _quantize_fn(data_sharding, scale_sharding):
+    return jax.jit(m3.mxfp8_quantize, out_shardings=(data_sharding, scale_sharding))
+
+
+def _quantize(w, data_sharding, scale_sharding):
+    """(fp8, exponents) of a small leaf, on its devices; the bf16 / fp32 draw freed."""
+    out = _quantize_fn(data_sharding, scale_sharding)(w)
+    w.delete()
+    return out
+
+
+def _big_mx_leaf(key, shape, std, sharding, layers, data_sharding, scale_sharding, dtype):
+    """A big expert leaf drawn as :func:`_big_leaf` draws it, quantized as it is made: layer j
+    (or the whole leaf) into donated fp8 / exponent buffers."""
+    if layers is None:
+        return _quantize(_draw_small(((shape, std, sharding),), dtype)(key)[0], data_sharding,
+                         scale_sharding)
+    bufs = (_zeros(shape, jnp.dtype(jnp.float8_e4m3fn), data_sharding),
+            _zeros((*shape[:-1], shape[-1] // 32), jnp.dtype(jnp.uint8), scale_sharding))
+    put = _mx_layer_setter(shape, dtype, std, data_sharding, scale_sharding)
+    for j in range(layers):
+        bufs = put(*bufs, key, jnp.int32(j))
+    return bufs
+
+
+@functools.lru_cache(maxsize=None)
+def _mx_layer_setter(shape, dtype, std, data_sharding, scale_sharding):
+    """jitted ``(data, scale, key, j) -> both with layer j set`` (donated: in place)."""
+    def put(data, scale, key, j):
+        d, s = m3.mxfp8_quantize(_normal(jax.random.fold_in(key, j), shape[1:], dtype, std))
+        return data.at[j].set(d), scale.at[j].set(s)
+    return jax.jit(put, donate_argnums=(0, 1), out_shardings=(data_sharding, scale_sharding))
 
 
 _ONE_CALL_BYTES = 256 << 20   # leaves above this get their own calls (stacked: per layer)
 
 
-_FP8_STD = 16.0   # random MXFP8 elements: N(0, 16), far inside e4m3's ±448
-
-
-def _init_std(path, shape, dtype=None) -> float:
-    """The leaf's standard deviation; for MXFP8 exponents (uint8) the exponent itself."""
+def _init_std(path, shape) -> float:
     name = jax.tree_util.keystr(path)
-    if dtype == jnp.uint8:      # 2^(e − 127) · N(0, 16) ≈ N(0, 1/fan_in), fan_in = 32 · last dim
-        return float(127 + round(math.log2((32 * shape[-1]) ** -0.5 / _FP8_STD)))
-    if dtype == jnp.float8_e4m3fn:
-        return _FP8_STD
     if "norm" in name or "bias" in name:
         return 0.1
     return 1.0 if "embed" in name else shape[-1] ** -0.5
@@ -155,21 +204,15 @@ def _init_std(path, shape, dtype=None) -> float:
 
 @functools.lru_cache(maxsize=None)
 def _draw_small(specs, dtype):
-    """jitted ``key -> leaves`` for the small leaves ((shape, std, sharding, leaf dtype) each):
-    slices of one flat draw in ``dtype`` (one RNG op, a fast compile), each placed by its
-    sharding; uint8 leaves (MXFP8 exponents) are filled with their "std"."""
-    sizes = [math.prod(shape) for shape, *_ in specs]
+    """jitted ``key -> leaves`` for the small leaves ((shape, std, sharding) each): slices of
+    one flat draw (one RNG op, a fast compile), each placed by its sharding."""
+    sizes = [math.prod(shape) for shape, _, _ in specs]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-
-    def leaf(flat, o, n, shape, std, dt):
-        if dt == jnp.uint8:
-            return jnp.full(shape, int(std), jnp.uint8)
-        return (flat[o:o + n].reshape(shape) * jnp.asarray(std, dtype)).astype(dt)
 
     def draw(key):
         flat = jax.random.normal(key, (int(offsets[-1]),), dtype)
-        return tuple(leaf(flat, o, n, shape, std, dt)
-                     for o, n, (shape, std, _, dt) in zip(offsets, sizes, specs))
+        return tuple((flat[o:o + n].reshape(shape) * jnp.asarray(std, dtype)).astype(dtype)
+                     for o, n, (shape, std, _) in zip(offsets, sizes, specs))
     return jax.jit(draw, out_shardings=tuple(sp[2] for sp in specs))
 
 
@@ -177,7 +220,7 @@ def _big_leaf(key, shape, std, sharding, layers, dtype):
     """A leaf with its own jitted call(s); layer j of a stacked one from ``fold_in(key, j)``,
     written into a donated buffer one layer at a time."""
     if layers is None:
-        return _draw_small(((shape, std, sharding, dtype),), _draw_dtype(dtype))(key)[0]
+        return _draw_small(((shape, std, sharding),), dtype)(key)[0]
     buf = _zeros(shape, dtype, sharding)
     put = _layer_setter(shape, dtype, std, sharding)
     for j in range(layers):
@@ -195,17 +238,7 @@ def _zeros(shape, dtype, sharding):
 
 
 def _normal(key, shape, dtype, std):
-    """N(0, std) in ``dtype`` (fp8: drawn in bf16, then rounded); uint8 (MXFP8 exponents): the
-    constant ``std``."""
-    if dtype == jnp.uint8:
-        return jnp.full(shape, int(std), jnp.uint8)
-    draw = _draw_dtype(dtype)
-    return (jax.random.normal(key, shape, draw) * jnp.asarray(std, draw)).astype(dtype)
-
-
-def _draw_dtype(dtype):
-    """The dtype random normals are drawn in for a leaf of ``dtype`` (fp8 and uint8: bf16)."""
-    return dtype if dtype in (jnp.float32, jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.bfloat16)
+    return (jax.random.normal(key, shape, dtype) * jnp.asarray(std, dtype)).astype(dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -216,6 +249,7 @@ def _layer_setter(shape, dtype, std, sharding):
     return jax.jit(put, donate_argnums=0, out_shardings=sharding)
 
 
+# ----------------------------------------------------------------------------- caches
 # ----------------------------------------------------------------------------- caches
 def allocate_caches(cfg: ModelConfig, num_pages: int) -> dict:
     """All caches of the step, one pytree (donated to every step).

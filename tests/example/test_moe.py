@@ -209,6 +209,34 @@ def test_mxfp8_model_init_plan_and_tensor_parallel(rng):
     np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-5 * np.abs(one).max())
 
 
+def test_mxfp8_random_model_is_the_bf16_one_rounded():
+    """init_params with MXFP8 experts draws the same model as with bf16 ones and quantizes the
+    experts (per layer for big leaves, sharded): every other leaf equal, every expert leaf equal
+    to mxfp8_quantize of the bf16 model's."""
+    cfg = dataclasses.replace(CFG, hidden_size=256, vocab_size=256, intermediate_size=64,
+                              shared_intermediate_size=64)
+    mx = dataclasses.replace(cfg, expert_format="mxfp8")
+    old = model._ONE_CALL_BYTES
+    for one_call in (old, 1 << 16):                               # flat draw; per-layer path
+        model._ONE_CALL_BYTES = one_call
+        try:
+            ref = model.init_params(cfg, 7, dtype=jnp.bfloat16)
+            mesh = parallel.make_mesh(2)
+            got = model.init_params(mx, 7, parallel.param_shardings(model.param_shapes(mx), mx,
+                                                                    mesh), dtype=jnp.bfloat16)
+        finally:
+            model._ONE_CALL_BYTES = old
+        for seg_r, seg_g in zip(ref["segments"], got["segments"]):
+            ex_r, ex_g = seg_r["mlp"].pop("experts", None), seg_g["mlp"].pop("experts", None)
+            for x, y in zip(jax.tree_util.tree_leaves(seg_r), jax.tree_util.tree_leaves(seg_g)):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+            for name in () if ex_r is None else ("gate_up_proj", "down_proj"):
+                d, s = jax_m3sparse.mxfp8_quantize(ex_r[name])
+                np.testing.assert_array_equal(np.asarray(ex_g[name]).view(np.uint8),
+                                              np.asarray(d).view(np.uint8))
+                np.testing.assert_array_equal(np.asarray(ex_g[name + "_scale"]), np.asarray(s))
+
+
 def test_quantize_experts_is_lossless_for_mxfp8_values(rng):
     """moe.quantize_experts on bf16 weights that are MXFP8 values (what an MXFP8 checkpoint
     loads to): the experts it makes dequantize to those weights bit for bit; a bf16 model's
