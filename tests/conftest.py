@@ -18,16 +18,19 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
-# Tests with a large transient footprint: the two with a > 2 GiB cache (64-bit page offsets)
-# and a decode step at M3's real vocabulary (128 × 200064 logits sorted for top-p).
-_HEAVY = ("over_2gib", "at_real_vocab")
+# Tests with a large transient footprint: the two with a > 2 GiB cache (64-bit page offsets),
+# a decode step at M3's real vocabulary (128 × 200064 logits sorted for top-p), and the real
+# SmolLM2 model's tests (torch and JAX copies of it; run late they set the suite's peak: 4.12 GB
+# on 2026-12-03, 2.85 GB on their own).
+_HEAVY = ("over_2gib", "at_real_vocab", "test_real_model.py::test_tokenizer_round_trip",
+          "test_real_model.py::test_logits_match", "test_real_model.py::test_quick_study")
 
 
 def pytest_collection_modifyitems(items):
     """The heavy tests run first, while the process is small: the suite's peak memory is then
     their footprint plus JAX, not plus what every earlier test left in JAX's caches (CI holds
     the tests under 4 GB)."""
-    items.sort(key=lambda item: not any(h in item.name for h in _HEAVY))
+    items.sort(key=lambda item: not any(h in item.nodeid for h in _HEAVY))
 
 
 @pytest.fixture(autouse=True, scope="module")
