@@ -167,7 +167,7 @@ OPS = ("pack_kv_pages", "query_token_positions", "sparse_decode", "sparse_prefil
        "full_attention", "select_blocks", "grouped_matmul")
 # Ops with a kernel on some platforms only (the others lower them to the reference or, for
 # full_attention on the CPU, to another op's kernel).
-_ONLY_ON = {"grouped_matmul": ("cuda",), "full_attention": ("cuda",)}
+_ONLY_ON = {"grouped_matmul": ("cuda",), "full_attention": ("cuda", "rocm")}
 
 
 def ops_of(platform: str) -> tuple[str, ...]:

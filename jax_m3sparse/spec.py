@@ -129,7 +129,7 @@ _KERNEL_LIMITS = {
 }
 
 
-def unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, topk_blocks: int,
+def unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, topk_blocks: int | None,
                        block_size: int, platform: str | None = None) -> str | None:
     """None if ``platform``'s backend serves this geometry, else one sentence naming every
     violated requirement and the values seen (SPEC §1).
@@ -138,7 +138,8 @@ def unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, topk_bl
     (the CPU backend and the reference). "rocm": the gfx950 kernels (D = 128, G = 16 or 8,
     K = 16, N = 128). "cuda": the sm_90 kernels (D = 128, 1 ≤ G ≤ 16, 1 ≤ K ≤ 64, N = 128;
     q in bf16 or f16, checked when lowering). For :func:`full_attention` K plays no part
-    (every block is attended): pass ``topk_blocks=1``; its CUDA kernel serves any context.
+    (every block is attended): pass ``topk_blocks=None``; its CUDA and gfx950 kernels serve any
+    context.
     """
     problems = []
     if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads:
@@ -146,7 +147,7 @@ def unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, topk_bl
                         f"num_kv_heads ({num_kv_heads})")
     if head_dim < 32 or head_dim % 32:
         problems.append(f"head_dim must be a multiple of 32 (got {head_dim})")
-    if topk_blocks < 1:
+    if topk_blocks is not None and topk_blocks < 1:
         problems.append(f"topk_blocks must be >= 1 (got {topk_blocks})")
     if block_size != 128:
         problems.append(f"block_size must be 128 (got {block_size})")
@@ -155,6 +156,8 @@ def unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, topk_bl
         group = num_heads // num_kv_heads
         for name, seen in (("head_dim", head_dim), ("group", group),
                            ("topk_blocks", topk_blocks), ("block_size", block_size)):
+            if seen is None:                # full attention: no K
+                continue
             want = limits[name]
             label = "num_heads / num_kv_heads" if name == "group" else name
             if isinstance(want, tuple) and not want[0] <= seen <= want[1]:

@@ -72,7 +72,8 @@ def read_common(ops: Operands):
     qk_scale = ops.scale * fx.Float32(ops.k_scale.load()) * LOG2E
     v_scale = fx.Float32(ops.v_scale.load())
     table_rsrc = buffer_rsrc(ops.block_table, fx.Int64(ops.num_requests) * fx.Int64(ops.max_blocks) * 4)
-    topk_rsrc = buffer_rsrc(ops.topk_indices, fx.Int64(ops.num_kv_heads) * fx.Int64(ops.num_tokens) * (TOPK * 4))
+    topk_rsrc = None if ops.topk_indices is None else \
+        buffer_rsrc(ops.topk_indices, fx.Int64(ops.num_kv_heads) * fx.Int64(ops.num_tokens) * (TOPK * 4))
     return layer_ok, layer_base, qk_scale, v_scale, table_rsrc, topk_rsrc
 
 
@@ -202,7 +203,8 @@ def finish(o_all, l_all, v_scale):
 
 
 def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_base,
-           slots_per_wave=SLOTS_PER_WAVE, split=None, workspace=None, num_splits=1, group=GROUP_HEADS):
+           slots_per_wave=SLOTS_PER_WAVE, split=None, workspace=None, num_splits=1, group=GROUP_HEADS,
+           first_block=None):
     """Attention of one token's 16 query heads of KV head `kv_head` over its selected blocks.
 
     req: the token's request (row of block_table); vis = pos + 1; row_ok: false for a padding
@@ -210,6 +212,9 @@ def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_bas
     Without `split`, the workgroup covers all 16 slots (4 per wave) and writes the output.
     With `split` (an Int32 in [0, num_splits)), it covers slots split·4·slots_per_wave + … and
     writes its partial (O, m, l) to `workspace` for sparse_decode's merge kernel.
+    With `first_block` (an Int32; full_attention.py) the slots' block ids are first_block + k for
+    slot k, not read from topk_indices (which may then be None): a part of a row's blocks as a
+    sparse row that selected exactly them; with `split` it writes the part's record.
     group: G, the query heads per KV head (16, or 8 for M3 at TP8). The MFMA's 16 columns stay
     16 wide: with G = 8, lanes 8..15 of each quarter-wave repeat heads 0..7 (same scores, never
     stored), and the waves that hold no head < G write through a 0-byte descriptor (nothing).
@@ -240,6 +245,9 @@ def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_bas
     ids, id_ok, pages = [], [], []
     for j in range_constexpr(slots_per_wave):
         k_slot = wave * slots_per_wave + j
+        if first_block is not None:
+            ids.append(first_block + k_slot)
+            continue
         if split is not None:
             k_slot = split * (NUM_WAVES * slots_per_wave) + k_slot
         ids.append(load_dwords(topk_rsrc, ((kv_head * ops.num_tokens + token) * TOPK + k_slot) * 4, 1))
@@ -354,7 +362,7 @@ def attend(ops: Operands, compute, io, token, kv_head, req, vis, row_ok, lds_bas
         out_off = ((token * num_heads + kv_head * group + head) * HEAD_DIM + d0) * io_bytes
         store_values(out_rsrc, out_off, finish(o_all, l_all, v_scale), io)
     else:
-        ws_bytes = fx.Int64(ops.num_tokens) * fx.Int64(ops.num_kv_heads) * (num_splits * PARTIAL_BYTES)
+        ws_bytes = fx.Int64(ops.num_tokens) * fx.Int64(ops.num_kv_heads) * fx.Int64(num_splits) * PARTIAL_BYTES
         ws_rsrc = buffer_rsrc(workspace, owned_bytes(owns, ws_bytes))
         record = ((token * ops.num_kv_heads + kv_head) * num_splits + split) * PARTIAL_BYTES
         store_values(ws_rsrc, record + (head * HEAD_DIM + d0) * 4, o_all, fx.Float32)

@@ -48,6 +48,10 @@ KERNELS = {
     "sparse_prefill_bf16": ("sparse_prefill", "compile_sparse_prefill", {"dtype": "bf16"}),
     "sparse_prefill_f16": ("sparse_prefill", "compile_sparse_prefill", {"dtype": "f16"}),
     "sparse_prefill_f32": ("sparse_prefill", "compile_sparse_prefill", {"dtype": "f32"}),
+    # full attention (SPEC §5.7): parts of 16 blocks and their merge
+    "full_attention_bf16": ("full_attention", "compile_full_attention", {"dtype": "bf16"}),
+    "full_attention_f16": ("full_attention", "compile_full_attention", {"dtype": "f16"}),
+    "full_attention_f32": ("full_attention", "compile_full_attention", {"dtype": "f32"}),
     # the indexer's block selection (SPEC §8): idx_q dtype × index-key dtype (fp8 = float8_e4m3fn)
     **{f"select_blocks_{q}_{k}": ("select_blocks", "compile_select_blocks", {"qdt": q, "kdt": k})
        for q in ("bf16", "f32") for k in ("bf16", "fp8")},
@@ -55,7 +59,7 @@ KERNELS = {
     **{f"{op}_g8_{dt}": (mod, f"compile_{mod}{sfx}", {"dtype": dt, "group": 8})
        for op, mod, sfx in (("sparse_decode", "sparse_decode", ""), ("sparse_decode_split", "sparse_decode", "_split"),
                             ("sparse_decode_union", "sparse_decode", "_union"),
-                            ("sparse_prefill", "sparse_prefill", ""))
+                            ("sparse_prefill", "sparse_prefill", ""), ("full_attention", "full_attention", ""))
        for dt in ("bf16", "f16", "f32")},
 }
 

@@ -3,6 +3,7 @@
 // dtypes, the gfx950 geometry D = 128, G = 16 or 8, K = 16, N = 128, 32-bit index limits), makes sure
 // the device is a gfx950 with the kernel's module loaded (device.cc), and calls the FlyDSL
 // entry point exported by ffi/flydsl/export.py on XLA's stream. Semantics: SPEC §2–§5, §7, §8.
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -23,6 +24,7 @@ constexpr int64_t kBlockSize = 128;  // N
 constexpr int64_t kPackTokensPerGroup = 4;   // pack_kv_pages: tokens per 64-lane workgroup
 constexpr int64_t kPositionsPerGroup = 64;   // query_token_positions: tokens per workgroup
 constexpr int64_t kI32Max = std::numeric_limits<int32_t>::max();
+constexpr int64_t kMaxGridYZ = 65535;        // a launch's grid y and z
 
 ffi::Error refuse(const char* target, const std::string& what) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(target) + ": " + what);
@@ -278,12 +280,90 @@ ffi::Error SparsePrefill(hipStream_t stream, int32_t device, ffi::AnyBuffer q, f
 }
 
 // ---------------------------------------------------------------------------------------------
+// m3sparse_full_attention_rocm (SPEC §5.7)
+// ---------------------------------------------------------------------------------------------
+constexpr const char* kFullTarget = "m3sparse_full_attention_rocm";
+// full_attention.py: a row's blocks in parts of 16 (the kernel's constant, not the part_blocks
+// attribute, which sizes the CUDA kernel's parts), one workgroup per (row, KV head, part) writing
+// its state to XLA scratch memory, then a merge per (row, KV head). The pair runs over chunks of rows
+// holding at most kFullMaxStates states (34 MB); a row's work is the same in any chunk.
+constexpr int64_t kFullPartBlocks = 16;
+constexpr int64_t kFullMaxStates = 4096;
+
+ffi::Error FullAttention(hipStream_t stream, int32_t device, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+                         ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> block_table,
+                         ffi::Buffer<ffi::S32> query_req_id, ffi::Buffer<ffi::S32> query_abs_pos,
+                         ffi::BufferR0<ffi::F32> k_scale, ffi::BufferR0<ffi::F32> v_scale,
+                         ffi::BufferR0<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Result<ffi::AnyBuffer> /*workspace: CUDA's; not written here*/, float scale,
+                         int64_t layout, int64_t /*part_blocks*/) {
+  AttendShape s;  // attend_shape's checks, without a selection
+  const auto bd = block_table.dimensions();
+  if (auto e = cache_geometry(kFullTarget, cache, layout, &s.geo); e.failure()) return e;
+  s.hkv = s.geo.num_slots / 2;
+  auto qd = q.dimensions();
+  if (qd.size() != 3 || qd[2] != kHeadDim)
+    return refuse(kFullTarget, "q must be [T, Hq, 128], got " + dims_text(qd));
+  if (qd[1] != kGroup * s.hkv && qd[1] != kGroupTp8 * s.hkv)
+    return refuse(kFullTarget, "gfx950 kernels need G = Hq/Hkv = 16 or 8, got Hq=" + std::to_string(qd[1]) +
+                                   ", Hkv=" + std::to_string(s.hkv));
+  s.group = qd[1] / s.hkv;
+  if (!is_float(q.element_type())) return refuse(kFullTarget, "q must be float32, bfloat16 or float16");
+  if (out->element_type() != q.element_type() || dims_text(out->dimensions()) != dims_text(qd))
+    return refuse(kFullTarget, "out must have q's dtype and shape");
+  if (bd.size() != 2) return refuse(kFullTarget, "block_table must be [R, M]");
+  s.tokens = qd[0];
+  s.requests = bd[0];
+  s.max_blocks = bd[1];
+  if (int64_t(query_req_id.element_count()) != s.tokens || int64_t(query_abs_pos.element_count()) != s.tokens)
+    return refuse(kFullTarget, "query_req_id and query_abs_pos must be [T]");
+  const int64_t parts = (s.max_blocks + kFullPartBlocks - 1) / kFullPartBlocks;
+  const int64_t io_bytes = float_bytes(q.element_type());
+  if (!fits_i32(s.tokens * qd[1] * kHeadDim * io_bytes) || !fits_i32(s.requests * s.max_blocks * 4) ||
+      !fits_i32(s.max_blocks * kBlockSize) || !fits_i32(s.hkv * parts * kPartialBytes) ||
+      parts > kMaxGridYZ || s.hkv > kMaxGridYZ)
+    return refuse(kFullTarget, "an operand is too large for the kernels' 32-bit indexing");
+  strides(s.geo, &s.page_stride, &s.layer_stride);
+  if (s.tokens == 0) return ffi::Error::Success();
+  if (parts == 0) {  // no block in any request (full.py returns zeros before binding; kept defined)
+    hipError_t err = hipMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
+    if (err != hipSuccess)
+      return ffi::Error(ffi::ErrorCode::kInternal,
+                        std::string(kFullTarget) + ": hipMemsetAsync failed: " + hipGetErrorString(err));
+    return ffi::Error::Success();
+  }
+  const int64_t chunk = std::max<int64_t>(1, kFullMaxStates / (s.hkv * parts));
+  const int64_t rows_max = std::min(chunk, s.tokens);
+  const int64_t ws_bytes = rows_max * s.hkv * parts * kPartialBytes;
+  std::optional<void*> workspace = scratch.Allocate(size_t(ws_bytes), 16);
+  if (!workspace.has_value())
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted, std::string(kFullTarget) +
+                                                              ": no scratch memory for the parts' states (" +
+                                                              std::to_string(ws_bytes) + " bytes)");
+  const auto v = M3SPARSE_GROUP_VARIANTS(full_attention, q.element_type(), s.group);
+  if (auto e = prepare_launch(kFullTarget, v.kernel, device); e.failure()) return e;
+  const int64_t row_bytes = qd[1] * kHeadDim * io_bytes;
+  auto* q_bytes = static_cast<char*>(q.untyped_data());
+  auto* out_bytes = static_cast<char*>(out->untyped_data());
+  for (int64_t t0 = 0; t0 < s.tokens; t0 += chunk) {
+    const int64_t rows = std::min(chunk, s.tokens - t0);
+    int32_t st = v.call(q_bytes + t0 * row_bytes, cache.untyped_data(), block_table.typed_data(),
+                        query_req_id.typed_data() + t0, query_abs_pos.typed_data() + t0, k_scale.typed_data(),
+                        v_scale.typed_data(), layer.typed_data(), out_bytes + t0 * row_bytes, *workspace,
+                        int32_t(rows), int32_t(s.hkv), int32_t(s.requests), int32_t(s.max_blocks),
+                        int32_t(s.geo.num_pages), int32_t(s.geo.num_layers), s.page_stride, s.layer_stride,
+                        int32_t(parts), scale, stream);
+    if (auto e = launch_status(kFullTarget, v.kernel, st); e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
 // m3sparse_select_blocks_rocm (SPEC §8)
 // ---------------------------------------------------------------------------------------------
 constexpr const char* kSelectTarget = "m3sparse_select_blocks_rocm";
 constexpr int64_t kIndexDim = 128;    // Di: the gfx950 kernel serves MiniMax M3's index geometry
 constexpr int64_t kRunTile = 64;      // select_blocks.py: rows whose runs one score workgroup serves
-constexpr int64_t kMaxGridYZ = 65535;
 
 // One entry point per (idx_q dtype, index-key dtype); all four have the same signature.
 using SelectCall = decltype(&select_blocks_bf16_bf16_call);
@@ -407,6 +487,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_sparse_prefill_rocm, m3sparse::rocm::Spar
                                   .Ret<ffi::AnyBuffer>()               // out
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("layout"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_full_attention_rocm, m3sparse::rocm::FullAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<hipStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()               // q
+                                  .Arg<ffi::AnyBuffer>()               // kv_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // block_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // query_req_id
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // query_abs_pos
+                                  .Arg<ffi::BufferR0<ffi::F32>>()      // k_scale
+                                  .Arg<ffi::BufferR0<ffi::F32>>()      // v_scale
+                                  .Arg<ffi::BufferR0<ffi::S32>>()      // layer
+                                  .Ret<ffi::AnyBuffer>()               // out
+                                  .Ret<ffi::AnyBuffer>()               // workspace (CUDA's; untouched)
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("layout")
+                                  .Attr<int64_t>("part_blocks"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_select_blocks_rocm, m3sparse::rocm::SelectBlocks,
                               ffi::Ffi::Bind()

@@ -12,6 +12,7 @@ XLA_FFI_Error* m3sparse_pack_kv_pages_rocm(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_query_token_positions_rocm(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_sparse_decode_rocm(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_sparse_prefill_rocm(XLA_FFI_CallFrame*);
+XLA_FFI_Error* m3sparse_full_attention_rocm(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_select_blocks_rocm(XLA_FFI_CallFrame*);
 }
 
@@ -29,6 +30,7 @@ NB_MODULE(_m3sparse_rocm, m) {
     d["m3sparse_query_token_positions_rocm"] = capsule(m3sparse_query_token_positions_rocm);
     d["m3sparse_sparse_decode_rocm"] = capsule(m3sparse_sparse_decode_rocm);
     d["m3sparse_sparse_prefill_rocm"] = capsule(m3sparse_sparse_prefill_rocm);
+    d["m3sparse_full_attention_rocm"] = capsule(m3sparse_full_attention_rocm);
     d["m3sparse_select_blocks_rocm"] = capsule(m3sparse_select_blocks_rocm);
     return d;
   });

@@ -26,7 +26,7 @@ def check_attention(q, kv_cache, topk_indices, block_table, layer, layout, scale
     _checks.rank(block_table, "block_table", 2, "[R, max_blocks]")
     _checks.dtype(block_table, "block_table", (jnp.int32,))
     num_kv_heads = num_slots // 2
-    topk_blocks = 1 if topk_indices is None else topk_indices.shape[2]  # full: no K
+    topk_blocks = None if topk_indices is None else topk_indices.shape[2]  # full: no K
     reason = unsupported_reason(q.shape[1], num_kv_heads, head_dim, topk_blocks, block_size)
     if reason:
         raise ValueError(reason)
@@ -40,7 +40,7 @@ def platform_reason(platform, q, kv_cache, topk_indices, *_, **__):
     """unsupported_reason for the platform being lowered for, from the operands' avals
     (plus the CUDA kernels' dtype limit: they take bf16/f16 q). ``topk_indices`` None: full
     attention (no K)."""
-    topk_blocks = 1 if topk_indices is None else topk_indices.shape[2]
+    topk_blocks = None if topk_indices is None else topk_indices.shape[2]
     reason = unsupported_reason(q.shape[1], kv_cache.shape[-3] // 2, q.shape[2], topk_blocks,
                                 kv_cache.shape[-2], platform)
     if reason is None and platform == "cuda" and q.dtype == jnp.float32:

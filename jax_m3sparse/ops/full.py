@@ -17,7 +17,9 @@ from jax_m3sparse.ops.prefill import sparse_prefill_p
 # fit _MAX_WORKSPACE_STATES states (34 MB), each part gets its own CTA and a merge folds them
 # (short batches at long context fill the GPU); beyond it each row's CTA folds its parts in turn.
 # Both give the same bits (ffi/cuda/attention.cu). The part size is one constant: a row's bits
-# depend on it, so it must not follow the batch.
+# depend on it, so it must not follow the batch. The gfx950 kernel (ffi/flydsl/full_attention.py)
+# has its own constant, parts of 16 blocks, and keeps its states in XLA scratch memory: on rocm the
+# workspace result is not written and `part_blocks` is not read.
 PART_BLOCKS = 32
 _STATE_FLOATS = 16 * 128 + 2 * 16
 _MAX_WORKSPACE_STATES = 4096
@@ -60,7 +62,7 @@ full_attention_p = define_primitive(
     attributes=lambda scale, layout, workspace_shape, part_blocks: {
         "scale": f32(scale), "layout": i64(layout), "part_blocks": i64(part_blocks)},
     platform_reason=_platform_reason,
-    native_platforms=("cuda",),
+    native_platforms=("cuda", "rocm"),
     lowerings={"cpu": _cpu_lowering},
     # KV heads: cache head slots (2h, 2h+1), q/out axis 1, the workspace axis 0.
     head_axes=HeadAxes(operands=(-2, -3, None, None, None, None, None, None),
@@ -78,7 +80,8 @@ def full_attention(q, kv_cache, block_table, query_req_id, query_abs_pos, k_scal
     ``SparseAttentionMetadata.token_rows()``.
 
     Args:
-      q: ``[T, Hq, D]`` float32/bfloat16/float16 (the cuda kernels: bfloat16/float16).
+      q: ``[T, Hq, D]`` float32/bfloat16/float16 (the cuda kernels: bfloat16/float16; the rocm
+        kernels: D = 128 and G = Hq / Hkv of 16 or 8).
       kv_cache: ``uint8`` NVFP4 cache, 4-D or 5-D (see :func:`pack_kv_pages`). Only read.
       block_table: ``int32[R, max_blocks]``; rows indexed by ``query_req_id``; entries outside
         ``[0, P)`` are skipped.
@@ -92,7 +95,9 @@ def full_attention(q, kv_cache, block_table, query_req_id, query_abs_pos, k_scal
       ``[T, Hq, D]`` in q's dtype (SPEC §5.5); rows with no attended key are exact zeros.
       CPU: the CPU attention kernels with every block selected; CUDA: a kernel splitting each
       row into parts of 32 blocks folded in a fixed order (bits independent of the batch);
-      rocm: the jnp reference (no gfx950 kernel yet). Inference-only (SPEC §7).
+      rocm (gfx950): FlyDSL kernels, parts of 16 blocks (bf16 products) folded in part order, bits
+      independent of the batch — run on an ISA emulator only, never on an AMD GPU.
+      Inference-only (SPEC §7).
 
     Raises:
       ValueError / TypeError at trace time, as :func:`sparse_prefill`.
@@ -117,7 +122,7 @@ def bind(q, kv_cache, block_table, query_req_id, query_abs_pos, k_scale, v_scale
     """The primitive on checked operands (``layer`` an int32 scalar, ``layout`` its code);
     returns ``out``. ``part_blocks`` and ``workspace`` (a workspace shape; ``(Hkv, 1)``: one CTA
     per row) choose the CUDA kernel's parts and launch shape — for the tests and benchmarks that
-    compare them; the bits depend on ``part_blocks`` only."""
+    compare them; the bits depend on ``part_blocks`` only. The rocm kernel ignores both."""
     shape = workspace or workspace_shape(q.shape[0], kv_cache.shape[-3] // 2,
                                          block_table.shape[1], part_blocks)
     return full_attention_p.bind(q, kv_cache, block_table, query_req_id, query_abs_pos, k_scale,

@@ -6,7 +6,7 @@ The same inputs go through the CPU backend (fp32 compute) and the gfx950 kernels
 * pack_kv_pages: the whole cache, byte for byte (SPEC §2.2 is bit-exact), 4-D and 5-D, with
   NaN/Inf groups, padding and out-of-range slots, a layer out of range;
 * query_token_positions: exactly;
-* sparse_decode (bf16 MFMA) / sparse_prefill (fp16 MFMA): SPEC §6 GPU bars against the CPU result
+* sparse_decode (bf16 MFMA) / sparse_prefill (fp16 MFMA) / full_attention (bf16): SPEC §6 GPU bars against the CPU result
   (cosine >= 0.99, relative Frobenius error <= 0.06), exact zeros wherever the CPU gives a row of
   zeros (nothing attended, padding, bad layer), no NaN leaking from poisoned page tails.
 
@@ -232,6 +232,28 @@ def test_sparse_prefill_matches_cpu(gpu, cpu, rng, dtype):
         outs.append(fn(*args))
     check_attention(outs[0], outs[1])
     assert np.all(np.asarray(outs[0], np.float32)[-6:] == 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_full_attention_matches_cpu(gpu, cpu, rng, dtype):
+    """SPEC §5.7: prefill and decode rows over every visible block (up to 5000 keys: 3 parts of 16
+    blocks), padding rows (request -1 or R, position -1), a -1 inside a row's blocks; a row alone
+    gives the bits it has in the batch."""
+    seq_lens = np.asarray([5000, 300, 2049], np.int32)
+    cache, table, M = attention_problem(rng, seq_lens, dtype)
+    table[0, 5] = -1
+    req = np.concatenate([np.full(20, 0), np.full(3, 1), np.full(1, 2), [-1, 3, 0]]).astype(np.int32)
+    pos = np.concatenate([np.arange(4980, 5000), np.arange(297, 300), [2048], [7, 7, -1]]).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((len(req), HKV * G, D)).astype(np.float32), dtype)
+    fn = jax.jit(lambda *a: m3.full_attention(*a, jnp.float32(0.5), jnp.float32(0.25)))
+    outs = [fn(*on(dev, q, jnp.asarray(cache), jnp.asarray(table), jnp.asarray(req), jnp.asarray(pos)))
+            for dev in (gpu, cpu)]
+    check_attention(outs[0], outs[1])
+    assert np.all(np.asarray(outs[0], np.float32)[-3:] == 0)
+    for t in (0, 21, 23):
+        one = fn(*on(gpu, q[t:t + 1], jnp.asarray(cache), jnp.asarray(table), jnp.asarray(req[t:t + 1]),
+                     jnp.asarray(pos[t:t + 1])))
+        assert np.array_equal(np.asarray(one), np.asarray(outs[0])[t:t + 1]), f"row {t}"
 
 
 @pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])

@@ -305,6 +305,102 @@ def test_union_row_bits_do_not_depend_on_tile_mates(gpu, rng):
         assert np.array_equal(one.view(np.uint16), full[rows].view(np.uint16)), f"decode request {r}"
 
 
+# ---- full attention (SPEC §5.7): parts of 16 blocks folded in part order -----------------------
+def full_problem(rng, G, dtype, hkv, q_lens, kv_lens, layout=None, layer=0):
+    """Prefill rows of `q_lens` tokens per request plus 3 padding rows (request -1, request R, position
+    -1); invalid block_table entries inside request 0's visible blocks (-1, INT32_MIN, P) beside the
+    tail entries (-1, and P from `poison`)."""
+    num_layers = None if layout is None else 3
+    p = poison(prefill_problem(rng, hkv, G, q_lens, kv_lens, pad=3, dtype=dtype, extra_pages=1,
+                               num_layers=num_layers, layout=layout or "LBHNC", layer=min(layer, 2),
+                               fill_layers=False), layout)
+    p.req[-3:], p.pos[-3:] = [-1, len(kv_lens), 0], [5, 5, -1]
+    P = emu_launch.Geometry.of(p.cache, layout).num_pages
+    for b, bad in ((3, -1), (17, INT32_MIN), (20, P)):
+        if b < -(-kv_lens[0] // 128) - 1:
+            p.block_table[0, b] = bad
+    return p
+
+
+def cpu_full(p, layer=0, layout=None):
+    kw = {} if layout is None else dict(layout=layout, layer=jnp.int32(layer))
+    return np.asarray(m3.full_attention(jnp.asarray(p.q), p.cache, p.block_table, p.req, p.pos, p.k_scale,
+                                        p.v_scale, scale=SCALE, **kw), np.float64)
+
+
+def full_parts(p):
+    """Each row's parts of 16 blocks holding a key at or before its position (0 for padding)."""
+    R, M = p.block_table.shape
+    return [0 if not (0 <= r < R and pos >= 0) else min(pos // 2048 + 1, -(-M // 16)) for r, pos in zip(p.req, p.pos)]
+
+
+FULL_CASES = [      # (G, dtype, hkv, q_lens, kv_lens, layout, layer): together every full_attention module
+    (16, jnp.bfloat16, 1, (2, 1), (5200, 300), None, 0),     # 41 blocks: 3 parts, the last partial
+    (16, jnp.float16, 2, (1,), (2100,), "BLHNC", 1),         # 17 blocks: part 1 holds one
+    (16, jnp.float32, 1, (1, 1), (129, 3000), "LBHNC", 2),
+    (16, jnp.bfloat16, 1, (1,), (300,), "LBHNC", 5),         # layer out of range: zeros
+    (8, jnp.bfloat16, 2, (2,), (4200,), None, 0),
+    (8, jnp.float16, 1, (1, 2), (700, 2049), "LBHNC", 1),    # position 2048: the first key of part 1
+    (8, jnp.float32, 1, (1,), (4500,), None, 0),
+]
+
+
+@pytest.mark.parametrize("G,dtype,hkv,q_lens,kv_lens,layout,layer", FULL_CASES)
+def test_full_attention(gpu, rng, G, dtype, hkv, q_lens, kv_lens, layout, layer):
+    p = full_problem(rng, G, dtype, hkv, q_lens, kv_lens, layout, layer)
+    want = cpu_full(p, layer, layout)
+    q = np.asarray(p.q)
+    got, sec = timed(gpu.full_attention, q, p.cache, p.block_table, p.req, p.pos, p.k_scale, p.v_scale, layer,
+                     SCALE, layout=layout, group=G)
+    kernel = f"full_attention{'_g8' if G == 8 else ''}_{emu_launch.io_name(q.dtype)}"
+    parts = max(full_parts(p))
+    case = f"Hkv={hkv} q={q_lens} kv={kv_lens} ({parts} parts) pad=3 {layout or '4-D'}" + \
+        (f" layer {layer}" if layout else "")
+    check_attention(kernel, case, got, want, sec)
+    assert (got[-3:] == 0).all(), "padding rows are exact zeros"
+    if layout is not None and layer >= 3:
+        assert (got == 0).all()
+
+
+@pytest.mark.parametrize("G", [16, 8])
+def test_full_attention_row_bits_do_not_depend_on_the_batch(gpu, rng, G):
+    """A row alone (T = 1) and inside the batch, and the batch launched in chunks of 2 rows (the
+    handler's chunking, with a bound of 2·parts states): the same bits."""
+    p = full_problem(rng, G, jnp.bfloat16, 1, (2, 1), (2500, 300))
+    q = np.asarray(p.q)
+    args = (p.cache, p.block_table)
+    full = gpu.full_attention(q, *args, p.req, p.pos, p.k_scale, p.v_scale, 0, SCALE, group=G)
+    parts = -(-p.block_table.shape[1] // 16)
+    chunked = gpu.full_attention(q, *args, p.req, p.pos, p.k_scale, p.v_scale, 0, SCALE, group=G,
+                                 max_states=2 * parts)
+    assert np.array_equal(chunked.view(np.uint16), full.view(np.uint16))
+    for t in (0, 1, 2):
+        one = gpu.full_attention(q[t:t + 1], *args, p.req[t:t + 1], p.pos[t:t + 1], p.k_scale, p.v_scale, 0, SCALE,
+                                 group=G)
+        assert np.array_equal(one.view(np.uint16), full[t:t + 1].view(np.uint16)), f"G {G} row {t}"
+
+
+def test_full_attention_reads_each_rows_pages_once_per_kv_head(gpu, rng):
+    """Counted on the emulator (emu_traffic): K/V bytes read = for each row and KV head, its visible
+    blocks with a valid page once (18432 bytes each: K and V tiles); a decode row (one row per
+    request) reads its request's visible pages once per KV head. Parts past a row's position and
+    padding rows issue nothing: 1024 MFMAs (4 waves × 4 blocks × 64) per (row, KV head, visible part)."""
+    from tools.rocm import emu_traffic
+    p = full_problem(rng, 16, jnp.bfloat16, 2, (1, 1, 1, 3), (5200, 300, 1, 2200))
+    R, M = p.block_table.shape
+    P = emu_launch.Geometry.of(p.cache, None).num_pages
+    hkv = p.cache.shape[-3] // 2
+    blocks = [0 if not (0 <= r < R and pos >= 0) else
+              sum(0 <= p.block_table[r, b] < P for b in range(min(pos // 128 + 1, M))) for r, pos in zip(p.req, p.pos)]
+    q = np.asarray(p.q)
+    with emu_traffic.counting({"kv_cache": p.cache, "q": q}) as c:
+        gpu.full_attention(q, p.cache, p.block_table, p.req, p.pos, p.k_scale, p.v_scale, 0, SCALE)
+    assert c.read["kv_cache"] == hkv * sum(blocks) * 18432
+    assert c.mfma == 1024 * hkv * sum(full_parts(p))
+    RESULTS.append(("full_attention_bf16", f"traffic T={len(p.req)} Hkv={hkv}",
+                    f"K/V {hkv * sum(blocks)} blocks = each row's visible valid blocks once per KV head", 0.0))
+
+
 # ---- select_blocks (SPEC §8): the indexer's block selection --------------------------------------
 def brute_select(q, keys, bt, req, pos, layer, K, local):
     """SPEC §8 written out row by row in float64 (exact for the small-integer data used here)."""

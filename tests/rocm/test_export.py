@@ -48,6 +48,7 @@ EXPECTED = {
     ],
 }
 EXPECTED["sparse_decode_split"] = EXPECTED["sparse_decode"]
+EXPECTED["full_attention"] = EXPECTED["sparse_decode"]     # the per-token decode body over parts of 16 blocks
 EXPECTED["sparse_decode_union"] = [m for m in EXPECTED["sparse_decode"] if m != "ds_read_b64"] + \
     ["ds_read2_b64", "ds_read_b128", "s_barrier", "s_bcnt1_i32_b32"]
 FORBIDDEN = {
@@ -55,6 +56,7 @@ FORBIDDEN = {
     "sparse_decode_split": ["v_mfma_f32_16x16x32_f16"],
     "sparse_decode_union": ["v_mfma_f32_16x16x32_f16"],
     "sparse_prefill": ["v_mfma_f32_16x16x32_bf16"],
+    "full_attention": ["v_mfma_f32_16x16x32_f16"],
     # fp32 products of exactly widened operands: no bf16/fp16 MFMA, no LDS staging
     "select_blocks": ["v_mfma_f32_16x16x32_bf16", "v_mfma_f32_16x16x32_f16", "ds_write_b32", "ds_read_b32"],
 }
@@ -124,6 +126,10 @@ def test_attention_mfma_counts(exported):
             assert exported[name].count("v_mfma_f32_16x16x32_bf16") == union, name
         if fam == "sparse_decode_split":   # one slot per wave; the merge kernel has none
             assert exported[name].count("v_mfma_f32_16x16x32_bf16") == ATTENTION_MFMAS // 4, name
+        if fam == "full_attention":        # a part: 4 blocks per wave, as the decode; the merge has none
+            assert exported[name].count("v_mfma_f32_16x16x32_bf16") == ATTENTION_MFMAS, name
+            assert sorted(exported[name].resources) == ["full_attention_merge_kernel_1",
+                                                        "full_attention_part_kernel_0"], name
 
 
 def test_select_blocks_dot_is_one_fma_chain(exported):
@@ -183,7 +189,7 @@ def test_resources(exported):
             assert res["wavefront_size"] == 64, where
             waves = elf_tools.waves_per_simd(res["vgpr"], res["agpr"], res["lds_bytes"],
                                              res["max_flat_workgroup_size"])
-            if family(name) in ("sparse_decode", "sparse_decode_split"):
+            if family(name) in ("sparse_decode", "sparse_decode_split", "full_attention"):
                 assert waves >= 2, f"{where}: {res} allows {waves} waves/SIMD"
                 assert res["lds_bytes"] <= 80 * 1024, where
             elif family(name) == "select_blocks":

@@ -63,6 +63,29 @@ def test_sparse_prefill_lowers_to_rocm_target():
     assert operand_count(calls[0]) == 9
 
 
+@pytest.mark.parametrize("group", [16, 8])
+def test_full_attention_lowers_to_rocm_target(group):
+    """The gfx950 kernels serve full attention (SPEC §5.7): no top-k list, so no K to refuse."""
+    args = (spec((T, HKV * group, D), jnp.bfloat16), spec((L, P, 2 * HKV, 128, 72), jnp.uint8),
+            spec((R, M), jnp.int32), spec((T,), jnp.int32), spec((T,), jnp.int32), spec((), jnp.float32),
+            spec((), jnp.float32), spec((), jnp.int32))
+
+    def fn(q, c, bt, req, pos, ks, vs, layer):
+        return m3.full_attention(q, c, bt, req, pos, ks, vs, layer=layer, layout="BLHNC")
+
+    calls = custom_calls(lowered(fn, *args))
+    assert len(calls) == 1 and "@m3sparse_full_attention_rocm" in calls[0]
+    assert operand_count(calls[0]) == 8
+    assert "layout = 1 : i64" in calls[0] and "part_blocks = 32 : i64" in calls[0]
+
+
+def test_full_attention_rocm_refuses_other_geometry():
+    args = (spec((T, HKV * 4, D), jnp.bfloat16), spec((P, 2 * HKV, 128, 72), jnp.uint8), spec((R, M), jnp.int32),
+            spec((T,), jnp.int32), spec((T,), jnp.int32), spec((), jnp.float32), spec((), jnp.float32))
+    with pytest.raises(ValueError, match=r"num_heads / num_kv_heads must be one of \[8, 16\] \(got 4\)"):
+        lowered(lambda *a: m3.full_attention(*a), *args)
+
+
 def test_pack_lowers_with_cache_aliasing():
     args = (spec((P, 2 * HKV, 128, 72), jnp.uint8), spec((T, HKV, D), jnp.bfloat16),
             spec((T, HKV, D), jnp.bfloat16), spec((T,), jnp.int32), spec((), jnp.float32),

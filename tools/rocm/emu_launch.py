@@ -225,6 +225,7 @@ def launch(kernel: GpuKernel, grid, block, args) -> None:
 D, N, TOKEN_BYTES = 128, 128, 72          # head_dim, block_size, bytes per token and head slot
 SPLIT_BELOW_PAIRS, SPLITS, PARTIAL_BYTES = 256, 4, 16 * 128 * 4 + 16 * 8
 UNION_THREADS = 512                         # union_tile.py's THREADS
+FULL_PART_BLOCKS, FULL_MAX_STATES = 16, 4096    # full_attention.py's parts; handlers.cc's chunk bound
 
 
 def union_tile_rows(group: int) -> int:
@@ -388,4 +389,35 @@ class Handlers:
                [q, cache, topk.astype(np.int32), block_table.astype(np.int32), query_req_id.astype(np.int32),
                 query_abs_pos.astype(np.int32), scalar(k_scale, np.float32), scalar(v_scale, np.float32),
                 scalar(layer, np.int32), out] + sizes + [f32(scale)])
+        return out
+
+    def full_attention(self, q, cache, block_table, query_req_id, query_abs_pos, k_scale, v_scale, layer,
+                       scale, layout=None, group=16, max_states=FULL_MAX_STATES):
+        """m3sparse_full_attention_rocm (SPEC §5.7; ffi/flydsl/full_attention.py): per chunk of rows
+        (at most `max_states` (row, KV head, part) records), the part kernel over (rows, Hkv, parts)
+        and the merge over (rows, Hkv), on the chunk's slices of q, out and the metadata."""
+        out = np.full(q.shape, np.nan, q.dtype)
+        geo, sizes = self._attend_args(q, cache, block_table, layout)
+        tokens, max_blocks = q.shape[0], block_table.shape[1]
+        parts = -(-max_blocks // FULL_PART_BLOCKS)
+        if tokens == 0 or parts == 0:
+            return np.zeros_like(q) if tokens else out
+        g = "" if group == 16 else f"g{group}_"
+        part_kernel, merge = self._kernels(f"full_attention_{g}{io_name(q.dtype)}")
+        req, pos = query_req_id.astype(np.int32), query_abs_pos.astype(np.int32)
+        table = block_table.astype(np.int32)
+        common = [scalar(k_scale, np.float32), scalar(v_scale, np.float32), scalar(layer, np.int32)]
+        chunk = max(1, max_states // (geo.hkv * parts))
+        for t0 in range(0, tokens, chunk):
+            rows = min(chunk, tokens - t0)
+            # garbage (NaN bytes) in the workspace: the merge must read only what the parts wrote
+            ws = np.full(rows * geo.hkv * parts * PARTIAL_BYTES // 4, np.nan, np.float32)
+            view = out[t0:t0 + rows]
+            sizes[0] = i32(rows)
+            launch(part_kernel, (rows, geo.hkv, parts), (256, 1, 1),
+                   [q[t0:t0 + rows], cache, table, req[t0:t0 + rows], pos[t0:t0 + rows], *common, view, ws]
+                   + sizes + [i32(parts), f32(scale)])
+            launch(merge, (rows, geo.hkv, 1), (256, 1, 1),
+                   [req[t0:t0 + rows], pos[t0:t0 + rows], common[1], view, ws, i32(rows), i32(geo.hkv),
+                    i32(block_table.shape[0]), i32(parts)])
         return out
