@@ -10,7 +10,8 @@
 // takes pieces c, c + #clusters, ...): the CTAs of a cluster split the piece's blocks (CTA j takes
 // blocks b ≡ j mod 8, its warp w those with b / 8 ≡ w mod 8), so one request and 128 requests
 // both spread over the whole GPU, and the block scores of a piece stay in the cluster's shared
-// memory (distributed shared memory), never in global memory.
+// memory (distributed shared memory), never in global memory. A piece of fewer blocks than the
+// cluster's 64 warps (short context: 16 blocks at 2k) splits each block over S warps (step 3).
 //   1. Every CTA lists the cluster's pieces itself (a block-wide scan over query_req_id; no host
 //      sync, no pre-pass kernel): the piece starts are the q-rows where a run starts or a
 //      multiple of rows_per_piece falls.
@@ -31,6 +32,14 @@
 //      Keys past a row's position are masked by a select to −inf, a NaN dot product is dropped by
 //      fmaxf, and the block maximum is kept per lane and reduced over the lanes at the block end:
 //      the scores [block slot][row] land in the CTA's shared memory.
+//      Split: S warps per block, S the largest power of two <= 8 with S · ceil(nb / 8) <= 8 (a
+//      CTA's blocks fit its warps) and S <= the block's units, chosen per piece from its block
+//      count nb (the same for all its blocks). Warp w takes block slot w / S and units w % S,
+//      w % S + S, ... of it (a unit count that is no multiple of S leaves some warps one unit
+//      fewer), reduces them to its partial maxima [warp][row] in shared memory (an invalid page:
+//      −inf), and after a CTA barrier the block's score is the fmaxf of its S parts. A max is
+//      exact in any order, so the ids do not depend on S (−0 and +0 tie in step 4; no part is
+//      NaN); S = 1 is the loop above, one warp per block.
 //   4. Cluster barrier; then every row is finished by one warp of the cluster (reading the
 //      scores through distributed shared memory): its local blocks first in ascending id, then
 //      rounds of warp argmax over the other candidates with a finite score, order (score desc,
@@ -68,7 +77,7 @@ struct SelectLayout {
   int parts;            // q parts: 1 (bf16 q) or 3 (fp32 q)
   int slots;            // ceil(M / kCluster): block slots per CTA
   int piece_cap;        // pieces per cluster at most
-  int q_bytes, pos_off, score_off, piece_off, total;
+  int q_bytes, pos_off, part_off, score_off, piece_off, total;
 };
 
 __host__ __device__ inline SelectLayout make_layout(int rows_per_piece, int parts, int head_dim,
@@ -80,7 +89,8 @@ __host__ __device__ inline SelectLayout make_layout(int rows_per_piece, int part
   l.piece_cap = piece_cap;
   l.q_bytes = rows_per_piece * parts * head_dim * 2;
   l.pos_off = l.q_bytes;
-  l.score_off = l.pos_off + rows_per_piece * 4;
+  l.part_off = l.pos_off + rows_per_piece * 4;   // split blocks: the warps' partial maxima
+  l.score_off = l.part_off + kWarpsSel * rows_per_piece * 4;
   l.piece_off = l.score_off + l.slots * rows_per_piece * 4;
   l.total = l.piece_off + 2 * piece_cap * 4;
   return l;
@@ -451,6 +461,13 @@ struct BlockList {
   int32_t first, step, nb, k0;  // block ids < M <= 2^20 (select_unsupported)
   uint32_t mask;
   int32_t page_lane;
+  bool split;                   // split blocks: each warp scores its part of one block
+
+  // where block b's scores (or, split, this warp's part of them: the parts [warp][rp] lie just
+  // below the scores) go: [rp] floats
+  __device__ __forceinline__ float* dst(float* s_score, int32_t b, int rp) const {
+    return s_score + (split ? int(threadIdx.x >> 5) - kWarpsSel : b / kCluster) * rp;
+  }
 
   __device__ __forceinline__ void load_chunk(const SelectParams& p, const int32_t* table,
                                              float* s_score, int rp, int lane) {
@@ -460,8 +477,10 @@ struct BlockList {
     if (b < nb) {
       pg = table[b];
       ok = pg >= 0 && int64_t(pg) < p.num_pages;
-      if (!ok)
-        for (int i = 0; i < rp; ++i) s_score[(b / kCluster) * rp + i] = kNegInf;
+      if (!ok) {
+        float* d = dst(s_score, b, rp);
+        for (int i = 0; i < rp; ++i) d[i] = kNegInf;
+      }
     }
     page_lane = pg;
     mask = __ballot_sync(0xffffffffu, ok);
@@ -485,6 +504,16 @@ struct BlockList {
   }
 };
 
+// Warps per block of a piece of nb blocks: the largest power of two s <= 8 that keeps
+// s · ceil(nb / 8) (a CTA's blocks) within its 8 warps and s within a block's units. The same
+// for every block of the piece; a block's score is a max, so the split never changes a bit.
+__device__ __forceinline__ int split_for(int64_t nb, int units) {
+  const int64_t per_cta = (nb + kCluster - 1) / kCluster;
+  int s = 1;
+  while (2 * s <= kWarpsSel && 2 * s * per_cta <= kWarpsSel && 2 * s <= units) s *= 2;
+  return s;
+}
+
 // ---- the kernel
 
 template <int DI, bool FP8, int PARTS>
@@ -494,6 +523,7 @@ __global__ void __launch_bounds__(kThreadsSel, 2)
   uint4* s_q = reinterpret_cast<uint4*>(smem);
   int* s_pos = reinterpret_cast<int*>(smem + l.pos_off);
   float* s_score = reinterpret_cast<float*>(smem + l.score_off);
+  float* s_part = reinterpret_cast<float*>(smem + l.part_off);   // [warp][row]
   int32_t* s_start = reinterpret_cast<int32_t*>(smem + l.piece_off);
   int32_t* s_end = s_start + l.piece_cap;
   __shared__ int s_wmax[2];
@@ -531,28 +561,33 @@ __global__ void __launch_bounds__(kThreadsSel, 2)
     const int64_t nb = (maxpos < 0 || M == 0) ? 0 : min(int64_t(maxpos) / N, M - 1) + 1;
     const int32_t* table = p.block_table + (live ? r : 0) * M;
 
-    // 3. this warp's blocks b = rank + 8·(warp + 8·k), their pages checked before any load
-    BlockList bl{rank + kCluster * warp, kCluster * kWarpsSel, int32_t(nb), 0, 0u, -1};
+    // 3. split S warps per block: warp w streams units w % S, w % S + S, ... of the blocks
+    //    b = rank + 8·(w / S + (8 / S)·k), their pages checked before any load
+    const int S = split_for(nb, units), G = kWarpsSel / S, sub = warp % S;
+    BlockList bl{rank + kCluster * (warp / S), kCluster * G, int32_t(nb), 0, 0u, -1, S > 1};
     if (bl.first < nb) bl.load_chunk(p, table, s_score, rp, lane);
     int32_t b = 0, page = 0, b_next = 0, page_next = 0;
     bool have = bl.first < nb && bl.next(p, table, s_score, rp, lane, &b, &page);
     uint4 raw_next[U::kLoads];
-    if (have) U::load(raw_next, keys + int64_t(page) * page_bytes, lane);
+    if (have) U::load(raw_next, keys + int64_t(page) * page_bytes + sub * U::kBytes, lane);
     while (have) {
       const bool have_next = bl.next(p, table, s_score, rp, lane, &b_next, &page_next);
       float run[kMaxTiles][2];
 #pragma unroll
       for (int n = 0; n < kMaxTiles; ++n) run[n][0] = run[n][1] = kNegInf;
       const uint8_t* block = keys + int64_t(page) * page_bytes;
-      for (int un = 0; un < units; ++un) {
+      for (int un = sub; un < units; un += S) {
         uint4 raw[U::kLoads];
 #pragma unroll
         for (int i = 0; i < U::kLoads; ++i) raw[i] = raw_next[i];
-        if (un + 1 < units) U::load(raw_next, block + (un + 1) * U::kBytes, lane);
-        else if (have_next) U::load(raw_next, keys + int64_t(page_next) * page_bytes, lane);
+        const bool more = un + S < units;
+        const uint8_t* src = more ? block + (un + S) * U::kBytes
+                                  : keys + int64_t(page_next) * page_bytes + sub * U::kBytes;
+        if (more || have_next) U::load(raw_next, src, lane);
         score_unit<DI, FP8, PARTS>(raw, s_q, s_pos, nt, int64_t(un) * U::kKeys, int64_t(b) * N, lane, run);
       }
-      // the block maximum over the lanes of a column (the 8 lanes g = 0..7 of each t)
+      // the block's (or this warp's part's) maximum over the lanes of a column (the 8 lanes
+      // g = 0..7 of each t)
 #pragma unroll
       for (int n = 0; n < kMaxTiles; ++n)
 #pragma unroll
@@ -561,17 +596,28 @@ __global__ void __launch_bounds__(kThreadsSel, 2)
           for (int o = 4; o < 32; o <<= 1)
             run[n][e] = fmaxf(run[n][e], __shfl_xor_sync(0xffffffffu, run[n][e], o));
       if (lane < 4) {
+        float* d = bl.dst(s_score, b, rp);
 #pragma unroll
         for (int n = 0; n < kMaxTiles; ++n)
           if (n * 8 < rp) {
-            float* dst = s_score + (b / kCluster) * rp + n * 8 + 2 * lane;
-            dst[0] = run[n][0];
-            dst[1] = run[n][1];
+            d[n * 8 + 2 * lane] = run[n][0];
+            d[n * 8 + 2 * lane + 1] = run[n][1];
           }
       }
       have = have_next;
       b = b_next;
       page = page_next;
+    }
+    if (S > 1) {  // a block's score: the max of its S warps' parts (exact, any order)
+      __syncthreads();
+      for (int i = tid; i < G * rp; i += kThreadsSel) {
+        const int j = i / rp, row = i % rp;
+        if (rank + kCluster * j >= nb) continue;
+        const float* src = s_part + j * S * rp + row;
+        float m = src[0];
+        for (int k = 1; k < S; ++k) m = fmaxf(m, src[k * rp]);
+        s_score[j * rp + row] = m;
+      }
     }
 
     // 4. every row's ids, by one warp of the cluster each

@@ -349,18 +349,25 @@ __global__ void fill_random(uint8_t* p, uint64_t n, bool fp8) {
   }
 }
 
-// microseconds per launch: a CUDA graph of n launches, median of reps replays
-static double time_graph(const SelectParams& p, int n = 20, int reps = 7) {
-  return time_graph([&](int, cudaStream_t s) { CK(launch_select_blocks(p, s)); }, 1, n, reps, 2);
+// microseconds per launch: a CUDA graph of n launches (launch i on block table i % nvar of
+// `tables`, each `stride` entries), median of reps replays
+static double time_graph(SelectParams p, int32_t* tables, int64_t stride, int nvar, int n = 20,
+                         int reps = 7) {
+  return time_graph([&](int v, cudaStream_t s) {
+    p.block_table = tables + v * stride;
+    CK(launch_select_blocks(p, s));
+  }, nvar, n, reps, 2);
 }
 
 static uint8_t* g_pool = nullptr;
 static uint64_t g_pool_bytes = 0;
 
 // rows: `nreq` requests of `dql` rows each (or one prefill chunk of `chunk` tokens) at context
-// `ctx`; pages scattered over a pool of `pages` pages.
+// `ctx`; pages scattered over a pool of `pages` pages. nvar > 1: cold keys, as in a model step
+// (where each layer reads other keys): nvar block tables of distinct pages, one per launch of
+// the graph, so a replay reads nvar times the keys (more than the L2 holds).
 static void bench(std::mt19937& rng, const char* label, int nreq, int dql, int chunk, int64_t ctx,
-                  int Hkv, bool fp8, bool q_f32, int64_t pages, double copy_tbs) {
+                  int Hkv, bool fp8, bool q_f32, int64_t pages, double copy_tbs, int nvar = 1) {
   const int64_t N = 128, Di = 128, esz = fp8 ? 1 : 2, page_bytes = N * Di * esz;
   if (uint64_t(pages * page_bytes) > g_pool_bytes) {
     printf("TABLE %s: skipped (pool of %lld pages does not fit)\n", label, (long long)pages);
@@ -368,7 +375,7 @@ static void bench(std::mt19937& rng, const char* label, int nreq, int dql, int c
   }
   const int64_t M = (ctx + N - 1) / N;
   const int R = nreq;
-  std::vector<int32_t> table(size_t(R) * M), req, pos;
+  std::vector<int32_t> table(size_t(nvar) * R * M), req, pos;
   // distinct random pages (a permutation prefix when they fit)
   std::vector<int32_t> perm(pages);
   std::iota(perm.begin(), perm.end(), 0);
@@ -421,7 +428,8 @@ static void bench(std::mt19937& rng, const char* label, int nreq, int dql, int c
   p.local_blocks = 1;
   p.q_dtype = q_f32 ? DType::kF32 : DType::kBF16;
   p.key_fp8 = fp8;
-  const double us = time_graph(p);
+  const double us = nvar > 1 ? time_graph(p, static_cast<int32_t*>(dt), int64_t(R) * M, nvar, nvar)
+                             : time_graph(p, static_cast<int32_t*>(dt), 0, 1);
   // bytes: each request's visible keys once; flops: every (row, visible key) dot product
   double bytes = 0, flops = 0;
   for (int r = 0; r < R; ++r) bytes += double(std::min<int64_t>(ctx, M * N)) * Di * esz;
@@ -560,6 +568,76 @@ int main(int argc, char** argv) {
         test_case(std::string("exact ties and NaN keys, ") + (fp8 ? "fp8" : "bf16"), c, true);
       }
     }
+    {  // split blocks: pieces of few blocks spread a block's units over 2, 4 or 8 warps (the
+       // max of the warps' parts); block counts 1..40 (S = 8, 4, 2, 1 and CTAs with fewer
+       // blocks than others), N = 96 (6 bf16 / 3 fp8 units: not a multiple of the split)
+      std::mt19937 r2(13);
+      for (int64_t N : {128, 96})
+        for (int fp8 = 0; fp8 < 2; ++fp8) {
+          Spec s;
+          s.N = N;
+          s.fp8 = fp8;
+          s.q_f32 = N == 96;
+          s.Hkv = 2;
+          s.K = 8;
+          for (int64_t nb : {1, 3, 5, 8, 9, 11, 13, 16, 17, 27, 33, 40}) {
+            s.ctx.push_back(nb * N - int64_t(r2() % 20));
+            s.rows.push_back(decode_rows(s.ctx.back(), nb % 3 == 0 ? 3 : 1));
+          }
+          Case c = build(r2, s);
+          const std::string tag = std::string(fp8 ? "fp8" : "bf16") + " N=" + std::to_string(N);
+          test_case("split blocks (1..40 blocks), exact, " + tag, c, true);
+          // invalid pages (request 2's block 1; request 5's local block) and NaN keys (one key
+          // of request 7's block 4; one dim of every key of request 9's block 2) in split pieces
+          c.table[2 * c.M + 1] = -1;
+          c.table[5 * c.M + 10] = int32_t(c.P);
+          auto key0 = [&](int r, int b) { return int64_t(c.table[r * c.M + b]) * c.N * c.Di; };
+          set_key(c, key0(7, 4) + 37 * c.Di + 9, NAN);
+          for (int64_t o = 0; o < c.N; ++o) set_key(c, key0(9, 2) + o * c.Di + 1, NAN);
+          test_case("split blocks, invalid pages and NaN keys, " + tag, c, true);
+        }
+    }
+    {  // the split never changes a bit: a row alone in its piece (1..33 blocks, S = 8..1) and
+       // the same row next to a later row of its request (47 blocks: S = 1); random data
+      std::mt19937 r2(17);
+      for (int v = 0; v < 3; ++v) {
+        Spec s;
+        s.exact = false;
+        s.fp8 = v == 1;
+        s.q_f32 = v == 2;
+        s.Hkv = 2;
+        for (int32_t p : {60, 500, 1000, 1500, 1900, 2100, 3000, 4100}) {
+          s.ctx.push_back(6000);
+          s.rows.push_back({p});
+        }
+        const Case c = build(r2, s);
+        Case w = c;  // token t -> tokens 2t (the same row) and 2t + 1 (position 5999)
+        w.req.clear();
+        w.pos.clear();
+        w.q.clear();
+        std::normal_distribution<float> nd;
+        for (int64_t t = 0; t < c.T; ++t) {
+          for (int e = 0; e < 2; ++e) {
+            w.req.push_back(c.req[t]);
+            w.pos.push_back(e ? 5999 : c.pos[t]);
+          }
+          w.q.insert(w.q.end(), c.q.begin() + t * c.Hkv * c.Di, c.q.begin() + (t + 1) * c.Hkv * c.Di);
+          for (int64_t i = 0; i < c.Hkv * c.Di; ++i)
+            w.q.push_back(c.q_f32 ? nd(r2) : bf16_to_float(float_to_bf16(nd(r2))));
+        }
+        w.T = 2 * c.T;
+        const std::vector<int32_t> alone = run_kernel(c), wide = run_kernel(w);
+        bool same = true;
+        for (int64_t g = 0; g < c.Hkv; ++g)
+          for (int64_t t = 0; t < c.T; ++t)
+            for (int64_t k = 0; k < c.K; ++k)
+              same &= alone[(g * c.T + t) * c.K + k] == wide[(g * w.T + 2 * t) * c.K + k];
+        const std::string tag = v == 1 ? "fp8 keys" : v == 2 ? "bf16 keys, f32 q" : "bf16 keys";
+        report(same, "split invariance (split pieces vs S = 1), " + tag);
+        std::string why;
+        report(check(c, alone, false, &why), "split pieces against the oracle, " + tag, why);
+      }
+    }
     {  // empty cases: R = 0 (every row padding), M = 0
       std::mt19937 r2(5);
       Spec s;
@@ -654,6 +732,14 @@ int main(int argc, char** argv) {
         if (!f32) bench(rng, "prefill 2048 @ 10k, 16x pool", 1, 1, 2048, 10240, 1, fp8, f32,
                         big_pages, copy);
       }
+      bench(rng, "decode 4 req x 2k", 4, 1, 0, 2048, 1, fp8, false, pool_pages, copy);
+      bench(rng, "decode 64 req x 2k", 64, 1, 0, 2048, 1, fp8, false, pool_pages, copy);
+      bench(rng, "decode 4 req x 2k, cold keys (64 tables)", 4, 1, 0, 2048, 1, fp8, false,
+            big_pages, copy, 64);
+      bench(rng, "decode 64 req x 2k, cold keys (64 tables)", 64, 1, 0, 2048, 1, fp8, false,
+            big_pages, copy, 64);
+      bench(rng, "decode 64 req x 4k", 64, 1, 0, 4096, 1, fp8, false, pool_pages, copy);
+      bench(rng, "prefill 2048 @ 8k", 1, 1, 2048, 8192, 1, fp8, false, pool_pages, copy);
       bench(rng, "decode 128 req x 16k Hkv=4", 128, 1, 0, 16384, 4, fp8, false, pool_pages, copy);
       bench(rng, "decode 8 req x 16k", 8, 1, 0, 16384, 1, fp8, false, pool_pages, copy);
       bench(rng, "decode 32 req x 16k", 32, 1, 0, 16384, 1, fp8, false, pool_pages, copy);
