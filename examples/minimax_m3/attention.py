@@ -1,9 +1,10 @@
 """M3 attention pieces in JAX: q/k/v, the lightning indexer, paged caches.
 
-transformers' ``MiniMaxM3VLAttention`` / ``MiniMaxM3VLIndexer``, written against a paged
-cache: K/V of every layer in the NVFP4 cache (``model.py``), the indexer's keys in their own
-key-only paged cache (norms and rotary: ``layers.py``). ``paged_attention_jnp`` is the
-baseline stream's attention over a dense-format paged cache (``compare.py``).
+transformers' ``MiniMaxM3VLAttention`` / ``MiniMaxM3VLIndexer``, their five input projections
+in one fused weight (below), written against a paged cache: K/V of every layer in the NVFP4
+cache (``model.py``), the indexer's keys in their own key-only paged cache (norms and rotary:
+``layers.py``). ``paged_attention_jnp`` is the baseline stream's attention over a
+dense-format paged cache (``compare.py``).
 """
 
 from __future__ import annotations
@@ -11,48 +12,103 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from jax_m3sparse import select_blocks
-from jax_m3sparse.sharding import replicate_kv_heads
 
 from .layers import apply_rotary, gemma_rms_norm, linear
+from .parallel import AXIS, tp_size
 
 
-def qkv(p, h, cos, sin, cfg):
-    """Gemma-normed, RoPE'd q ``[T, Hq, D]``, k ``[T, Hkv, D]``; raw v ``[T, Hkv, D]`` (fp32)."""
-    T, D = h.shape[0], cfg.head_dim
-    q = linear(h, p["q_proj"]).reshape(T, cfg.num_attention_heads, D)
-    k = linear(h, p["k_proj"]).reshape(T, cfg.num_key_value_heads, D)
-    v = linear(h, p["v_proj"]).reshape(T, cfg.num_key_value_heads, D)
+# ----------------------------------------------------------------------------- projections
+# The served layout stores q_proj, k_proj, v_proj and (sparse layers) the indexer's q_proj and
+# k_proj as ONE weight ``self_attn.qkv_proj [S, C, H]``, grouped by stored KV head (S = Hkv ·
+# kv_replicas, the cache's heads): group j holds the G' = Hq / S query heads that attend KV head
+# j // kv_replicas, that head's k and v rows, its index-query head and the index key (every
+# group its own copy). One GEMM per layer instead of five (XLA's dot merger would otherwise
+# concatenate the five weights every layer: a copy of all of them), and under tensor parallel
+# the groups split over devices, so each device reads only the KV / index heads it serves.
+def fused_width(cfg, sparse: bool) -> int:
+    """C, the rows of one group: G'·D query rows, D key rows, D value rows (+ Di index-query
+    rows and Di index-key rows on sparse layers)."""
+    g = cfg.num_attention_heads // cfg.cache_kv_heads
+    return (g + 2) * cfg.head_dim + (2 * cfg.index_head_dim if sparse else 0)
+
+
+def fuse_qkv(q, k, v, iq=None, ik=None, *, cfg):
+    """The ``qkv_proj [..., S, C, H]`` of checkpoint-layout weights (PyTorch ``[..., out,
+    H]``; leading axes, e.g. layers, kept): ``q_proj``, ``k_proj``, ``v_proj`` and on sparse
+    layers the indexer's ``q_proj`` / ``k_proj``."""
+    lead, H = q.shape[:-2], q.shape[-1]
+    S, rep, D, Di = cfg.cache_kv_heads, cfg.kv_replicas, cfg.head_dim, cfg.index_head_dim
+    per_head = lambda w, n: jnp.repeat(w.reshape(*lead, cfg.num_key_value_heads, n, H), rep,
+                                       axis=-3)   # noqa: E731 (stored head j = head j // rep)
+    parts = [q.reshape(*lead, S, -1, H), per_head(k, D), per_head(v, D)]
+    if iq is not None:
+        parts += [per_head(iq, Di), jnp.broadcast_to(ik.reshape(*lead, 1, Di, H), (*lead, S, Di, H))]
+    return jnp.concatenate(parts, axis=-2)
+
+
+def split_qkv(w, cfg, sparse: bool) -> dict:
+    """The inverse of :func:`fuse_qkv` (numpy or jax arrays): ``{"q_proj", "k_proj",
+    "v_proj"}`` (+ ``"index_q_proj"``, ``"index_k_proj"`` when ``sparse``), ``[..., out, H]``."""
+    lead, H = w.shape[:-3], w.shape[-1]
+    rep, D, Di = cfg.kv_replicas, cfg.head_dim, cfg.index_head_dim
+    gd = fused_width(cfg, False) - 2 * D
+    heads = lambda a, b: w[..., ::rep, a:b, :].reshape(*lead, -1, H)   # noqa: E731 (one copy)
+    out = dict(q_proj=w[..., :gd, :].reshape(*lead, -1, H), k_proj=heads(gd, gd + D),
+               v_proj=heads(gd + D, gd + 2 * D))
+    if sparse:
+        out["index_q_proj"] = heads(gd + 2 * D, gd + 2 * D + Di)
+        out["index_k_proj"] = w[..., 0, gd + 2 * D + Di:, :]
+    return out
+
+
+def project(p, h, cos, sin, cfg):
+    """``self_attn``'s projections of ``h [T, H]`` by the fused ``qkv_proj``, each Gemma-normed
+    and RoPE'd as transformers does (``MiniMaxM3VLAttention``; ``MiniMaxM3VLIndexer`` with
+    ``cos[..., :Di]``); v raw. All fp32. Returns ``(q [T, Hq, D], k [T, S, D], v [T, S, D], iq
+    [T, S, Di] | None, ik [T, Di] | None)`` — k, v and the index queries per stored KV head (S =
+    Hkv · kv_replicas, ready for the cache), the index key (one per token) only on sparse
+    layers (``"indexer"`` in ``p``)."""
+    T, D, Di = h.shape[0], cfg.head_dim, cfg.index_head_dim
+    w = p["qkv_proj"]
+    S, C, H = w.shape
+    out = linear(h, w.reshape(S * C, H)).reshape(T, S, C)
+    gd = C - 2 * D - (2 * Di if "indexer" in p else 0)
+    q = out[..., :gd].reshape(T, cfg.num_attention_heads, D)
+    k, v = out[..., gd:gd + D], out[..., gd + D:gd + 2 * D]
     q = apply_rotary(gemma_rms_norm(q, p["q_norm"], cfg.rms_norm_eps), cos, sin)
     k = apply_rotary(gemma_rms_norm(k, p["k_norm"], cfg.rms_norm_eps), cos, sin)
-    return q, k, v
+    if "indexer" not in p:
+        return q, k, v, None, None
+    ix, c, s = p["indexer"], cos[:, :Di], sin[:, :Di]
+    iq = out[..., gd + 2 * D:gd + 2 * D + Di]
+    ik = _one_copy(out[..., gd + 2 * D + Di:])[:, None]
+    iq = apply_rotary(gemma_rms_norm(iq, ix["q_norm"], cfg.rms_norm_eps), c, s)
+    ik = apply_rotary(gemma_rms_norm(ik, ix["k_norm"], cfg.rms_norm_eps), c, s)
+    return q, k, v, iq, ik[:, 0]
 
 
-def indexer(p, h, cos, sin, cfg):
-    """``MiniMaxM3VLIndexer``'s projections: index queries ``[T, index_n_heads, Di]`` and one
-    shared index key per token ``[T, Di]``, Gemma-normed, RoPE'd with ``cos[..., :Di]`` (as
-    transformers does)."""
-    T, Di = h.shape[0], cfg.index_head_dim
-    iq = linear(h, p["q_proj"]).reshape(T, cfg.index_n_heads, Di)
-    ik = linear(h, p["k_proj"]).reshape(T, 1, Di)
-    c, s = cos[:, :Di], sin[:, :Di]
-    iq = apply_rotary(gemma_rms_norm(iq, p["q_norm"], cfg.rms_norm_eps), c, s)
-    ik = apply_rotary(gemma_rms_norm(ik, p["k_norm"], cfg.rms_norm_eps), c, s)
-    return iq, ik[:, 0]
+def _one_copy(x):
+    """``x [T, S, Di]`` (S equal copies, split over "tp" when it divides S) -> ``[T, Di]``: each
+    device takes its own first copy, so the replicated index key needs no collective."""
+    tp = tp_size()
+    if tp == 1 or x.shape[1] % tp:       # one device, or qkv_proj replicated (parallel.py)
+        return x[:, 0]
+    return jax.shard_map(lambda a: a[:, 0], in_specs=P(None, AXIS, None), out_specs=P(),
+                         check_vma=False)(x)
 
 
-def select(p, h, cos, sin, cfg, idx_cache, layer, slots, block_table, req, pos):
+def select(iq, ik, cfg, idx_cache, layer, slots, block_table, req, pos):
     """The indexer's block selection on sparse layer ``layer`` of ``idx_cache [L_sparse, P, N,
-    Di]``: writes this step's index keys into that layer first (a token's own block scores
-    itself), then ``topk_indices int32[Hkv', T, K]`` for the cache's stored KV heads (Hkv' =
-    Hkv · kv_replicas; jax_m3sparse.select_blocks: local blocks, then the best earlier ones).
-    The index queries are replicated like the KV heads before selecting, so under tensor
-    parallel each device selects for its own head only (select_blocks partitions over heads).
-    The whole cache goes in and out (in place when donated): no per-layer copy of the pool.
-    Returns ``(topk, idx_cache)``."""
-    iq, ik = indexer(p, h, cos, sin, cfg)
+    Di]``: writes this step's index keys ``ik [T, Di]`` into that layer first (a token's own
+    block scores itself), then ``topk_indices int32[S, T, K]`` for the index queries ``iq [T,
+    S, Di]`` of the cache's stored KV heads (jax_m3sparse.select_blocks: local blocks, then the
+    best earlier ones). Under tensor parallel each device selects for its own heads only
+    (select_blocks partitions over heads). The whole cache goes in and out (in place when
+    donated): no per-layer copy of the pool. Returns ``(topk, idx_cache)``."""
     idx_cache = write_layer_pages(idx_cache, layer, ik, slots, cfg.block_size)
-    iq = replicate_kv_heads(iq, cfg.kv_replicas)
     topk = select_blocks(iq, idx_cache, block_table, req, pos, topk_blocks=cfg.index_topk_blocks,
                          local_blocks=cfg.index_local_blocks, layer=layer)
     return topk, idx_cache

@@ -707,7 +707,7 @@ class Parts:
         import jax.numpy as jnp  # noqa: PLC0415
         import jax_m3sparse as m3  # noqa: PLC0415
         from . import model  # noqa: PLC0415
-        from .attention import indexer, qkv, write_layer_pages  # noqa: PLC0415
+        from .attention import project, write_layer_pages  # noqa: PLC0415
         from .layers import gemma_rms_norm, linear, rotary_cos_sin  # noqa: PLC0415
         cfg, T, H = self.cfg, self.T, self.cfg.hidden_size
         n = self.nlayers(i)
@@ -724,12 +724,11 @@ class Parts:
                 x, kv, idx = carry
                 pl, l = xs
                 h = gemma_rms_norm(x, pl["input_layernorm"], cfg.rms_norm_eps)
-                q, k, v = qkv(pl["self_attn"], h, cos, sin, cfg)
+                q, k, v, iq, ik = project(pl["self_attn"], h, cos, sin, cfg)
                 kv = m3.pack_kv_pages(kv, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), slots,
                                       model.K_SCALE, model.V_SCALE, layer=l,
                                       layout=model.KV_LAYOUT)
                 if has_idx:
-                    iq, ik = indexer(pl["self_attn"]["indexer"], h, cos, sin, cfg)
                     idx = write_layer_pages(idx, 0, ik, slots, cfg.block_size)   # in place
                     q = q + jnp.sum(iq) * 0
                 x = x + linear(q.reshape(T, -1), pl["self_attn"]["o_proj"])
@@ -738,12 +737,12 @@ class Parts:
             x, kv, idx = jax.lax.scan(body, (x, kv, idx), (p, first + jnp.arange(n)))[0]
             return dict(kv=kv, idx=idx), x
 
+        # a device's own heads only: the fused qkv_proj holds its query heads, its KV head and
+        # its index head (model.layer_shapes)
         sa = self.seg(i)["self_attn"]
         wbytes = sum(v.nbytes for v in jax.tree_util.tree_leaves(sa)) // n
-        Hi = self.b.full.index_n_heads
-        idx_q_extra = (Hi - cfg.index_n_heads) * cfg.index_head_dim * H * 2 if has_idx else 0
-        nbytes = wbytes + idx_q_extra + T * cfg.cache_kv_heads * 2 * 72 + T * 128 * 2
-        flops = T * (wbytes + idx_q_extra)
+        nbytes = wbytes + T * cfg.cache_kv_heads * 2 * 72 + T * 128 * 2
+        flops = T * wbytes
         state = dict(kv=self.b.caches["kv"], idx=self.b.caches["idx"])
         res = self.timed("projections+norms", fn, (x, self.seg(i)), n, nbytes, flops,
                          state=state)

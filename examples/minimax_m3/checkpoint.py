@@ -507,7 +507,8 @@ def _fill(files, srcs, shape, sharding, dtype, tick):
 
 
 def load_params(path: str, cfg: ModelConfig, shardings, dtype=None, progress=None) -> dict:
-    """Reads a checkpoint directory into the param pytree of :func:`model.param_shapes`.
+    """Reads a checkpoint directory into the param pytree of :func:`model.param_shapes` (the
+    served layout: the attention input projections fused once loaded, model.fuse_projections).
 
     Args:
       path: a checkpoint directory (or one ``.safetensors`` file).
@@ -526,13 +527,15 @@ def load_params(path: str, cfg: ModelConfig, shardings, dtype=None, progress=Non
       unsupported ``quantization_config``, a quantized format its ``quant_method`` does not
       name, or a scale of the wrong shape — before reading any weight.
     """
-    from .model import param_shapes  # noqa: PLC0415 (model -> parallel; keeps imports one way)
+    from .model import (checkpoint_shardings, fuse_projections,  # noqa: PLC0415 (model ->
+                        param_shapes)                              # parallel; imports one way)
     files = CheckpointFiles(path)
     layout = detect_layout(files.names())
     top, segments = _sources(cfg, layout)
     method = quant_method(quantization_config(path) if os.path.isdir(path) else None)
     _check(files, top, segments, method)
-    shapes = param_shapes(cfg)
+    served, shardings = shardings, checkpoint_shardings(shardings, cfg)
+    shapes = param_shapes(cfg, fused=False)
     tick = progress or (lambda n: None)
     out = {key: _fill(files, src, shapes[key], shardings[key], _out_dtype(files, src, dtype), tick)
            for key, src in top.items()}
@@ -543,7 +546,7 @@ def load_params(path: str, cfg: ModelConfig, shardings, dtype=None, progress=Non
             seg_shapes, seg_shard, *seg_src, is_leaf=is_shape)
         for seg_src, seg_shapes, seg_shard in zip(segments, shapes["segments"],
                                                   shardings["segments"])]
-    return out
+    return fuse_projections(out, cfg, served)
 
 
 def count_tensors(cfg: ModelConfig) -> int:
@@ -585,6 +588,8 @@ def save_checkpoint(path: str, params: dict, cfg: ModelConfig, max_shard_bytes: 
     ``model.safetensors``, or shards of at most ``max_shard_bytes`` with
     ``model.safetensors.index.json``), one shard in host memory at a time."""
     from safetensors.numpy import save_file  # noqa: PLC0415
+    from .model import unfuse_projections  # noqa: PLC0415
+    params = unfuse_projections(params, cfg)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(to_hf_config(cfg), f, indent=1)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import jax_m3sparse as m3
 
 from . import model, sampling
-from .attention import indexer, paged_attention_jnp, qkv, write_pages
+from .attention import paged_attention_jnp, project, write_pages
 from .config import MOE, SPARSE, ModelConfig
 
 PREFIX = "baseline_"     # the baseline's caches in the step's (flat) cache dict
@@ -57,13 +57,13 @@ def same_sets(a, b, live):
     return jnp.stack([jnp.sum(same), jnp.sum(jnp.broadcast_to(live[None], same.shape))])
 
 
-def _own_selection(step, p, h, idx_cache):
-    """The baseline's own selection ``(topk [Hkv, T, K], idx_cache)``: the indexer's keys
-    written into its ``[P, N, Di]`` cache in the baseline's dtype, then the library's plain-jnp
-    ``select_blocks`` (jax_m3sparse.reference: any float dtype; the served step's primitive
-    takes bf16 or FP8 keys)."""
+def _own_selection(step, iq, ik, idx_cache):
+    """The baseline's own selection ``(topk [Hkv, T, K], idx_cache)`` for index queries ``iq
+    [T, Hkv, Di]`` and keys ``ik [T, Di]``: the keys written into its ``[P, N, Di]`` cache in
+    the baseline's dtype, then the library's plain-jnp ``select_blocks``
+    (jax_m3sparse.reference: any float dtype; the served step's primitive takes bf16 or FP8
+    keys)."""
     cfg = step.cfg
-    iq, ik = indexer(p, h, step.cos, step.sin, cfg)
     idx_cache = write_pages(idx_cache, ik, step.slots, cfg.block_size)
     topk = m3.reference.select_blocks(iq, idx_cache, step.meta.block_table, step.req, step.pos,
                                       topk_blocks=cfg.index_topk_blocks,
@@ -76,7 +76,8 @@ def _attention(step, p, h, caches, layer, li, sparse, given):
     index keys) into its dense caches first, then attends over ``given`` (the served step's
     selection) or its own. Returns ``(attn, (caches, topk))``."""
     cfg = step.cfg
-    q, k, v = qkv(p, h, step.cos, step.sin, cfg)
+    q, k, v, iq, ik = project(p, h, step.cos, step.sin, cfg)
+    k, v = k[:, ::cfg.kv_replicas], v[:, ::cfg.kv_replicas]     # one copy of each KV head
     # The caches are [L, P, Hkv, N, D]; write_pages wants the slot axes (P, N) first.
     put = lambda c, x: jnp.swapaxes(write_pages(jnp.swapaxes(c[layer], 1, 2), x, step.slots,
                                                 cfg.block_size), 1, 2)
@@ -84,7 +85,7 @@ def _attention(step, p, h, caches, layer, li, sparse, given):
     caches = dict(caches, k=caches["k"].at[layer].set(k_l), v=caches["v"].at[layer].set(v_l))
     topk = given
     if sparse and cfg.baseline_selection == "own":
-        topk, idx_l = _own_selection(step, p["indexer"], h, caches["idx"][li])
+        topk, idx_l = _own_selection(step, iq[:, ::cfg.kv_replicas], ik, caches["idx"][li])
         caches["idx"] = caches["idx"].at[li].set(idx_l)
     attn = paged_attention_jnp(q.astype(k_l.dtype), k_l, v_l, topk, step.meta.block_table,
                                step.req, step.pos, cfg.head_dim ** -0.5)

@@ -28,10 +28,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jax_m3sparse as m3
-from jax_m3sparse.sharding import replicate_kv_heads
 
 from . import moe, sampling
-from .attention import qkv, select
+from .attention import fuse_qkv, fused_width, project, select, split_qkv
 from .config import MOE, SPARSE, ModelConfig
 from .layers import gemma_rms_norm, linear, rotary_cos_sin
 from .parallel import AXIS, is_shape, tp_size
@@ -41,8 +40,11 @@ K_SCALE = V_SCALE = 1.0   # NVFP4 global scales: K is RMS-normed, V of unit-ish 
 
 
 # ----------------------------------------------------------------------------- parameters
-def layer_shapes(cfg: ModelConfig, attn: str, mlp: str) -> dict:
-    """One layer's weights (PyTorch ``[out, in]``; packed gate_up as ``[2, I, H]``)."""
+def layer_shapes(cfg: ModelConfig, attn: str, mlp: str, fused: bool = True) -> dict:
+    """One layer's weights (PyTorch ``[out, in]``; packed gate_up as ``[2, I, H]``). ``fused``
+    (the served layout): the five attention input projections as one ``self_attn.qkv_proj
+    [S, C, H]`` (attention.fuse_qkv); else the checkpoint's ``q_proj``, ``k_proj``, ``v_proj``
+    and ``indexer.q_proj`` / ``indexer.k_proj``."""
     H, D = cfg.hidden_size, cfg.head_dim
     Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     self_attn = dict(q_proj=(Hq * D, H), k_proj=(Hkv * D, H), v_proj=(Hkv * D, H),
@@ -51,6 +53,12 @@ def layer_shapes(cfg: ModelConfig, attn: str, mlp: str) -> dict:
         Di = cfg.index_head_dim
         self_attn["indexer"] = dict(q_proj=(cfg.index_n_heads * Di, H), k_proj=(Di, H),
                                     q_norm=(Di,), k_norm=(Di,))
+    if fused:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            del self_attn[name]
+        for name in ("q_proj", "k_proj") if attn == SPARSE else ():
+            del self_attn["indexer"][name]
+        self_attn["qkv_proj"] = (cfg.cache_kv_heads, fused_width(cfg, attn == SPARSE), H)
 
     def swiglu(inter):
         return dict(gate_up_proj=(2, inter, H), down_proj=(H, inter))
@@ -68,12 +76,13 @@ def layer_shapes(cfg: ModelConfig, attn: str, mlp: str) -> dict:
                 mlp=mlp_shapes)
 
 
-def param_shapes(cfg: ModelConfig) -> dict:
+def param_shapes(cfg: ModelConfig, fused: bool = True) -> dict:
     """The parameter pytree's shapes: ``segments[i]`` holds :meth:`ModelConfig.segments`' run i,
-    each leaf stacked on a leading layer axis. No ``lm_head`` with tied embeddings."""
+    each leaf stacked on a leading layer axis. No ``lm_head`` with tied embeddings. ``fused``:
+    the served layout (:func:`layer_shapes`), else the checkpoint's."""
     stack = lambda n: (lambda s: (n, *s))
     shapes = dict(embed_tokens=(cfg.vocab_size, cfg.hidden_size), norm=(cfg.hidden_size,),
-                  segments=[jax.tree_util.tree_map(stack(n), layer_shapes(cfg, a, m),
+                  segments=[jax.tree_util.tree_map(stack(n), layer_shapes(cfg, a, m, fused),
                                                    is_leaf=lambda x: isinstance(x, tuple))
                             for a, m, _, n in cfg.segments()])
     if not cfg.tie_word_embeddings:
@@ -81,7 +90,7 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def param_dtypes(cfg: ModelConfig, dtype) -> dict:
+def param_dtypes(cfg: ModelConfig, dtype, fused: bool = True) -> dict:
     """Each leaf's dtype, a pytree like :func:`param_shapes`: ``dtype``, except the routed
     experts' weights under ``cfg.expert_format == "mxfp8"`` — ``float8_e4m3fn``, with their
     ``*_scale`` E8M0 exponents ``uint8`` (jax_m3sparse.grouped_matmul's MXFP8 operands)."""
@@ -90,7 +99,7 @@ def param_dtypes(cfg: ModelConfig, dtype) -> dict:
         if cfg.expert_format == "mxfp8" and "experts" in names:
             return jnp.dtype(jnp.uint8 if names[-1].endswith("_scale") else jnp.float8_e4m3fn)
         return jnp.dtype(dtype)
-    return jax.tree_util.tree_map_with_path(one, param_shapes(cfg), is_leaf=is_shape)
+    return jax.tree_util.tree_map_with_path(one, param_shapes(cfg, fused), is_leaf=is_shape)
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, shardings=None, dtype=None,
@@ -122,9 +131,12 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None, dtype=None,
     plan.check_fits(cfg, dtype, shardings, cache_bytes=cache_bytes)
     mx = cfg.expert_format == "mxfp8"
     base = dataclasses.replace(cfg, expert_format="bf16") if mx else cfg   # what is drawn
+    # drawn in the checkpoint's layout (the same values at any tp), fused at the end
+    drawn_shardings = checkpoint_shardings(shardings, cfg)
     where = ({jax.tree_util.keystr(p): sh for p, sh in
-              jax.tree_util.tree_leaves_with_path(shardings)} if shardings is not None else {})
-    paths, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(base), is_leaf=is_shape)
+              jax.tree_util.tree_leaves_with_path(drawn_shardings)} if shardings is not None else {})
+    paths, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(base, fused=False),
+                                                          is_leaf=is_shape)
     root = jax.random.key(seed)
     specs = [(jax.random.fold_in(root, zlib.crc32(jax.tree_util.keystr(path).encode())),
               shape, _init_std(path, shape), where.get(jax.tree_util.keystr(path)),
@@ -149,7 +161,61 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None, dtype=None,
         ex = seg["mlp"].get("experts", {})
         for name in [n for n in ex if not n.endswith("_scale")]:
             ex[name], ex[name + "_scale"] = ex[name]
-    return params
+    return fuse_projections(params, cfg, shardings)
+
+
+def checkpoint_shardings(shardings, cfg: ModelConfig):
+    """The shardings of the checkpoint layout (``param_shapes(cfg, fused=False)``) on the mesh
+    of ``shardings`` (the served layout's); None for None."""
+    if shardings is None:
+        return None
+    from .parallel import param_shardings  # noqa: PLC0415
+    mesh = jax.tree_util.tree_leaves(shardings)[0].mesh
+    return param_shardings(param_shapes(cfg, fused=False), cfg, mesh)
+
+
+def fuse_projections(params: dict, cfg: ModelConfig, shardings=None) -> dict:
+    """Checkpoint-layout params -> the served layout: each segment's attention input
+    projections fused into ``self_attn.qkv_proj`` (attention.fuse_qkv) on their devices, one
+    segment at a time, the separate weights deleted (the caller must not use them again).
+    ``shardings``: the served layout's (parallel.param_shardings), else the default device."""
+    segments = []
+    for i, seg in enumerate(params["segments"]):
+        sa = dict(seg["self_attn"])
+        sparse = "indexer" in sa
+        ix = dict(sa.get("indexer", {}))
+        parts = [sa.pop(n) for n in ("q_proj", "k_proj", "v_proj")]
+        parts += [ix.pop(n) for n in ("q_proj", "k_proj")] if sparse else []
+        where = (shardings["segments"][i]["self_attn"]["qkv_proj"] if shardings is not None
+                 else None)
+        sa["qkv_proj"] = _fuse_fn(cfg, where)(*parts)
+        for w in parts:
+            if isinstance(w, jax.Array):
+                w.delete()
+        if sparse:
+            sa["indexer"] = ix
+        segments.append({**seg, "self_attn": sa})
+    return {**params, "segments": segments}
+
+
+@functools.lru_cache(maxsize=None)
+def _fuse_fn(cfg, sharding):
+    return jax.jit(lambda *w: fuse_qkv(*w, cfg=cfg), out_shardings=sharding)
+
+
+def unfuse_projections(params: dict, cfg: ModelConfig) -> dict:
+    """The inverse of :func:`fuse_projections`, on the host (numpy): the checkpoint layout of
+    served ``params`` (checkpoint.save_checkpoint writes it)."""
+    segments = []
+    for seg, (attn, _, _, _) in zip(params["segments"], cfg.segments()):
+        sa = dict(seg["self_attn"])
+        parts = split_qkv(np.asarray(sa.pop("qkv_proj")), cfg, attn == SPARSE)
+        sa.update(q_proj=parts["q_proj"], k_proj=parts["k_proj"], v_proj=parts["v_proj"])
+        if attn == SPARSE:
+            sa["indexer"] = dict(sa["indexer"], q_proj=parts["index_q_proj"],
+                                 k_proj=parts["index_k_proj"])
+        segments.append({**seg, "self_attn": sa})
+    return {**params, "segments": segments}
 
 
 def _is_expert_weight(path) -> bool:
@@ -307,17 +373,15 @@ class _Step:
         """The NVFP4 path's attention output ``[T, Hq·D]`` (fp32), caches, and the indexer's
         topk on sparse layers (None on full ones: every block up to the position, SPEC §5.7)."""
         cfg = self.cfg
-        q, k, v = qkv(p, h, self.cos, self.sin, cfg)
-        # Write this step's K/V before anything reads the cache (the serving path's order).
-        # At TP > Hkv each KV head is stored kv_replicas times (each device owns whole heads).
-        rep = functools.partial(replicate_kv_heads, replicas=cfg.kv_replicas)
-        kv = m3.pack_kv_pages(caches["kv"], rep(k.astype(jnp.bfloat16)),
-                              rep(v.astype(jnp.bfloat16)), self.slots, K_SCALE, V_SCALE,
-                              layer=layer, layout=KV_LAYOUT)
+        # k, v, iq per stored KV head (at TP > Hkv each KV head kv_replicas times: each device
+        # owns whole heads). Write this step's K/V before anything reads the cache.
+        q, k, v, iq, ik = project(p, h, self.cos, self.sin, cfg)
+        kv = m3.pack_kv_pages(caches["kv"], k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+                              self.slots, K_SCALE, V_SCALE, layer=layer, layout=KV_LAYOUT)
         kw = dict(scale=cfg.head_dim ** -0.5, layer=layer, layout=KV_LAYOUT)
         if sparse:
-            topk, idx = select(p["indexer"], h, self.cos, self.sin, cfg, caches["idx"], li,
-                               self.slots, self.meta.block_table, self.req, self.pos)
+            topk, idx = select(iq, ik, cfg, caches["idx"], li, self.slots,
+                               self.meta.block_table, self.req, self.pos)
             caches = dict(caches, kv=kv, idx=idx)
             attn = m3.sparse_attention(q.astype(jnp.bfloat16), kv, topk, self.meta, K_SCALE,
                                        V_SCALE, **kw)

@@ -2,10 +2,11 @@
 
 Each weight gets a ``NamedSharding`` (:func:`param_specs`); ``jax.jit`` partitions the step:
 
-* attention: ``q_proj`` column-parallel (query heads over "tp"), ``o_proj`` row-parallel (XLA
-  adds the all-reduce after it); ``k_proj``/``v_proj`` column-parallel when "tp" divides Hkv,
-  else replicated (each device computes every KV head and keeps its replica,
-  jax_m3sparse.sharding);
+* attention: the fused ``qkv_proj [S, C, H]`` (attention.py) over its stored-KV-head groups,
+  so each device computes its query heads, its KV head (one replica of it when "tp" exceeds
+  Hkv, jax_m3sparse.sharding) and its index head; ``o_proj`` row-parallel (XLA adds the
+  all-reduce after it). In the checkpoint layout (loading): ``q_proj`` column-parallel,
+  ``k_proj``/``v_proj`` column-parallel when "tp" divides Hkv, else replicated;
 * MLPs (dense, shared expert, every routed expert): the intermediate axis split over "tp"
   (``gate_up_proj [..., 2, I, H]`` on I, ``down_proj [..., H, I]`` on I); ``moe.mlp`` runs them
   in a ``shard_map`` ending in one ``psum``. No device holds all of any expert's weights;
@@ -75,6 +76,8 @@ def leaf_spec(path, cfg, tp: int) -> P:
     if names == [leaf] and leaf in ("embed_tokens", "lm_head"):    # [V, H], vocab-parallel
         return P(AXIS, None)
     if parent == "self_attn":
+        if leaf == "qkv_proj":       # [S, C, H] by stored KV head; replicated unless tp divides S
+            return P(*lead, AXIS, None, None) if cfg.cache_kv_heads % tp == 0 else P()
         if leaf == "q_proj" or (leaf in ("k_proj", "v_proj") and cfg.num_key_value_heads % tp == 0):
             return P(*lead, AXIS, None)
         if leaf == "o_proj":

@@ -46,9 +46,11 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
         lambda path, s, dt: _per_device(s, leaf_spec(path, cfg, tp), tp) * dt.itemsize, shapes,
         dtypes, is_leaf=is_shape)
     weight_bytes = sum(jax.tree_util.tree_leaves(weights))   # = weight_bytes_per_device's
-    # parameters: the weights' elements (MXFP8 exponents are part of their weights' format)
+    # parameters: the checkpoint's elements (the served qkv_proj repeats replicated KV heads;
+    # MXFP8 exponents are part of their weights' format)
     total_weights = sum(math.prod(s) for s, dt in zip(
-        jax.tree_util.tree_leaves(shapes, is_leaf=is_shape), jax.tree_util.tree_leaves(dtypes))
+        jax.tree_util.tree_leaves(model.param_shapes(cfg, fused=False), is_leaf=is_shape),
+        jax.tree_util.tree_leaves(model.param_dtypes(cfg, weight_dtype, fused=False)))
         if dt != jnp.uint8)
     pages = batch * -(-context_len // cfg.block_size)
     spec = m3.KVCacheSpec(cfg.cache_kv_heads // tp, cfg.head_dim, cfg.block_size)

@@ -89,5 +89,6 @@ def test_checkpoint_loads_sharded_over_8_devices(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
     gu = loaded["segments"][1]["mlp"]["experts"]["gate_up_proj"]
     assert {s.data.shape for s in gu.addressable_shards} == {(2, 4, 2, 8, 128)}
-    q = loaded["segments"][0]["self_attn"]["q_proj"]
-    assert {s.data.shape for s in q.addressable_shards} == {(1, 64 * 128 // 8, 128)}
+    qkv = loaded["segments"][0]["self_attn"]["qkv_proj"]      # [L, S = 4 KV heads x 2, C, H]
+    assert qkv.shape[1] == 8
+    assert {s.data.shape for s in qkv.addressable_shards} == {(1, 1, qkv.shape[2], 128)}

@@ -165,7 +165,7 @@ def test_fp8_checkpoint_loads_to_its_dequantized_twin(tmp_path):
     np.testing.assert_allclose(a["baseline_logits"], b["baseline_logits"], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(a["tokens"], b["tokens"])
     bf16 = load_params(str(tmp_path / "fp8"), cfg, shardings)
-    assert bf16["segments"][0]["self_attn"]["q_proj"].dtype == "bfloat16"   # FP8 -> bf16 default
+    assert bf16["segments"][0]["self_attn"]["qkv_proj"].dtype == "bfloat16"   # FP8 -> bf16 default
     assert cosine(_prefill(cfg, bf16, tokens)["baseline_logits"], b["baseline_logits"]) >= 0.999
 
 
