@@ -75,19 +75,32 @@ def project(p, h, cos, sin, cfg):
     w = p["qkv_proj"]
     S, C, H = w.shape
     out = linear(h, w.reshape(S * C, H)).reshape(T, S, C)
-    gd = C - 2 * D - (2 * Di if "indexer" in p else 0)
-    q = out[..., :gd].reshape(T, cfg.num_attention_heads, D)
-    k, v = out[..., gd:gd + D], out[..., gd + D:gd + 2 * D]
-    q = apply_rotary(gemma_rms_norm(q, p["q_norm"], cfg.rms_norm_eps), cos, sin)
-    k = apply_rotary(gemma_rms_norm(k, p["k_norm"], cfg.rms_norm_eps), cos, sin)
+    g = (C - 2 * D - (2 * Di if "indexer" in p else 0)) // D     # query heads per group
+    # a group's q heads and its k head lie side by side: one norm and one RoPE for all of them
+    # (and for the index query and key below), fewer kernels than one per tensor
+    qk = _norm_rope(out[..., :(g + 1) * D].reshape(T, S, g + 1, D),
+                    _rows(p["q_norm"], g, p["k_norm"]), cos, sin, cfg.rms_norm_eps)
+    q, k = qk[:, :, :g].reshape(T, cfg.num_attention_heads, D), qk[:, :, g]
+    v = out[..., (g + 1) * D:(g + 2) * D]
     if "indexer" not in p:
         return q, k, v, None, None
-    ix, c, s = p["indexer"], cos[:, :Di], sin[:, :Di]
-    iq = out[..., gd + 2 * D:gd + 2 * D + Di]
-    ik = _one_copy(out[..., gd + 2 * D + Di:])[:, None]
-    iq = apply_rotary(gemma_rms_norm(iq, ix["q_norm"], cfg.rms_norm_eps), c, s)
-    ik = apply_rotary(gemma_rms_norm(ik, ix["k_norm"], cfg.rms_norm_eps), c, s)
-    return q, k, v, iq, ik[:, 0]
+    ix = p["indexer"]
+    iqk = _norm_rope(out[..., (g + 2) * D:].reshape(T, S, 2, Di),
+                     _rows(ix["q_norm"], 1, ix["k_norm"]), cos[:, :Di], sin[:, :Di],
+                     cfg.rms_norm_eps)
+    return q, k, v, iqk[:, :, 0], _one_copy(iqk[:, :, 1])
+
+
+def _rows(q_norm, n, k_norm):
+    """The norm weights of a group's rows: ``q_norm`` for its n query heads, then ``k_norm``."""
+    return jnp.concatenate([jnp.broadcast_to(q_norm, (n, q_norm.shape[-1])), k_norm[None]])
+
+
+def _norm_rope(x, w, cos, sin, eps):
+    """Gemma RMS norm (per-row weights ``w [n, d]``) then RoPE of ``x [T, S, n, d]``."""
+    T, S, n, d = x.shape
+    x = gemma_rms_norm(x, w, eps).reshape(T, S * n, d)
+    return apply_rotary(x, cos, sin).reshape(T, S, n, d)
 
 
 def _one_copy(x):
