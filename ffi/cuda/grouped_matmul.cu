@@ -6,7 +6,9 @@
 //      (sizes clamped at 0, the running end clamped at M; one warp scans them) and its rows
 //      [start, end); the last CTA row writes zeros to the rows [Σ, M) no group covers. The
 //      weights of experts no token routes to are never read, and a decode batch's few groups
-//      launch few CTAs.
+//      launch few CTAs. With 64-row tiles of long K (prefill gate_up) the grid has a CTA row
+//      per (group, 64-row tile) instead — min(G, M) + M / 64 + 1 rows, the unused ones exit —
+//      so a large group's tiles run side by side and share its weights through L2.
 //   2. The CTA walks its rows in tiles of BM (16 for decode-sized groups; 64 when groups are
 //      large, so each weight tile is read once per 64 rows) and, per tile, streams K through a
 //      ring of shared-memory stages (16-byte cp.async; rows past the group, columns past N and
@@ -31,6 +33,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "m3sparse_cuda.h"
 
@@ -100,16 +103,21 @@ __device__ __forceinline__ uint32_t dequant_fp8x2(uint16_t q, float2 s) {
 __device__ __forceinline__ int swz(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
 
 // Step 1: the rows [start, end) of the y-th non-empty group (sizes clamped at 0, the running end
-// at M; *g = its index), or for y == num_groups_grid - 1 the rows [Σ, M) no group covers
-// (*g = -1). start >= end: nothing to do. One warp scans the sizes 32 at a time.
-__device__ void find_group(const int32_t* sizes, int G, int64_t M, int y, bool tail, int* g,
-                           int64_t* start, int64_t* end) {
+// at M; *g = its index); or, with kTileRows > 0 and split, of the y-th tile of kTileRows rows
+// when every non-empty group is cut into such tiles in order (its last tile partial): the CTAs
+// of one group's tiles are adjacent in the grid, so they run together and read the group's
+// weights from HBM about once. For tail, the rows [Σ, M) no group covers (*g = -1).
+// start >= end: nothing to do. One warp scans the sizes 32 at a time.
+template <int kTileRows>
+__device__ void find_group(const int32_t* sizes, int G, int64_t M, int64_t y, bool tail,
+                           bool split, int* g, int64_t* start, int64_t* end) {
   __shared__ int s_g;
   __shared__ int64_t s_start, s_end;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     int64_t running = 0;
-    int count = 0, found = -2;
+    std::conditional_t<kTileRows == 0, int, int64_t> count = 0;   // units before this chunk
+    int found = -2;
     int64_t fs = 0, fe = 0;
     for (int base = 0; base < G && found == -2; base += 32) {
       const int j = base + lane;
@@ -120,18 +128,41 @@ __device__ void find_group(const int32_t* sizes, int G, int64_t M, int y, bool t
         if (lane >= o) incl += x;
       }
       const int64_t st = min(running + incl - v, M), en = min(running + incl, M);
-      const unsigned live = __ballot_sync(0xFFFFFFFFu, en > st);
-      const int n = __popc(live);
-      if (!tail && count + n > y) {
-        const int want = y - count;  // the want-th set bit of live
-        const bool mine = (live >> lane & 1u) && __popc(live & ((1u << lane) - 1u)) == want;
-        const unsigned who = __ballot_sync(0xFFFFFFFFu, mine);
-        const int src = __ffs(who) - 1;
-        found = __shfl_sync(0xFFFFFFFFu, j, src);
-        fs = __shfl_sync(0xFFFFFFFFu, st, src);
-        fe = __shfl_sync(0xFFFFFFFFu, en, src);
+      // (Without split the tile prefix below would do, but its scan cost down_proj's
+      // per-group launch ~3 %: its CTAs are many and short.)
+      if (kTileRows == 0 || !split) {   // units: the non-empty groups
+        const unsigned live = __ballot_sync(0xFFFFFFFFu, en > st);
+        const int n = __popc(live);
+        if (!tail && count + n > y) {
+          const int want = int(y - count);  // the want-th set bit of live
+          const bool mine = (live >> lane & 1u) && __popc(live & ((1u << lane) - 1u)) == want;
+          const unsigned who = __ballot_sync(0xFFFFFFFFu, mine);
+          const int src = __ffs(who) - 1;
+          found = __shfl_sync(0xFFFFFFFFu, j, src);
+          fs = __shfl_sync(0xFFFFFFFFu, st, src);
+          fe = __shfl_sync(0xFFFFFFFFu, en, src);
+        }
+        count += n;
+      } else {    // units: the groups' tiles; their inclusive prefix
+        constexpr int kT = kTileRows > 0 ? kTileRows : 1;    // (this branch needs kTileRows > 0)
+        const int64_t nu = en > st ? (en - st + kT - 1) / kT : 0;
+        int64_t uincl = nu;
+        for (int o = 1; o < 32; o <<= 1) {
+          const int64_t x = __shfl_up_sync(0xFFFFFFFFu, uincl, o);
+          if (lane >= o) uincl += x;
+        }
+        const int64_t n = __shfl_sync(0xFFFFFFFFu, uincl, 31);
+        if (!tail && count + n > y) {
+          const int64_t want = y - count;  // the lane whose tiles hold unit y
+          const unsigned who = __ballot_sync(0xFFFFFFFFu, want >= uincl - nu && want < uincl);
+          const int src = __ffs(who) - 1;
+          found = __shfl_sync(0xFFFFFFFFu, j, src);
+          const int64_t e0 = __shfl_sync(0xFFFFFFFFu, en, src);
+          fs = __shfl_sync(0xFFFFFFFFu, st + (want - (uincl - nu)) * kT, src);
+          fe = min(fs + kT, e0);
+        }
+        count += n;
       }
-      count += n;
       running += __shfl_sync(0xFFFFFFFFu, incl, 31);
     }
     if (lane == 0) {
@@ -158,28 +189,14 @@ struct Geometry {
   static constexpr int kStage = kStageA + kStageB + kStageS;
 };
 
+// Steps 2-4 for the rows [start, end) of group g and the column tile from n0.
 template <bool kFp8, int kMTiles, int kWarpsN, int kStages>
-__global__ void __launch_bounds__(32 * kWarpsN, kMTiles == 1 ? 4 : 2)
-grouped_matmul_kernel(GroupedMatmulParams p) {
+__device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, int64_t start,
+                                          int64_t end, int64_t n0, uint8_t* smem) {
   using Geo = Geometry<kFp8, kMTiles, kWarpsN>;
   constexpr int kThreads = Geo::kThreads, kBN = Geo::kBN, kBM = Geo::kBM;
   constexpr int kElem = kFp8 ? 1 : 2;                    // weight bytes per element
-  extern __shared__ __align__(128) uint8_t smem[];
-
-  const int64_t n0 = int64_t(blockIdx.x) * kBN;
-  int g;
-  int64_t start, end;
-  find_group(p.group_sizes, p.num_groups, p.m, blockIdx.y, blockIdx.y == gridDim.y - 1, &g,
-             &start, &end);
-  if (start >= end) return;
   float* out = p.out;
-  if (g < 0) {  // rows no group covers: zeros (SPEC §9)
-    for (int64_t i = start; i < end; ++i)
-      for (int64_t n = n0 + threadIdx.x; n < n0 + kBN && n < p.n; n += kThreads)
-        out[i * p.n + n] = 0.0f;
-    return;
-  }
-
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wn = warp;
   const __nv_bfloat16* lhs = p.lhs;
@@ -299,30 +316,74 @@ grouped_matmul_kernel(GroupedMatmulParams p) {
 }
 
 template <bool kFp8, int kMTiles, int kWarpsN, int kStages>
-cudaError_t launch(const GroupedMatmulParams& p, cudaStream_t stream) {
+__global__ void __launch_bounds__(32 * kWarpsN, kMTiles == 1 ? 4 : 2)
+grouped_matmul_kernel(GroupedMatmulParams p, bool split) {
+  using Geo = Geometry<kFp8, kMTiles, kWarpsN>;
+  constexpr int kThreads = Geo::kThreads, kBN = Geo::kBN, kBM = Geo::kBM;
+  extern __shared__ __align__(128) uint8_t smem[];
+
+  // split (tiles of 64 rows and more): one CTA row per (group, tile); else one per group.
+  // Each CTA row takes one unit (a loop over several changed how ptxas allocates the tile
+  // loop, 157 registers instead of 184; the host never needs one: see launch).
+  constexpr int kUnit = kBM > 16 ? kBM : 0;
+  const int64_t n0 = int64_t(blockIdx.x) * kBN;
+  int g;
+  int64_t start, end;
+  find_group<kUnit>(p.group_sizes, p.num_groups, p.m, blockIdx.y, blockIdx.y == gridDim.y - 1,
+                    split, &g, &start, &end);
+  if (start >= end) return;
+  if (g < 0) {  // rows no group covers: zeros (SPEC §9)
+    for (int64_t i = start; i < end; ++i)
+      for (int64_t n = n0 + threadIdx.x; n < n0 + kBN && n < p.n; n += kThreads)
+        p.out[i * p.n + n] = 0.0f;
+    return;
+  }
+  gemm_rows<kFp8, kMTiles, kWarpsN, kStages>(p, g, start, end, n0, smem);
+}
+
+template <bool kFp8, int kMTiles, int kWarpsN, int kStages>
+cudaError_t launch(const GroupedMatmulParams& p, bool split, cudaStream_t stream) {
   using Geo = Geometry<kFp8, kMTiles, kWarpsN>;
   constexpr size_t kSmem = size_t(kStages) * Geo::kStage;
   auto kernel = grouped_matmul_kernel<kFp8, kMTiles, kWarpsN, kStages>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        int(kSmem));
   if (e != cudaSuccess) return e;
-  // At most min(G, M) groups are non-empty: one CTA row each, plus the uncovered rows' one.
+  // At most min(G, M) groups are non-empty, holding at most min(G, M) + M / BM tiles of BM
+  // rows: one CTA row each, plus the uncovered rows' one. Past the grid's 65535 rows (M over
+  // ~4 M rows) a split launch takes one CTA row per group instead.
   const int64_t groups = p.num_groups < p.m ? p.num_groups : p.m;
-  const dim3 grid(unsigned((p.n + Geo::kBN - 1) / Geo::kBN), unsigned(groups + 1));
-  kernel<<<grid, Geo::kThreads, kSmem, stream>>>(p);
+  split = split && Geo::kBM > 16 && groups + p.m / Geo::kBM <= 65534;
+  const int64_t units = split ? groups + p.m / Geo::kBM : groups;
+  const dim3 grid(unsigned((p.n + Geo::kBN - 1) / Geo::kBN), unsigned(units + 1));
+  kernel<<<grid, Geo::kThreads, kSmem, stream>>>(p, split);
   return cudaGetLastError();
+}
+
+// Whether a column tile's weights (128 × K) outgrow what L2 serves again cheaply (H200, one
+// TP-8 rank of M3: gate_up's K 6144 does, down's K 384 does not; BENCHMARKS.md).
+bool big_tile(const GroupedMatmulParams& p) {
+  return 128 * p.k * (p.rhs_scale ? 1 : 2) > (256 << 10);
 }
 
 // The tile's launch for bf16 (kFp8 false) or MXFP8 weights. Stages: a ring of about 64-84 KB
 // for 16-row tiles (4 CTAs per SM: the copies in flight cover the latency), 2 CTAs per SM for
-// 64-row tiles.
+// 64-row tiles. 64-row tiles of big column tiles take one CTA row per (group, 64-row tile):
+// a group's tiles run side by side and share its weights through L2, where one CTA walking
+// them in turn read the weights from HBM once per tile (L2 holds far less than the weights the
+// resident CTAs stream). Small column tiles (down's K 384) keep one CTA row per group: the
+// second pass hits L2, and twice the CTAs would each pay the prologue. (Tests force either with
+// p.block_n = 1: per tile, 2: per group.)
 template <bool kFp8>
 cudaError_t launch_tile(const GroupedMatmulParams& p, const GroupedMatmulTile& t,
                         cudaStream_t stream) {
-  if (t.block_m == 64) return launch<kFp8, 4, 4, kFp8 ? 3 : 4>(p, stream);
-  if (t.block_n == 32) return launch<kFp8, 1, 1, kFp8 ? 6 : 8>(p, stream);
-  if (t.block_n == 64) return launch<kFp8, 1, 2, kFp8 ? 5 : 6>(p, stream);
-  return launch<kFp8, 1, 4, 4>(p, stream);
+  if (t.block_m == 64) {
+    const bool split = p.block_n == 1 || (p.block_n != 2 && big_tile(p));
+    return launch<kFp8, 4, 4, kFp8 ? 3 : 4>(p, split, stream);
+  }
+  if (t.block_n == 32) return launch<kFp8, 1, 1, kFp8 ? 6 : 8>(p, false, stream);
+  if (t.block_n == 64) return launch<kFp8, 1, 2, kFp8 ? 5 : 6>(p, false, stream);
+  return launch<kFp8, 1, 4, 4>(p, false, stream);
 }
 
 // CTAs of a launch with column tiles of bn, if every possible group is non-empty.
@@ -340,8 +401,7 @@ GroupedMatmulTile grouped_matmul_tile(const GroupedMatmulParams& p) {
     // when a tile's weights (BN × K) outgrow what L2 serves again cheaply (H200, one TP-8 rank
     // of M3: gate_up K 6144 from 16 rows, down K 384 from 32; BENCHMARKS.md).
     const int64_t rows = p.num_groups > 0 ? p.m / p.num_groups : p.m;
-    const bool big_tile = 128 * p.k * (p.rhs_scale ? 1 : 2) > (256 << 10);
-    t.block_m = rows >= 32 || (rows >= 16 && big_tile) ? 64 : 16;
+    t.block_m = rows >= 32 || (rows >= 16 && big_tile(p)) ? 64 : 16;
   }
   if (t.block_m != 16 || (t.block_n != 32 && t.block_n != 64 && t.block_n != 128)) {
     // Narrower column tiles when few groups would leave SMs idle (one CTA streams its tile).

@@ -7,7 +7,7 @@
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda \
 //        tests/cuda/grouped_harness.cu ffi/cuda/grouped_matmul.cu -o grouped_harness
-//   ./grouped_harness [--no-bench | --bench-only]
+//   ./grouped_harness [--no-bench | --bench-only] [--prefill-only] [--tiles bm:bn,...]
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -22,6 +22,14 @@
 
 using namespace m3sparse;
 using namespace m3sparse::cuda;
+
+// Every launch the bit-identity checks compare: (block_m, block_n) = 16-row tiles of 32, 64 and
+// 128 columns; 64 × 128 tiles with one CTA row per 64-row tile (block_n 1) and per group (2);
+// the launch's choice (0, 0).
+static const std::pair<int, int> kTileList[] = {{16, 32}, {16, 64}, {16, 128}, {64, 1},
+                                                {64, 2}, {0, 0}};
+static const char* const kTileNames = "tiles 16×32, 16×64, 16×128, 64×128 (CTA rows per tile "
+                                      "and per group) and the launch's choice";
 
 struct Problem {
   int64_t M, N, K;
@@ -171,12 +179,12 @@ static void mxfp8_tests(std::mt19937& rng) {
     const auto a = d.run(p, 16, 128);   // the bf16 kernel on the exact values
     check(std::string(s.what) + " (bf16 kernel on the values)", p, a);
     bool same = true;
-    for (auto [bm, bn] : {std::pair{16, 32}, {16, 64}, {16, 128}, {64, 0}, {0, 0}}) {
+    for (auto [bm, bn] : kTileList) {
       const auto b = run(bm, bn);
       same = same && memcmp(a.data(), b.data(), a.size() * 4) == 0;
     }
-    report(same, std::string(s.what) + ": tiles 16×32, 16×64, 16×128, 64×128 and the "
-                 "launch's choice bit-identical to the bf16 kernel on the dequantized values");
+    report(same, std::string(s.what) + ": " + kTileNames +
+                     " bit-identical to the bf16 kernel on the dequantized values");
     CK(cudaFree(w8));
     CK(cudaFree(sc));
   }
@@ -191,7 +199,14 @@ static void tests(std::mt19937& rng) {
       {50, 200, 136, 4, {7, -4, 100, 9}, "a negative size; the running end past M"},
       {64, 136, 64, 3, {0, 0, 0}, "no row covered"},
       {300, 264, 128, 3, {40, 250, 10}, "several 64-row tiles per group"},
+      {700, 200, 384, 9, {84, 130, 1, 64, 65, 200, 17, 33, 97},
+       "prefill-like groups (1..200 rows: partial and whole 64-row tiles)"},
+      {700, 200, 2048, 9, {84, 130, 1, 64, 65, 200, 17, 33, 97},
+       "the same, K 2048 (the launch takes one CTA row per 64-row tile)"},
       {1, 128, 64, 0, {}, "G = 0: every row uncovered"},
+      {64 * 65534 + 100, 8, 8, 64, std::vector<int32_t>(64, 65535),
+       "4.2 M rows in 64 groups: more 64-row tiles than grid rows (65535), so a launch asked "
+       "for CTA rows per tile takes them per group"},
   };
   for (const Shape& s : shapes) {
     Problem p = random_problem(rng, s.M, s.N, s.K, s.G);
@@ -200,12 +215,11 @@ static void tests(std::mt19937& rng) {
     const auto a = d.run(p, 16, 128);
     check(std::string(s.what) + " (16 × 128 tiles)", p, a);
     bool same = true;
-    for (auto [bm, bn] : {std::pair{16, 32}, {16, 64}, {64, 0}, {0, 0}}) {
+    for (auto [bm, bn] : kTileList) {
       const auto b = d.run(p, bm, bn);
       same = same && memcmp(a.data(), b.data(), a.size() * 4) == 0;
     }
-    report(same, std::string(s.what) + ": tiles 16×32, 16×64, 16×128, 64×128 and the "
-                 "launch's choice bit-identical");
+    report(same, std::string(s.what) + ": " + kTileNames + " bit-identical");
   }
   {  // one TP-8 rank's gate_up shape, 64 tokens routed to 4 of 128 experts; sampled rows
     Problem p = random_problem(rng, 256, 768, 6144, 128);
@@ -224,6 +238,7 @@ static void tests(std::mt19937& rng) {
     for (int g = 0; g < 16; ++g) p.sizes[g] = 32;
     Device d(p);
     const auto full = d.run(p, 0);  // M / G = 32: 64-row tiles
+    const auto full_tiles = d.run(p, 64, 1);  // one CTA row per 64-row tile
     Problem alone = p;
     std::fill(alone.sizes.begin(), alone.sizes.end(), 0);
     alone.M = 3;  // rows 0..2 of the lhs as group 5 (the same rows as full's rows 160..162?)
@@ -231,20 +246,60 @@ static void tests(std::mt19937& rng) {
     alone.sizes[5] = 3;
     Device da(alone);
     const auto a = da.run(alone, 0);  // M / G < 32: 16-row tiles
-    report(memcmp(a.data(), full.data() + 160 * p.N, a.size() * 4) == 0,
+    report(memcmp(a.data(), full.data() + 160 * p.N, a.size() * 4) == 0 &&
+               memcmp(a.data(), full_tiles.data() + 160 * p.N, a.size() * 4) == 0,
            "a group's rows alone (16-row tiles) == the same rows in a 512-row batch (64-row "
-           "tiles), bit for bit");
+           "tiles, CTA rows per group and per tile), bit for bit");
   }
 }
 
 // ------------------------------------------------------------------------------ timings
-static void bench() {
+// The launches timed (block_m, block_n; the last is the launch's own choice): 16-row tiles,
+// 64 × 128 tiles with one CTA row per group ("64/grp") and per 64-row tile ("64/tile").
+// --tiles bm:bn,... replaces all but the last.
+struct BenchTile { std::string name; int bm, bn; };
+static std::vector<BenchTile> g_bench_tiles = {
+    {"16x32", 16, 32}, {"16x64", 16, 64}, {"16x128", 16, 128}, {"64/grp", 64, 2},
+    {"64/tile", 64, 1}, {"auto", 0, 0}};
+
+// Tokens T (each routed to 4 distinct of 128 experts, uniformly), or T < 0: a prefill chunk of
+// -T tokens whose 4·|T| rows go to 98 of the 128 experts with skewed (log-normal, σ 0.6)
+// popularity — about 84 rows per routed expert, the largest group ~300-390 rows (an M3 prefill
+// chunk's shape at one TP-8 rank: ~98 routed experts, ~84 rows each; not a measured routing).
+static std::vector<int32_t> route(std::mt19937& rng, int T, int E, int k) {
+  std::vector<int32_t> sizes(E, 0);
+  if (T > 0) {
+    for (int t = 0; t < T; ++t) {
+      std::vector<int> ids(E);
+      for (int e = 0; e < E; ++e) ids[e] = e;
+      for (int j = 0; j < k; ++j) {
+        std::uniform_int_distribution<int> u(j, E - 1);
+        std::swap(ids[j], ids[u(rng)]);
+        ++sizes[ids[j]];
+      }
+    }
+    return sizes;
+  }
+  std::vector<int> ids(E);
+  for (int e = 0; e < E; ++e) ids[e] = e;
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::lognormal_distribution<double> ln(0.0, 0.6);
+  std::vector<double> w(98);
+  for (auto& x : w) x = ln(rng);
+  std::discrete_distribution<int> pick(w.begin(), w.end());
+  for (int64_t i = 0; i < int64_t(-T) * k; ++i) ++sizes[ids[pick(rng)]];
+  return sizes;
+}
+
+static void bench(bool prefill_only) {
   const double copy = copy_bandwidth();
   printf("\ndevice-to-device copy: %.2f TB/s (floor below: 4.25 TB/s, 790 TFLOP/s)\n", copy);
   printf("M3 routed experts at one TP-8 rank: E 128, k 4; gate_up N 768 K 6144, down N 6144 "
-         "K 384. Tokens routed uniformly (4 distinct experts each); 8 routings cycled.\n");
-  printf("%-6s %-8s %6s %4s %9s %9s %9s %9s %9s %9s %6s %6s %5s\n", "rhs", "proj", "tokens", "U",
-         "16x32", "16x64", "16x128", "64x128", "auto µs", "floor µs", "xfloor", "GB/s", "tile");
+         "K 384. Tokens routed uniformly (4 distinct experts each; -2048: 98 experts, skewed); "
+         "8 routings cycled. µs per call.\n");
+  printf("%-6s %-8s %6s %4s %4s", "rhs", "proj", "tokens", "U", "max");
+  for (const BenchTile& t : g_bench_tiles) printf(" %8s", t.name.c_str());
+  printf(" %8s %6s %6s %7s\n", "floor", "xfloor", "GB/s", "tile");
   std::mt19937 rng(99);
   const int E = 128, k = 4;
   struct Proj { const char* name; int64_t N, K; };
@@ -268,24 +323,19 @@ static void bench() {
       CK(cudaMemset(scale, 127, elems / 32));
     }
     std::vector<uint16_t>().swap(w);
-    for (int T : {1, 4, 8, 16, 32, 64, 128, 256, 512, 2048}) {
-      const int64_t M = int64_t(T) * k;
+    const std::vector<int> all = {1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, -2048};
+    const std::vector<int> pre = {256, 512, 1024, 2048, -2048};
+    for (int T : prefill_only ? pre : all) {
+      const int64_t M = int64_t(T < 0 ? -T : T) * k;
       constexpr int kVariants = 8;
-      std::vector<std::vector<int32_t>> routes(kVariants, std::vector<int32_t>(E, 0));
-      double touched = 0;
+      std::vector<std::vector<int32_t>> routes(kVariants);
+      double touched = 0, biggest = 0;
       for (auto& sizes : routes) {
-        for (int t = 0; t < T; ++t) {
-          std::vector<int> ids(E);
-          for (int e = 0; e < E; ++e) ids[e] = e;
-          for (int j = 0; j < k; ++j) {
-            std::uniform_int_distribution<int> u(j, E - 1);
-            std::swap(ids[j], ids[u(rng)]);
-            ++sizes[ids[j]];
-          }
-        }
+        sizes = route(rng, T, E, k);
         touched += std::count_if(sizes.begin(), sizes.end(), [](int s) { return s > 0; });
+        biggest += *std::max_element(sizes.begin(), sizes.end());
       }
-      touched /= kVariants;
+      touched /= kVariants, biggest /= kVariants;
       Problem q{M, pr.N, pr.K, E, std::vector<uint16_t>(M * pr.K, float_to_bf16(0.5f)), {},
                 std::vector<int32_t>(E, 0)};
       Device d(q);
@@ -294,12 +344,11 @@ static void bench() {
         CK(cudaMalloc(&dsizes[v], E * 4));
         CK(cudaMemcpy(dsizes[v], routes[v].data(), E * 4, cudaMemcpyHostToDevice));
       }
-      constexpr int kTiles = 5;
-      double us[kTiles];
-      const int bms[kTiles] = {16, 16, 16, 64, 0}, bns[kTiles] = {32, 64, 128, 0, 0};
-      for (int b = 0; b < kTiles; ++b) {
+      const int tiles = int(g_bench_tiles.size());
+      std::vector<double> us(tiles);
+      for (int b = 0; b < tiles; ++b) {
         us[b] = time_graph([&](int v, cudaStream_t s) {
-          GroupedMatmulParams gp = d.params(q, bms[b], bns[b]);
+          GroupedMatmulParams gp = d.params(q, g_bench_tiles[b].bm, g_bench_tiles[b].bn);
           gp.rhs = rhs;
           gp.rhs_scale = scale;
           gp.group_sizes = dsizes[v];
@@ -312,10 +361,12 @@ static void bench() {
       GroupedMatmulParams auto_p = d.params(q, 0);
       auto_p.rhs_scale = scale;
       const GroupedMatmulTile tile = grouped_matmul_tile(auto_p);
-      const double best = us[kTiles - 1];
-      printf("%-6s %-8s %6d %4.0f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %6.2f %6.0f %dx%d\n",
-             fp8 ? "mxfp8" : "bf16", pr.name, T, touched, us[0], us[1], us[2], us[3], best, floor_us,
-             best / floor_us, bytes / (best * 1e-6) / 1e9, tile.block_m, tile.block_n);
+      const double best = us[tiles - 1];
+      printf("%-6s %-8s %6d %4.0f %4.0f", fp8 ? "mxfp8" : "bf16", pr.name, T, touched, biggest);
+      for (int b = 0; b < tiles; ++b) printf(" %8.1f", us[b]);
+      printf(" %8.1f %6.2f %6.0f %3dx%d\n", floor_us, best / floor_us,
+             bytes / (best * 1e-6) / 1e9, tile.block_m, tile.block_n);
+      fflush(stdout);
       for (auto* x : dsizes) CK(cudaFree(x));
     }
     CK(cudaFree(rhs));
@@ -324,10 +375,19 @@ static void bench() {
 }
 
 int main(int argc, char** argv) {
-  bool run_tests = true, run_bench = true;
+  bool run_tests = true, run_bench = true, prefill_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--no-bench")) run_bench = false;
     if (!strcmp(argv[i], "--bench-only")) run_tests = false;
+    if (!strcmp(argv[i], "--prefill-only")) prefill_only = true;  // tokens 256..2048 only
+    if (!strcmp(argv[i], "--tiles") && i + 1 < argc) {            // bm:bn,... then auto
+      g_bench_tiles.clear();
+      for (char* t = strtok(argv[++i], ","); t; t = strtok(nullptr, ",")) {
+        int bm = 0, bn = 0;
+        if (sscanf(t, "%d:%d", &bm, &bn) == 2) g_bench_tiles.push_back({t, bm, bn});
+      }
+      g_bench_tiles.push_back({"auto", 0, 0});
+    }
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -335,7 +395,7 @@ int main(int argc, char** argv) {
          prop.l2CacheSize / 1e6);
   std::mt19937 rng(1234);
   if (run_tests) tests(rng);
-  if (run_bench) bench();
+  if (run_bench) bench(prefill_only);
   if (run_tests) printf("\n%s: %d failure(s)\n", g_failures ? "FAILED" : "OK", g_failures);
   return g_failures ? 1 : 0;
 }
