@@ -101,9 +101,19 @@ def _read_json(path: str) -> dict:
 
 def printable(tokens, limit: int = 72) -> str:
     """One console line: valid UTF-8 as text, other bytes and controls as escapes, cut."""
-    s = bytes(int(t) for t in tokens).decode("utf-8", errors="backslashreplace")
-    s = "".join(c if c.isprintable() or c == "\\" else repr(c)[1:-1] for c in s)
-    return s if len(s) <= limit else s[:limit - 3] + "..."
+    s = bytes(int(t) for t in tokens).decode("utf-8", errors="surrogateescape")
+    pieces = [c if c.isprintable() else
+              f"\\x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else repr(c)[1:-1]
+              for c in s]                      # undecodable bytes (surrogates) as \xNN
+    if sum(map(len, pieces)) <= limit:
+        return "".join(pieces)
+    out, n = [], 0
+    for p in pieces:                           # cut between pieces, never inside an escape
+        if n + len(p) > limit - 3:
+            return "".join(out) + "..."
+        out.append(p)
+        n += len(p)
+    return "".join(out)
 
 
 def load_prompts(files=None, max_tokens=None, tokenizer=None) -> list[tuple[str, list[int]]]:

@@ -411,7 +411,7 @@ def _select_case(rng, ctx, rows_per_req, Hkv=2, Di=128, key_dtype=jnp.bfloat16, 
     return jnp.asarray(q, q_dtype), keys, bt, req, pos
 
 
-@pytest.mark.skipif(not _select_native(), reason="select_blocks not in the CUDA module")
+@pytest.mark.skipif(not _select_native(), reason="no CUDA device, or select_blocks not in its CUDA module")
 @pytest.mark.parametrize("key_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
 def test_select_blocks_matches_reference(rng, key_dtype, q_dtype):
@@ -433,7 +433,7 @@ def test_select_blocks_matches_reference(rng, key_dtype, q_dtype):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.skipif(not _select_native(), reason="select_blocks not in the CUDA module")
+@pytest.mark.skipif(not _select_native(), reason="no CUDA device, or select_blocks not in its CUDA module")
 def test_select_blocks_4d_layer_in_scan(rng):
     """A 4-D cache inside jit(lax.scan) over the layers (the layer a traced device scalar; XLA
     may put the call in a command buffer): each layer equals the reference; a layer outside
@@ -454,7 +454,7 @@ def test_select_blocks_4d_layer_in_scan(rng):
     assert (got[3] == -1).all()
 
 
-@pytest.mark.skipif(not _select_native(), reason="select_blocks not in the CUDA module")
+@pytest.mark.skipif(not _select_native(), reason="no CUDA device, or select_blocks not in its CUDA module")
 def test_select_blocks_batch_and_pool_invariant(rng):
     """Normal data (rounding matters): each request's rows are bit-identical alone and in the
     batch, and with its pages moved into a 4x pool (SPEC §8 step 6)."""

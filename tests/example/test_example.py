@@ -285,6 +285,17 @@ def test_text_roundtrip(tmp_path):
     assert hf.printable([1, 2]) == "hello world"
 
 
+def test_printable_cuts_between_escapes():
+    """Undecodable bytes print as \\xNN and a cut line never ends inside one."""
+    t = list(b"ab") + [0xf0] * 40
+    for limit in range(5, 30):
+        s = text.printable(t, limit)
+        assert len(s) <= limit and s.endswith("..."), s
+        body = s[:-3]
+        assert body == "ab" + "\\xf0" * ((len(body) - 2) // 4), s
+    assert text.printable(list(b"a\\b")) == "a\\b"
+
+
 def test_plot(batched, tmp_path):
     engine, _ = batched
     path = tmp_path / "accuracy.png"
