@@ -381,7 +381,13 @@ def test_dry_run_plans_the_real_model(capsys):
     assert p["index_cache_bytes_per_device"] == 57 * pages * 128 * 128 * 2   # 3 full layers
     # weights: about 1/8 of 2 bytes per parameter plus the replicated embeddings, router, indexer
     assert 2 * p["parameters"] / 8 < p["weight_bytes_per_device"] < 2 * p["parameters"] / 8 + 6e9
-    assert p["fits"] and "fits with 8.0 GB kept" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert p["fits"] and "fits with 8.0 GB kept" in out
+    # the example README shows this very command's output: it must be what the code prints
+    readme = (pathlib.Path(cfg_path).parents[0] / "minimax_m3" / "README.md").read_text()
+    block = readme.split("--tp 8 --context-len 131072 --batch 8 --device-memory-gb 192\n")[1]
+    shown = block.split("```")[0].strip().splitlines()
+    assert len(shown) == 6 and all(line in out for line in shown), (shown, out)
     # MXFP8 routed experts: the same parameters; each expert weight 1 byte + 1/32 for its
     # exponent instead of 2 (57 MoE layers × 128 experts × 3 × 6144 × 3072 / 8 per device)
     q = cli.main(["--config", cfg_path, "--dry-run", "--tp", "8", "--context-len", "131072",
