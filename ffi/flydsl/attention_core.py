@@ -173,6 +173,16 @@ PARTIAL_O_BYTES = GROUP_HEADS * HEAD_DIM * 4   # 8192
 PARTIAL_BYTES = PARTIAL_O_BYTES + GROUP_HEADS * 8
 
 
+def load_partial(ws, record, head, d0):
+    """One thread's share of a workspace record at byte `record`: (m, l) of head `head` and
+    O[head][d0 .. d0 + 7] (f32, two 16-byte loads)."""
+    ml = load_dwords(ws, record + PARTIAL_O_BYTES + head * 8, 2).bitcast(fx.Float32)
+    lo = load_dwords(ws, record + (head * HEAD_DIM + d0) * 4, 4).bitcast(fx.Float32)
+    hi = load_dwords(ws, record + (head * HEAD_DIM + d0) * 4 + 16, 4).bitcast(fx.Float32)
+    o = fx.Vector.from_elements([lo[i] for i in range(4)] + [hi[i] for i in range(4)], dtype=fx.Float32)
+    return ml[0], ml[1], o
+
+
 def owned_bytes(owns, num_bytes):
     """A descriptor size: num_bytes, or 0 (every store dropped) where `owns` is false; owns None = all."""
     return num_bytes if owns is None else owns.select(num_bytes, fx.Int64(0))

@@ -49,10 +49,10 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 
 from attention_core import (
-    COMPUTE_DTYPES, IO_DTYPES, PARTIAL_BYTES, PARTIAL_O_BYTES, THREADS, TOPK, Operands, attend, finish,
+    COMPUTE_DTYPES, IO_DTYPES, PARTIAL_BYTES, THREADS, TOPK, Operands, attend, finish, load_partial,
     owned_bytes, shared_storage, store_values,
 )
-from common import BLOCK_SIZE, GROUP_HEADS, HEAD_DIM, NEG_INF, buffer_rsrc, exp2_fast, load_dwords, uniform
+from common import BLOCK_SIZE, GROUP_HEADS, HEAD_DIM, NEG_INF, buffer_rsrc, exp2_fast, uniform
 from union_tile import dyn_for, when
 
 # SPEC §5.5: bf16 products, as the per-token decode whose body this is. (The body's fp16 form, the
@@ -140,12 +140,7 @@ def compile_full_attention(dtype: str = "bf16", group: int = GROUP_HEADS):
         first = (token * num_kv_heads + kv_head) * num_parts * PARTIAL_BYTES
 
         def step(p, st):
-            record = first + p * PARTIAL_BYTES
-            ml = load_dwords(ws, record + PARTIAL_O_BYTES + head * 8, 2).bitcast(fx.Float32)
-            lo = load_dwords(ws, record + (head * HEAD_DIM + d0) * 4, 4).bitcast(fx.Float32)
-            hi = load_dwords(ws, record + (head * HEAD_DIM + d0) * 4 + 16, 4).bitcast(fx.Float32)
-            o_l = fx.Vector.from_elements([lo[i] for i in range(4)] + [hi[i] for i in range(4)], dtype=fx.Float32)
-            m, l, o = fold(st["m"], st["l"], st["o"], ml[0], ml[1], o_l)
+            m, l, o = fold(st["m"], st["l"], st["o"], *load_partial(ws, first + p * PARTIAL_BYTES, head, d0))
             return {"m": m, "l": l, "o": o}
 
         state = {"m": fx.Float32(NEG_INF), "l": fx.Float32(0.0), "o": fx.Vector.filled(8, 0.0, fx.Float32)}

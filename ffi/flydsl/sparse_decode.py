@@ -79,10 +79,10 @@ import flydsl.expr as fx
 from flydsl.expr import range_constexpr
 
 from attention_core import (
-    COMPUTE_DTYPES, IO_DTYPES, NUM_WAVES, PARTIAL_BYTES, PARTIAL_O_BYTES, THREADS, TOPK, Operands, attend,
-    finish, lse_combine, owned_bytes, shared_storage, store_values,
+    COMPUTE_DTYPES, IO_DTYPES, NUM_WAVES, PARTIAL_BYTES, THREADS, TOPK, Operands, attend,
+    finish, load_partial, lse_combine, owned_bytes, shared_storage, store_values,
 )
-from common import GROUP_HEADS, HEAD_DIM, buffer_rsrc, load_dwords, uniform
+from common import GROUP_HEADS, HEAD_DIM, buffer_rsrc, uniform
 import union_tile
 
 COMPUTE = "bf16"            # SPEC §5.5: the gfx950 decode computes the products in bf16
@@ -195,14 +195,10 @@ def compile_sparse_decode_split(dtype: str = "bf16", group: int = GROUP_HEADS):
         first = (token * num_kv_heads + kv_head) * NUM_SPLITS * PARTIAL_BYTES
         ms, ls, os_ = [], [], []
         for s in range_constexpr(NUM_SPLITS):
-            record = first + s * PARTIAL_BYTES
-            ml = load_dwords(ws, record + PARTIAL_O_BYTES + head * 8, 2).bitcast(fx.Float32)
-            lo = load_dwords(ws, record + (head * HEAD_DIM + d0) * 4, 4).bitcast(fx.Float32)
-            hi = load_dwords(ws, record + (head * HEAD_DIM + d0) * 4 + 16, 4).bitcast(fx.Float32)
-            ms.append(ml[0])
-            ls.append(ml[1])
-            os_.append(fx.Vector.from_elements([lo[i] for i in range(4)] + [hi[i] for i in range(4)],
-                                               dtype=fx.Float32))
+            m, l, o = load_partial(ws, first + s * PARTIAL_BYTES, head, d0)
+            ms.append(m)
+            ls.append(l)
+            os_.append(o)
         _, l_all, o_all = lse_combine(ms, ls, os_)
         num_heads = num_kv_heads * group
         io_bytes = io.width // 8

@@ -163,8 +163,9 @@ struct AttendShape {
   int64_t tokens, hkv, group, requests, max_blocks, page_stride, layer_stride;
 };
 
+// topk: the selection [Hkv, T, 16], or nullptr for full attention (every block, no list).
 ffi::Error attend_shape(const char* target, const ffi::AnyBuffer& q, const ffi::AnyBuffer& cache,
-                        const ffi::Buffer<ffi::S32>& topk, const ffi::Buffer<ffi::S32>& block_table,
+                        const ffi::Buffer<ffi::S32>* topk, const ffi::Buffer<ffi::S32>& block_table,
                         const ffi::AnyBuffer& out, int64_t layout, AttendShape* s) {
   if (auto e = cache_geometry(target, cache, layout, &s->geo); e.failure()) return e;
   s->hkv = s->geo.num_slots / 2;
@@ -180,14 +181,17 @@ ffi::Error attend_shape(const char* target, const ffi::AnyBuffer& q, const ffi::
   if (out.element_type() != q.element_type() || dims_text(out.dimensions()) != dims_text(qd))
     return refuse(target, "out must have q's dtype and shape");
   s->tokens = qd[0];
-  auto td = topk.dimensions();
-  if (td.size() != 3 || td[0] != s->hkv || td[1] != s->tokens || td[2] != kTopk)
-    return refuse(target, "topk_indices must be [Hkv, T, 16], got " + dims_text(td));
+  if (topk != nullptr) {
+    auto td = topk->dimensions();
+    if (td.size() != 3 || td[0] != s->hkv || td[1] != s->tokens || td[2] != kTopk)
+      return refuse(target, "topk_indices must be [Hkv, T, 16], got " + dims_text(td));
+  }
   auto bd = block_table.dimensions();
   if (bd.size() != 2) return refuse(target, "block_table must be [R, M]");
   s->requests = bd[0];
   s->max_blocks = bd[1];
-  if (!fits_i32(s->tokens * qd[1] * kHeadDim * float_bytes(q.element_type())) || !fits_i32(s->hkv * s->tokens * kTopk * 4) ||
+  if (!fits_i32(s->tokens * qd[1] * kHeadDim * float_bytes(q.element_type())) ||
+      (topk != nullptr && !fits_i32(s->hkv * s->tokens * kTopk * 4)) ||
       !fits_i32(s->requests * s->max_blocks * 4) || !fits_i32(s->max_blocks * kBlockSize))
     return refuse(target, "an operand is too large for the kernels' 32-bit indexing");
   strides(s->geo, &s->page_stride, &s->layer_stride);
@@ -214,7 +218,7 @@ ffi::Error SparseDecode(hipStream_t stream, int32_t device, ffi::ScratchAllocato
                         ffi::Result<ffi::AnyBuffer> out, float scale, int64_t decode_query_len,
                         int64_t layout) {
   AttendShape s;
-  if (auto e = attend_shape(kDecodeTarget, q, cache, topk, block_table, *out, layout, &s); e.failure())
+  if (auto e = attend_shape(kDecodeTarget, q, cache, &topk, block_table, *out, layout, &s); e.failure())
     return e;
   if (decode_query_len < 1 || s.tokens != s.requests * decode_query_len ||
       int64_t(seq_lens.element_count()) != s.requests)
@@ -263,7 +267,7 @@ ffi::Error SparsePrefill(hipStream_t stream, int32_t device, ffi::AnyBuffer q, f
                          ffi::BufferR0<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out, float scale,
                          int64_t layout) {
   AttendShape s;
-  if (auto e = attend_shape(kPrefillTarget, q, cache, topk, block_table, *out, layout, &s); e.failure())
+  if (auto e = attend_shape(kPrefillTarget, q, cache, &topk, block_table, *out, layout, &s); e.failure())
     return e;
   if (int64_t(query_req_id.element_count()) != s.tokens || int64_t(query_abs_pos.element_count()) != s.tokens)
     return refuse(kPrefillTarget, "query_req_id and query_abs_pos must be [T]");
@@ -297,33 +301,14 @@ ffi::Error FullAttention(hipStream_t stream, int32_t device, ffi::ScratchAllocat
                          ffi::BufferR0<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out,
                          ffi::Result<ffi::AnyBuffer> /*workspace: CUDA's; not written here*/, float scale,
                          int64_t layout, int64_t /*part_blocks*/) {
-  AttendShape s;  // attend_shape's checks, without a selection
-  const auto bd = block_table.dimensions();
-  if (auto e = cache_geometry(kFullTarget, cache, layout, &s.geo); e.failure()) return e;
-  s.hkv = s.geo.num_slots / 2;
-  auto qd = q.dimensions();
-  if (qd.size() != 3 || qd[2] != kHeadDim)
-    return refuse(kFullTarget, "q must be [T, Hq, 128], got " + dims_text(qd));
-  if (qd[1] != kGroup * s.hkv && qd[1] != kGroupTp8 * s.hkv)
-    return refuse(kFullTarget, "gfx950 kernels need G = Hq/Hkv = 16 or 8, got Hq=" + std::to_string(qd[1]) +
-                                   ", Hkv=" + std::to_string(s.hkv));
-  s.group = qd[1] / s.hkv;
-  if (!is_float(q.element_type())) return refuse(kFullTarget, "q must be float32, bfloat16 or float16");
-  if (out->element_type() != q.element_type() || dims_text(out->dimensions()) != dims_text(qd))
-    return refuse(kFullTarget, "out must have q's dtype and shape");
-  if (bd.size() != 2) return refuse(kFullTarget, "block_table must be [R, M]");
-  s.tokens = qd[0];
-  s.requests = bd[0];
-  s.max_blocks = bd[1];
+  AttendShape s;
+  if (auto e = attend_shape(kFullTarget, q, cache, nullptr, block_table, *out, layout, &s); e.failure())
+    return e;
   if (int64_t(query_req_id.element_count()) != s.tokens || int64_t(query_abs_pos.element_count()) != s.tokens)
     return refuse(kFullTarget, "query_req_id and query_abs_pos must be [T]");
   const int64_t parts = (s.max_blocks + kFullPartBlocks - 1) / kFullPartBlocks;
-  const int64_t io_bytes = float_bytes(q.element_type());
-  if (!fits_i32(s.tokens * qd[1] * kHeadDim * io_bytes) || !fits_i32(s.requests * s.max_blocks * 4) ||
-      !fits_i32(s.max_blocks * kBlockSize) || !fits_i32(s.hkv * parts * kPartialBytes) ||
-      parts > kMaxGridYZ || s.hkv > kMaxGridYZ)
+  if (!fits_i32(s.hkv * parts * kPartialBytes) || parts > kMaxGridYZ || s.hkv > kMaxGridYZ)
     return refuse(kFullTarget, "an operand is too large for the kernels' 32-bit indexing");
-  strides(s.geo, &s.page_stride, &s.layer_stride);
   if (s.tokens == 0) return ffi::Error::Success();
   if (parts == 0) {  // no block in any request (full.py returns zeros before binding; kept defined)
     hipError_t err = hipMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
@@ -342,7 +327,7 @@ ffi::Error FullAttention(hipStream_t stream, int32_t device, ffi::ScratchAllocat
                                                               std::to_string(ws_bytes) + " bytes)");
   const auto v = M3SPARSE_GROUP_VARIANTS(full_attention, q.element_type(), s.group);
   if (auto e = prepare_launch(kFullTarget, v.kernel, device); e.failure()) return e;
-  const int64_t row_bytes = qd[1] * kHeadDim * io_bytes;
+  const int64_t row_bytes = s.hkv * s.group * kHeadDim * float_bytes(q.element_type());
   auto* q_bytes = static_cast<char*>(q.untyped_data());
   auto* out_bytes = static_cast<char*>(out->untyped_data());
   for (int64_t t0 = 0; t0 < s.tokens; t0 += chunk) {
