@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_m3sparse import select_blocks
+from jax_m3sparse.sharding import replicate_kv_heads
 
 from .layers import apply_rotary, gemma_rms_norm, linear
 from .parallel import AXIS, tp_size
@@ -41,8 +42,8 @@ def fuse_qkv(q, k, v, iq=None, ik=None, *, cfg):
     layers the indexer's ``q_proj`` / ``k_proj``."""
     lead, H = q.shape[:-2], q.shape[-1]
     S, rep, D, Di = cfg.cache_kv_heads, cfg.kv_replicas, cfg.head_dim, cfg.index_head_dim
-    per_head = lambda w, n: jnp.repeat(w.reshape(*lead, cfg.num_key_value_heads, n, H), rep,
-                                       axis=-3)   # noqa: E731 (stored head j = head j // rep)
+    per_head = lambda w, n: replicate_kv_heads(   # noqa: E731 (stored head j = head j // rep)
+        w.reshape(*lead, cfg.num_key_value_heads, n, H), rep, axis=-3)
     parts = [q.reshape(*lead, S, -1, H), per_head(k, D), per_head(v, D)]
     if iq is not None:
         parts += [per_head(iq, Di), jnp.broadcast_to(ik.reshape(*lead, 1, Di, H), (*lead, S, Di, H))]
@@ -75,7 +76,7 @@ def project(p, h, cos, sin, cfg):
     w = p["qkv_proj"]
     S, C, H = w.shape
     out = linear(h, w.reshape(S * C, H)).reshape(T, S, C)
-    g = (C - 2 * D - (2 * Di if "indexer" in p else 0)) // D     # query heads per group
+    g = cfg.num_attention_heads // S                              # query heads per group
     # a group's q heads and its k head lie side by side: one norm and one RoPE for all of them
     # (and for the index query and key below), fewer kernels than one per tensor
     qk = _norm_rope(out[..., :(g + 1) * D].reshape(T, S, g + 1, D),
