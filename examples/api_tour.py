@@ -121,7 +121,8 @@ chosen = np.array([[0, 3], [3, 5], [1, 0], [7, 3], [5, 6]], np.int32)       # [T
 order = np.argsort(chosen.reshape(-1), kind="stable")
 sizes = jnp.asarray(np.bincount(chosen.reshape(-1), minlength=E), jnp.int32)
 w_up = jnp.asarray(rng.standard_normal((E, I, H)) * H ** -0.5, jnp.bfloat16)   # [E, out, in]
-up = m3.grouped_matmul(x[order // TOPK], w_up, sizes)                # float32 [T·k, I]
+# lhs_rows: each sorted pair's token, read in place (the same bits as passing x[order // TOPK])
+up = m3.grouped_matmul(x, w_up, sizes, lhs_rows=jnp.asarray(order // TOPK, jnp.int32))  # f32 [T·k, I]
 print("grouped matmul", up.shape, "row 0 is token", order[0] // TOPK, "through expert",
       chosen.reshape(-1)[order[0]], ":", bool(jnp.allclose(
           up[0], x[order[0] // TOPK].astype(jnp.float32) @ w_up[0].astype(jnp.float32).T,

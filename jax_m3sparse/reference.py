@@ -410,13 +410,20 @@ def select_blocks(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, 
                        topk_blocks=int(topk_blocks), local_blocks=int(local_blocks))
 
 
-def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale):
+def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale, lhs_rows=None, *, gather=False):
     """Primitive-level reference of grouped_matmul (SPEC §9): per group, every row multiplied
     by the group's matrix and *selected* for the group's rows (sizes made valid: negative
     counts as 0, rows past M dropped), rows no group covers 0; MXFP8 weights (``rhs`` fp8,
     ``rhs_scale`` [G, N, K/32]) dequantized to bf16 first (§9.1). A select, not XLA's
     ``ragged_dot``: on the CPU that is a masked product over every group, where a NaN or inf in
-    one group's weights (an unrouted expert's included) reached every row (0 · NaN)."""
+    one group's weights (an unrouted expert's included) reached every row (0 · NaN).
+    ``gather``: the product's rows are ``lhs[lhs_rows]``, zero rows for ids outside ``[0, T)``
+    (SPEC §9 item 4)."""
+    if gather:
+        T = lhs.shape[0]
+        ok = (lhs_rows >= 0) & (lhs_rows < T)
+        lhs = (jnp.where(ok[:, None], lhs[jnp.clip(lhs_rows, 0, T - 1)], 0).astype(lhs.dtype)
+               if T else jnp.zeros((lhs_rows.shape[0], lhs.shape[1]), lhs.dtype))
     if rhs.dtype == jnp.float8_e4m3fn:
         rhs = mxfp8_dequantize(rhs, rhs_scale)
     M, N = lhs.shape[0], rhs.shape[1]
@@ -433,9 +440,12 @@ def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale):
                         jnp.arange(rhs.shape[0], dtype=jnp.int32))[0]
 
 
-def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None):
+def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, lhs_rows=None):
     """Reference of :func:`jax_m3sparse.grouped_matmul` (SPEC §9)."""
     rhs = jnp.asarray(rhs)
     scale = (jnp.zeros((*rhs.shape[:2], 0), jnp.uint8) if rhs_scale is None
              else jnp.asarray(rhs_scale))
-    return grouped_matmul_impl(jnp.asarray(lhs), rhs, jnp.asarray(group_sizes, jnp.int32), scale)
+    gather = lhs_rows is not None
+    rows = jnp.asarray(lhs_rows if gather else np.zeros(0), jnp.int32)
+    return grouped_matmul_impl(jnp.asarray(lhs), rhs, jnp.asarray(group_sizes, jnp.int32), scale,
+                               rows, gather=gather)

@@ -290,12 +290,32 @@ class Bench:
         host = host_bytes(batch, out)
         row = dict(kind=kind, requests=n if kind == "decode" else 1, tokens=T, context=ctx,
                    step_ms=1e3 * statistics.median(times), step_ms_min=1e3 * min(times),
-                   compile_s=compile_s, host_bytes=host)
+                   compile_s=compile_s, host_bytes=host, **self.step_trace(call, kind, T))
+        self.caches = state["caches"]
         if not self.args.no_parts:
             parts = Parts(self, batch, nd, kind, ctx)
             row["parts"] = parts.run()
             row.update(self.project(row, parts))
         return row
+
+    def step_trace(self, call, kind, T) -> dict:
+        """GPU (``--kernel-times``): the step's kernels from one profiler trace — how many, their
+        total, and the GPU's idle time inside the step's span (launch gaps); with
+        M3SPARSE_BENCH_TRACE set, the step's top kernels on stderr."""
+        if not (self.gpu and self.args.kernel_times):
+            return {}
+        try:
+            from jax_m3sparse.bench import cuda  # noqa: PLC0415
+            ev = cuda.gpu_events(call, ())
+        except Exception:  # noqa: BLE001 (the wall time stands)
+            return {}
+        if not ev:
+            return {}
+        if os.environ.get("M3SPARSE_BENCH_TRACE"):
+            cuda.summary(ev, f"step {kind} {T}", top=2 * int(os.environ["M3SPARSE_BENCH_TRACE"]))
+        _, total, span, idle = cuda.split_events(ev, "\0")
+        return dict(step_kernels=len(ev), step_kernel_ms=total / 1e3, step_span_ms=span / 1e3,
+                    step_idle_ms=idle / 1e3)
 
     def project(self, row, parts) -> dict:
         """The step at all layers and tp: the measured step, plus the missing layers at their
@@ -781,6 +801,10 @@ def format_row(row, tp: int | None = None) -> str:
             + f", compile {row['compile_s']:.1f} s, host {row['host_bytes']['to_device']:,} B up"
             f" / {row['host_bytes']['to_host']:,} B down")
     lines = [head]
+    if "step_kernels" in row:
+        lines.append(f"  GPU trace of one step: {row['step_kernels']} kernels, "
+                     f"{row['step_kernel_ms']:.2f} ms of kernels in a {row['step_span_ms']:.2f} ms "
+                     f"span ({row['step_idle_ms']:.2f} ms idle between them)")
     for p in row.get("parts", []):
         if "error" in p:
             lines.append(f"  {p['part']:<26} failed: {p['error']}")

@@ -222,7 +222,9 @@ _OUT_IN = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), (
 
 
 def _grouped_dot(impl: str):
-    """``dot(lhs [M, in], rhs [G, out, in], group_sizes [G]) -> fp32 [M, out]`` (bf16 rhs)."""
+    """``dot(lhs, rhs [G, out, in], group_sizes [G], lhs_rows=None) -> fp32 [M, out]`` (bf16
+    rhs), like jax_m3sparse.grouped_matmul: with ``lhs_rows`` the product of ``lhs[lhs_rows]``
+    (gathered first here; grouped_matmul reads them in place)."""
     if impl == "ragged":
         general = jax.lax.ragged_dot_general
     elif impl == "tokamax":
@@ -236,8 +238,9 @@ def _grouped_dot(impl: str):
         general = tokamax.ragged_dot_general
     else:
         raise ValueError(f"no grouped dot for moe_impl {impl!r}")
-    return lambda lhs, rhs, sizes: general(lhs, rhs, sizes, _OUT_IN,
-                                           preferred_element_type=jnp.float32)
+    return lambda lhs, rhs, sizes, lhs_rows=None: general(
+        lhs if lhs_rows is None else lhs[lhs_rows], rhs, sizes, _OUT_IN,
+        preferred_element_type=jnp.float32)
 
 
 def experts_sorted(p, x, weights, chosen, cfg, dot):
@@ -252,8 +255,9 @@ def experts_sorted(p, x, weights, chosen, cfg, dot):
               dict(gu=(p["gate_up_proj_scale"].reshape(E, 2 * I, H // 32),),
                    down=(p["down_proj_scale"],)))
     order, sizes, inverse = sort_by_expert(chosen, E)
-    rows = x.astype(act)[order // k]                                     # [T·k, H]
-    gu = dot(rows, w_gu.reshape(E, 2 * I, H), sizes, *scales.get("gu", ())).reshape(T * k, 2, I)
+    # the pairs' tokens [T·k, H], gathered as the first product reads them
+    gu = dot(x.astype(act), w_gu.reshape(E, 2 * I, H), sizes, *scales.get("gu", ()),
+             lhs_rows=order // k).reshape(T * k, 2, I)
     # The routing weight before down_proj, as dense dispatch applies it (same bf16 rounding).
     h = swiglu_oai(gu, cfg.swiglu_alpha, cfg.swiglu_limit) * weights.reshape(-1)[order][:, None]
     y = dot(h.astype(act), w_down, sizes, *scales.get("down", ()))       # [T·k, H]

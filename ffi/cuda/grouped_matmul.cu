@@ -27,6 +27,8 @@
 //      (batch-invariant; tests/cuda checks it), and an MXFP8 launch equals the bf16 launch on
 //      the dequantized weights bit for bit.
 //   4. The accumulators are stored (fp32) for the tile's rows inside the group and columns < N.
+// With lhs_rows (SPEC §9 item 4) step 2 reads row i's lhs from lhs_rows[i]: the sorted copy of the
+// tokens a mixture of experts would otherwise make is never written.
 // No workspace, no host reads of device data: CUDA-graph safe.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -213,9 +215,23 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
     // With fp8 weights thread t also copies the scale bytes of weight row t (BN = threads).
     constexpr int kRowStep = kThreads / 8, kRowsA = kBM / kRowStep, kRowsB = kBN / kRowStep;
     const int c = tid & 7, r0 = tid >> 3;
-    const __nv_bfloat16* pa = lhs + (m0 + r0) * p.k + 8 * c;
+    // The lhs row each of this thread's A rows reads: the row itself, or its lhs_rows entry
+    // (gathered as it is read; ids outside [0, lhs_count) and rows past the group read zeros).
+    const __nv_bfloat16* pa[kRowsA];
+    bool live_a[kRowsA];
+#pragma unroll
+    for (int j = 0; j < kRowsA; ++j) {
+      const int64_t row = m0 + r0 + j * kRowStep;
+      int64_t src = row;
+      live_a[j] = row < end;
+      if (p.lhs_rows != nullptr) {
+        src = live_a[j] ? p.lhs_rows[row] : 0;
+        live_a[j] = live_a[j] && src >= 0 && src < p.lhs_count;
+      }
+      pa[j] = lhs + (live_a[j] ? src : 0) * p.k + 8 * c;
+    }
     const uint8_t* pb = rhs + (n0 + r0) * p.k * kElem + 16 * c;
-    const int64_t live_a = end - m0 - r0, live_b = p.n - n0 - r0;   // row j valid: j·step < live
+    const int64_t live_b = p.n - n0 - r0;   // weight row j valid: j·step < live_b
     auto load = [&](int ks) {
       if (ks < ksteps) {
         uint8_t* a = smem + (ks % kStages) * Geo::kStage;
@@ -226,8 +242,8 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
           const bool k_ok = k0 + 64 * h + 8 * c < p.k;
 #pragma unroll
           for (int j = 0; j < kRowsA; ++j) {
-            const bool ok = k_ok && j * kRowStep < live_a;
-            const __nv_bfloat16* src = pa + int64_t(j) * kRowStep * p.k + k0 + 64 * h;
+            const bool ok = k_ok && live_a[j];
+            const __nv_bfloat16* src = pa[j] + k0 + 64 * h;
             cp_async16_zfill(a + h * Geo::kSubA + swz(r0 + j * kRowStep, c), ok ? src : lhs, ok);
           }
         }

@@ -249,8 +249,13 @@ ffi::Error SelectBlocks(cudaStream_t stream, ffi::AnyBuffer idx_q, ffi::AnyBuffe
 
 ffi::Error GroupedMatmul(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::AnyBuffer rhs,
                          ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::U8> rhs_scale,
-                         ffi::Result<ffi::Buffer<ffi::F32>> out) {
+                         ffi::Buffer<ffi::S32> lhs_rows, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                         int64_t gather) {
   auto ld = lhs.dimensions(), rd = rhs.dimensions(), gd = group_sizes.dimensions();
+  auto id = lhs_rows.dimensions();
+  if (id.size() != 1 || (!gather && id[0] != 0))
+    return invalid("grouped_matmul: lhs_rows must be [M] (gather) or [0]");
+  const int64_t m = gather ? id[0] : ld[0];
   auto sd = rhs_scale.dimensions();
   if (ld.size() != 2 || rd.size() != 3 || gd.size() != 1 || gd[0] != rd[0] || rd[2] != ld[1])
     return invalid("grouped_matmul: lhs [M, K], rhs [G, N, K], group_sizes [G]");
@@ -261,7 +266,7 @@ ffi::Error GroupedMatmul(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::A
     return invalid("grouped_matmul: rhs_scale must be [G, N, K / 32] for MXFP8 rhs, "
                    "[G, N, 0] for bf16");
   auto od = out->dimensions();
-  if (od.size() != 2 || od[0] != ld[0] || od[1] != rd[1])
+  if (od.size() != 2 || od[0] != m || od[1] != rd[1])
     return invalid("grouped_matmul: out must be [M, N]");
   const char* why = grouped_matmul_unsupported(ld[1], mxfp8);
   if (why[0] != '\0') return invalid(why);
@@ -272,7 +277,9 @@ ffi::Error GroupedMatmul(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::A
   p.rhs_scale = mxfp8 ? rhs_scale.typed_data() : nullptr;
   p.group_sizes = group_sizes.typed_data();
   p.out = out->typed_data();
-  p.m = ld[0];
+  p.lhs_rows = gather ? lhs_rows.typed_data() : nullptr;
+  p.lhs_count = ld[0];
+  p.m = m;
   p.n = rd[1];
   p.k = ld[1];
   p.num_groups = int32_t(rd[0]);
@@ -383,5 +390,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_grouped_matmul_cuda, m3sparse::cuda::Grou
                                   .Arg<xffi::AnyBuffer>()               // rhs (bf16 / fp8)
                                   .Arg<xffi::Buffer<xffi::S32>>()       // group_sizes
                                   .Arg<xffi::Buffer<xffi::U8>>()        // rhs_scale
-                                  .Ret<xffi::Buffer<xffi::F32>>(),      // out
+                                  .Arg<xffi::Buffer<xffi::S32>>()       // lhs_rows
+                                  .Ret<xffi::Buffer<xffi::F32>>()       // out
+                                  .Attr<int64_t>("gather"),
                               {xffi::Traits::kCmdBufferCompatible});

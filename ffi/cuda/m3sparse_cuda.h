@@ -118,6 +118,9 @@ struct GroupedMatmulParams {
   const uint8_t* rhs_scale;       // [G, N, K / 32] E8M0 (MXFP8), or nullptr (bf16 rhs)
   const int32_t* group_sizes;     // [G] (negative counts as 0; rows past M are dropped)
   float* out;                     // [M, N]
+  const int32_t* lhs_rows;        // [M]: the lhs row each row reads (< 0 or >= lhs_count: a
+                                  // zero row), or nullptr: row i reads lhs row i (SPEC §9 item 4)
+  int64_t lhs_count;              // rows of lhs with lhs_rows (T), else unused
   int64_t m, n, k;
   int32_t num_groups;             // G
   int32_t block_m;                // rows per tile: 16 or 64 (0: chosen from M / G and K)

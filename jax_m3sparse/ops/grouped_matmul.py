@@ -7,14 +7,14 @@ import jax.numpy as jnp
 from jax.core import ShapedArray
 
 from jax_m3sparse import _checks, reference
-from jax_m3sparse._primitives import define_primitive
+from jax_m3sparse._primitives import define_primitive, i64
 
 
-def _abstract_eval(lhs, rhs, group_sizes, rhs_scale):
-    return ShapedArray((lhs.shape[0], rhs.shape[1]), jnp.float32)
+def _abstract_eval(lhs, rhs, group_sizes, rhs_scale, lhs_rows, *, gather):
+    return ShapedArray(((lhs_rows if gather else lhs).shape[0], rhs.shape[1]), jnp.float32)
 
 
-def _platform_reason(platform, lhs, rhs, *_):
+def _platform_reason(platform, lhs, rhs, *_, **__):
     """Why ``platform``'s kernel cannot serve these shapes (raised when lowering), or None."""
     if platform == "cuda" and rhs.dtype == jnp.float8_e4m3fn and lhs.shape[1] % 128:
         return (f"the CUDA grouped_matmul kernel needs K (lhs.shape[1]) % 128 == 0 for MXFP8 "
@@ -31,12 +31,12 @@ grouped_matmul_p = define_primitive(
     abstract_eval=_abstract_eval,
     reference=reference.grouped_matmul_impl,
     platform_reason=_platform_reason,
-    attributes=lambda: {},
+    attributes=lambda gather: {"gather": i64(gather)},
     native_platforms=("cuda",),
 )
 
 
-def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None):
+def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None):
     """``out[i] = lhs[i] · rhs[g]ᵀ`` for the rows i of group g, in fp32 (SPEC §9).
 
     The rows of ``lhs`` are grouped in order: group 0 is the first ``group_sizes[0]`` rows,
@@ -50,6 +50,10 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None):
     (half the bytes of bf16) and widens them in registers; the result equals the bf16 call on
     ``mxfp8_dequantize(rhs, rhs_scale)`` bit for bit, on every backend.
 
+    With ``lhs_rows`` the rows are gathered as they are read (SPEC §9 item 4): row i of the
+    product is ``lhs[lhs_rows[i]]``, the same bits as passing ``lhs[lhs_rows]`` without the
+    sorted copy (a mixture of experts passes its tokens once and each pair's token id).
+
     Args:
       lhs: ``bfloat16[M, K]``, the rows sorted by group.
       rhs: ``bfloat16[G, N, K]`` or ``float8_e4m3fn[G, N, K]`` (MXFP8), one ``[N, K]`` matrix
@@ -58,9 +62,11 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None):
         rows past M are dropped, and rows after the last group are 0 in the result.
       rhs_scale: ``uint8[G, N, K/32]`` E8M0 exponents, with fp8 ``rhs`` only (the checkpoints'
         ``weight_scale_inv``); 255 reads as NaN.
+      lhs_rows: optional ``int32[M]`` (data): the ``lhs`` row each product row reads, ``lhs``
+        then being any ``[T, K]``; an index outside ``[0, T)`` reads a zero row.
 
     Returns:
-      ``float32[M, N]``. Each element is a fixed-order fp32 sum over K: a row's result depends
+      ``float32[M, N]`` (M = ``lhs_rows``' length when given). Each element is a fixed-order fp32 sum over K: a row's result depends
       only on its own row and its group's matrix, never on the other rows or groups.
       Inference-only (SPEC §7).
 
@@ -98,4 +104,11 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None):
         if rhs_scale.shape != (G, N, K // 32):
             raise ValueError(f"MXFP8 rhs_scale must be [G, N, K/32] = {(G, N, K // 32)}, got "
                              f"rhs_scale.shape {rhs_scale.shape}")
-    return grouped_matmul_p.bind(lhs, rhs, group_sizes, rhs_scale)
+    gather = lhs_rows is not None
+    if gather:
+        lhs_rows = jnp.asarray(lhs_rows)
+        _checks.rank(lhs_rows, "lhs_rows", 1, "[M]")
+        _checks.dtype(lhs_rows, "lhs_rows", (jnp.int32,))
+    else:
+        lhs_rows = jnp.zeros((0,), jnp.int32)
+    return grouped_matmul_p.bind(lhs, rhs, group_sizes, rhs_scale, lhs_rows, gather=gather)

@@ -497,6 +497,31 @@ def test_grouped_matmul_matches_oracle(rng, M, K, G, N, sizes):
     assert not np.any(got[np.all(want == 0, axis=1)])
 
 
+@pytest.mark.parametrize("T,K,G,N,k", [
+    (6, 384, 128, 768, 4),          # decode: one TP-8 rank's down_proj K, 16-row tiles
+    (300, 256, 8, 256, 4),          # prefill-sized groups: 64-row tiles
+    (40, 6144, 128, 768, 4),        # gate_up K 6144
+])
+def test_grouped_matmul_gathered_rows_equal_the_copy(rng, T, K, G, N, k):
+    """SPEC §9 item 4: lhs_rows (the sorted pairs' tokens, plus ids out of range) gives the
+    bits of the call on the gathered copy, bf16 and MXFP8."""
+    lhs, rhs = _grouped_operands(rng, T, K, G, N)
+    chosen = rng.integers(0, G, (T, k))
+    order = np.argsort(chosen.reshape(-1), kind="stable")
+    rows = (order // k).astype(np.int32)
+    rows[::7] = np.where(np.arange(len(rows[::7])) % 2, -1, T + 3)   # zero rows
+    sizes = _gpu(jnp.asarray(np.bincount(chosen.reshape(-1), minlength=G), jnp.int32))
+    rows = _gpu(jnp.asarray(rows))
+    ok = (rows >= 0) & (rows < T)
+    copy = jnp.where(ok[:, None], lhs[jnp.clip(rows, 0, T - 1)], 0).astype(jnp.bfloat16)
+    for w in ((rhs,), m3.mxfp8_quantize(rhs)) if K % 128 == 0 else ((rhs,),):
+        got = np.asarray(jax.jit(lambda a, r: m3.grouped_matmul(a, *w[:1], sizes, *w[1:],
+                                                                lhs_rows=r))(lhs, rows))
+        want = np.asarray(jax.jit(lambda a: m3.grouped_matmul(a, *w[:1], sizes, *w[1:]))(copy))
+        np.testing.assert_array_equal(got, want)
+        assert not np.any(got[~np.asarray(ok)])
+
+
 def test_grouped_matmul_rows_batch_invariant_in_scan(rng):
     """A row's bits do not depend on the other rows (decode-sized and prefill-sized calls take
     different tile heights), inside lax.scan over stacked layers."""

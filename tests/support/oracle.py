@@ -188,10 +188,15 @@ def mxfp8_weights(data, scales):
         return np.asarray(w.astype(ml_dtypes.bfloat16), np.float64)
 
 
-def grouped_matmul(lhs, rhs, sizes, rhs_scale=None):
+def grouped_matmul(lhs, rhs, sizes, rhs_scale=None, lhs_rows=None):
     """grouped_matmul (SPEC §9) in float64, per group; negative sizes count 0, rows past M
-    dropped, uncovered rows 0; MXFP8 rhs (with rhs_scale) decoded by mxfp8_weights."""
+    dropped, uncovered rows 0; MXFP8 rhs (with rhs_scale) decoded by mxfp8_weights;
+    ``lhs_rows``: row i is lhs row lhs_rows[i], a zero row for ids outside [0, T)."""
     a = np.asarray(lhs, np.float64)
+    if lhs_rows is not None:
+        ids = np.asarray(lhs_rows)
+        a = np.array([a[i] if 0 <= i < len(a) else np.zeros(a.shape[1]) for i in ids]
+                     ).reshape(len(ids), a.shape[1])
     w = np.asarray(rhs, np.float64) if rhs_scale is None else mxfp8_weights(rhs, rhs_scale)
     out = np.zeros((a.shape[0], w.shape[1]))
     start = 0
