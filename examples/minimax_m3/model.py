@@ -394,7 +394,7 @@ class _Step:
 
     def layer(self, attn_kind, mlp_kind, carry, xs):
         """One served layer. carry (x, caches); xs (params, global layer index, index-cache
-        row). ys: ``blocks [2]`` and what ``collect`` names."""
+        row). ys: ``attended`` on sparse layers (:meth:`blocks`) and what ``collect`` names."""
         x, caches = carry
         p, layer, li = xs
         sparse = attn_kind == SPARSE
@@ -403,34 +403,47 @@ class _Step:
             attn, c, topk = self.served_attention(pa, h, caches, layer, li, sparse)
             return attn, (c, topk)
 
-        x, attn, (caches, topk) = decoder_layer(p, x, attention, self.cfg, mlp_kind == MOE)
+        x, attn, (caches, topk) = decoder_layer(p, x, attention, self.cfg, mlp_kind == MOE,
+                                                self.req >= 0)
         return (x, caches), self.outputs(x, attn, topk, sparse)
 
     def outputs(self, x, attn, topk, sparse) -> dict:
-        """A layer's ys: token-block pairs attended vs visible (pos // N + 1 per live token;
-        full layers attend all of them), and the collected arrays (``topk`` on sparse layers
-        only)."""
-        live = self.req >= 0
-        visible = self.cfg.num_key_value_heads * jnp.sum(
-            jnp.where(live, self.pos // self.cfg.block_size + 1, 0))
-        attended = (jnp.sum(jnp.where(live[None, :, None], topk >= 0, False)) if sparse
-                    else visible)
-        ys = dict(blocks=jnp.stack([attended, visible]))
+        """A layer's ys: ``attended`` on sparse layers (token-block pairs selected by live
+        tokens; :meth:`blocks` adds what does not change between layers after the scan) and
+        the collected arrays (``topk`` on sparse layers only). Not ``topk`` itself: XLA then
+        writes it by a second select_blocks call into the stacked output."""
+        ys = {}
+        if sparse:
+            ys["attended"] = jnp.sum(jnp.where((self.req >= 0)[None, :, None], topk >= 0, False))
         for name, value in (("hidden", x), ("attn", attn), ("topk", topk)):
             if name in self.collect and (sparse or name != "topk"):
                 ys[name] = value
         return ys
 
+    def blocks(self, attended) -> jax.Array:
+        """``int32[L, 2]``: per layer, the token-block pairs attended and visible (pos // N + 1
+        per live token and KV head; full layers attend all of them); ``attended [L_sparse]``
+        the sparse layers' in order."""
+        cfg, live = self.cfg, self.req >= 0
+        visible = cfg.num_key_value_heads * jnp.sum(jnp.where(live, self.pos // cfg.block_size + 1,
+                                                             0))
+        rank = np.cumsum([t == SPARSE for t in cfg.layer_types]) - 1
+        per_layer = jnp.stack([attended[r] if t == SPARSE else visible
+                               for t, r in zip(cfg.layer_types, rank)])
+        return jnp.stack([per_layer, jnp.broadcast_to(visible, per_layer.shape)],
+                         axis=1).astype(jnp.int32)
 
-def decoder_layer(p, x, attention, cfg, is_moe):
+
+def decoder_layer(p, x, attention, cfg, is_moe, live=None):
     """``MiniMaxM3VLDecoderLayer`` on ``x float32[T, H]``: norm, ``attention(p["self_attn"],
     h) -> (attn [T, Hq·D], extra)``, ``o_proj``, residual, norm, MLP, residual. Returns
-    ``(x, attn, extra)``."""
+    ``(x, attn, extra)``. ``live bool[T]``: the rows that are tokens (padding rows are routed
+    to no expert, moe.sparse_moe); None: every row."""
     h = gemma_rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
     attn, extra = attention(p["self_attn"], h)
     x = x + linear(attn, p["self_attn"]["o_proj"])
     h = gemma_rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
-    return x + moe.mlp(p["mlp"], h, cfg, is_moe), attn, extra
+    return x + moe.mlp(p["mlp"], h, cfg, is_moe, live), attn, extra
 
 
 def scan_layers(params, cfg, layer_fn, carry):
@@ -523,7 +536,8 @@ def forward_step(params, caches, batch, *, cfg: ModelConfig, num_decode_requests
     rows = batch["sample_rows"]
     logits = logits_of(params, x[jnp.clip(rows, 0, x.shape[0] - 1)], cfg)
     out = dict(sampling.sample_rows_out(logits, batch, pos, num_logprobs=num_logprobs,
-                                        return_logits=return_logits), blocks=ys["blocks"])
+                                        return_logits=return_logits),
+               blocks=step.blocks(ys.get("attended")))
     if "hidden" in collect:
         out["hidden"] = jnp.concatenate([x0[None], ys["hidden"]])
     out.update((k, ys.get(k)) for k in ("attn", "topk") if k in collect)

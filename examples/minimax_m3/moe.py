@@ -134,13 +134,14 @@ def resolve_impl(impl: str, load: float, backend: str | None = None,
     return "dense"
 
 
-def experts(p, x, weights, chosen, cfg, impl: str | None = None):
+def experts(p, x, weights, chosen, cfg, impl: str | None = None, live=None):
     """``MiniMaxM3VLExperts``: Σ_k weights[t, k] · expert_{chosen[t, k]}(x[t]), fp32 ``[T, H]``.
 
     p ``gate_up_proj [E, 2, I, H]``, ``down_proj [E, H, I]`` (I may be this device's slice);
     x ``[T, H]``; weights ``float32[T, k]``; chosen ``int32[T, k]`` in ``[0, E)``. ``impl``
     (default ``cfg.moe_impl``): see the module docstring; every formulation gives the same sum
-    (fp32: to rounding).
+    (fp32: to rounding). ``live bool[T]`` (optional): rows that are tokens; the sorted
+    formulations give padding rows no expert (0 out, and no expert's weights read for them).
 
     Raises:
       ValueError: unknown impl; ImportError: "tokamax" asked for and not importable.
@@ -148,6 +149,8 @@ def experts(p, x, weights, chosen, cfg, impl: str | None = None):
     load = chosen.shape[0] * chosen.shape[1] / p["gate_up_proj"].shape[0]   # T·k / E
     impl = resolve_impl(impl or getattr(cfg, "moe_impl", "auto"), load,
                         weight_dtype=p["gate_up_proj"].dtype)
+    if impl in ("grouped", "ragged", "tokamax") and live is not None:
+        chosen = jnp.where(live[:, None], chosen, p["gate_up_proj"].shape[0])   # E: no group
     if impl == "grouped":
         return experts_sorted(p, x, weights, chosen, cfg, jax_m3sparse.grouped_matmul)
     p = dequantized(p)
@@ -208,10 +211,11 @@ def experts_gathered(p, x, weights, chosen, cfg):
 def sort_by_expert(chosen, num_experts: int):
     """The ``T·k`` (token, expert) pairs grouped by expert: ``order int32[T·k]`` (flat pair
     indices, stable within an expert), ``group_sizes int32[E]`` (zeros for unrouted experts;
-    they sum to ``T·k``) and ``inverse`` (``order``'s inverse permutation)."""
+    they sum to ``T·k`` less the pairs of expert id E, which sort last in no group) and
+    ``inverse`` (``order``'s inverse permutation)."""
     flat = chosen.reshape(-1).astype(jnp.int32)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1)
+    sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1, mode="drop")
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
     return order, sizes, inverse
 
@@ -264,29 +268,34 @@ def experts_sorted(p, x, weights, chosen, cfg, dot):
     return jnp.sum(y[inverse].reshape(T, k, H), axis=1)
 
 
-def sparse_moe(p, x, cfg):
-    """``MiniMaxM3VLSparseMoeBlock``: routed experts × routed_scaling_factor + shared expert."""
+def sparse_moe(p, x, cfg, live=None):
+    """``MiniMaxM3VLSparseMoeBlock``: routed experts × routed_scaling_factor + shared expert.
+    ``live bool[T]``: padding rows (False) go to no routed expert (:func:`experts`)."""
     weights, chosen = route(p, x, cfg)
-    routed = experts(p["experts"], x, weights, chosen, cfg)
+    routed = experts(p["experts"], x, weights, chosen, cfg, live=live)
     return routed * cfg.routed_scaling_factor + dense_mlp(p["shared_experts"], x, cfg)
 
 
 # ----------------------------------------------------------------------------- tensor parallel
-def mlp(p, x, cfg, moe: bool):
-    """The layer's MLP on ``x [T, H]`` (fp32 out). Under a mesh with a "tp" axis of size > 1
+def mlp(p, x, cfg, moe: bool, live=None):
+    """The layer's MLP on ``x [T, H]`` (fp32 out); ``live bool[T]``: the rows that are tokens
+    (:func:`sparse_moe`; None: all). Under a mesh with a "tp" axis of size > 1
     (``jax.set_mesh``, see engine.py) it runs per device on the local ``I`` slices and sums
     the partial outputs with one ``psum``."""
-    body = functools.partial(sparse_moe if moe else dense_mlp, cfg=cfg)
+    live = jnp.ones(x.shape[0], bool) if live is None else live
+    def body(p_, x_, live_):
+        return sparse_moe(p_, x_, cfg, live_) if moe else dense_mlp(p_, x_, cfg)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or AXIS not in mesh.axis_names or mesh.shape[AXIS] == 1:
-        return body(p, x)
+        return body(p, x, live)
     tp = mesh.shape[AXIS]
     specs = jax.tree_util.tree_map_with_path(lambda path, _: leaf_spec(path, cfg, tp), p)
 
-    def local(p_, x_):
-        return jax.lax.psum(body(p_, x_), AXIS)
+    def local(p_, x_, live_):
+        return jax.lax.psum(body(p_, x_, live_), AXIS)
 
-    return jax.shard_map(local, in_specs=(specs, P()), out_specs=P(), check_vma=False)(p, x)
+    return jax.shard_map(local, in_specs=(specs, P(), P()), out_specs=P(),
+                         check_vma=False)(p, x, live)
 
 
 # ----------------------------------------------------------------------------- MXFP8 experts

@@ -70,6 +70,26 @@ def test_grouped_equals_dense_in_bf16(rng, T, E, k):
     np.testing.assert_allclose(grouped, dense, rtol=0, atol=1e-2 * np.abs(dense).max())
 
 
+@pytest.mark.parametrize("impl", ["grouped", "ragged"])
+def test_padding_rows_route_to_no_expert(rng, impl):
+    """``live``: padding rows get no expert in the sorted formulations — their pairs sort
+    last in no group (0 out, no weights read for them) — and the live rows' sums are those of
+    the call without padding, bit for bit."""
+    T, E, k = 12, 16, 2
+    p, x, w, chosen = _experts(rng, T, E, k, H=64, I=16)
+    p = {name: v.astype(jnp.bfloat16) for name, v in p.items()}
+    live = jnp.asarray(np.arange(T) % 3 != 1)
+    f = jax.jit(lambda *a: moe.experts(*a, CFG, impl=impl, live=live))
+    got = np.asarray(f(p, x, w, chosen))
+    assert not np.any(got[~np.asarray(live)])
+    keep = np.flatnonzero(np.asarray(live))
+    alone = np.asarray(jax.jit(lambda *a: moe.experts(*a, CFG, impl=impl))(
+        p, x[keep], w[keep], chosen[keep]))
+    np.testing.assert_array_equal(got[keep], alone)
+    sizes = moe.sort_by_expert(jnp.where(live[:, None], chosen, E), E)[1]
+    assert int(jnp.sum(sizes)) == len(keep) * k
+
+
 def test_ragged_in_scan_and_tensor_parallel(rng):
     """moe.mlp over stacked layers in lax.scan, on a 4-device "tp" mesh (I split, one psum):
     the grouped formulation gives dense dispatch's output."""
