@@ -126,4 +126,11 @@ up = m3.grouped_matmul(x, w_up, sizes, lhs_rows=jnp.asarray(order // TOPK, jnp.i
 print("grouped matmul", up.shape, "row 0 is token", order[0] // TOPK, "through expert",
       chosen.reshape(-1)[order[0]], ":", bool(jnp.allclose(
           up[0], x[order[0] // TOPK].astype(jnp.float32) @ w_up[0].astype(jnp.float32).T,
-          rtol=1e-5, atol=1e-4)))
+          rtol=1e-5, atol=1e-4)), "| equals the reference on the sorted copy:",
+      bool(jnp.array_equal(up, m3.reference.grouped_matmul(x[order // TOPK], w_up, sizes))))
+# MXFP8 weights (SPEC §9.1): fp8 e4m3 + an E8M0 exponent per 32 inputs, read as they are; the
+# call equals the bf16 call on the dequantized weights.
+w8, w8_scale = m3.mxfp8_quantize(w_up)
+up8 = m3.grouped_matmul(x, w8, sizes, w8_scale, lhs_rows=jnp.asarray(order // TOPK, jnp.int32))
+print("MXFP8 grouped matmul equals the bf16 call on mxfp8_dequantize:", bool(jnp.array_equal(
+    up8, m3.reference.grouped_matmul(x[order // TOPK], m3.mxfp8_dequantize(w8, w8_scale), sizes))))

@@ -55,7 +55,8 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None):
     sorted copy (a mixture of experts passes its tokens once and each pair's token id).
 
     Args:
-      lhs: ``bfloat16[M, K]``, the rows sorted by group.
+      lhs: ``bfloat16[M, K]``, the rows sorted by group; with ``lhs_rows``, any ``bfloat16[T,
+        K]`` (the tokens, unsorted).
       rhs: ``bfloat16[G, N, K]`` or ``float8_e4m3fn[G, N, K]`` (MXFP8), one ``[N, K]`` matrix
         per group.
       group_sizes: ``int32[G]`` rows per group. Data, not static: a negative size counts as 0,
@@ -66,9 +67,9 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None):
         then being any ``[T, K]``; an index outside ``[0, T)`` reads a zero row.
 
     Returns:
-      ``float32[M, N]`` (M = ``lhs_rows``' length when given). Each element is a fixed-order fp32 sum over K: a row's result depends
-      only on its own row and its group's matrix, never on the other rows or groups.
-      Inference-only (SPEC §7).
+      ``float32[M, N]`` (M = ``lhs_rows``' length when given). Each element is a fixed-order
+      fp32 sum over K: a row's result depends only on its own row and its group's matrix,
+      never on the other rows or groups. Inference-only (SPEC §7).
 
     Raises:
       ValueError / TypeError at trace time for wrong ranks, dtypes or mismatched K / G, an fp8
