@@ -70,9 +70,12 @@ print("prefill rows:", np.asarray(req_id), np.asarray(abs_pos),
 # keys first (the token's own block scores its own key), then select for the same chunk.
 DI = 128
 idx_k = jnp.asarray(rng.standard_normal((len(slot_mapping), DI)), jnp.bfloat16)
-page = jnp.where(slot_mapping >= 0, slot_mapping // N, 16)   # a padding slot (-1) writes nothing
-idx_k_cache = jnp.zeros((4, 16, N, DI), jnp.bfloat16).at[
-    layer, page, slot_mapping % N].set(idx_k, mode="drop")
+# in place (SPEC §8.1; a padding slot (-1) writes nothing)
+idx_k_cache = m3.write_index_keys(jnp.zeros((4, 16, N, DI), jnp.bfloat16), idx_k, slot_mapping,
+                                  layer=layer)
+print("index keys written as the reference writes them:", bool(jnp.all(
+    idx_k_cache == m3.reference.write_index_keys(jnp.zeros((4, 16, N, DI), jnp.bfloat16), idx_k,
+                                                 slot_mapping, layer))))
 idx_q = jnp.asarray(rng.standard_normal((8, HKV, DI)), jnp.bfloat16)   # [T, Hkv, Di]
 topk_sel = m3.select_blocks(idx_q, idx_k_cache, block_table, req_id, abs_pos, topk_blocks=4,
                             layer=layer)                              # int32 [Hkv, T, 4]

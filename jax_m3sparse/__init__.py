@@ -9,7 +9,7 @@ Public API (SPEC.md sections in each docstring):
   :func:`build_attention_metadata`
 * attention: :func:`sparse_decode`, :func:`sparse_prefill`, :func:`sparse_attention` (SPEC §5),
   :func:`full_attention` (every key up to the position: M3's full layers, SPEC §5.7)
-* MiniMax M3's indexer selection: :func:`select_blocks` (SPEC §8)
+* MiniMax M3's indexer: :func:`write_index_keys` (SPEC §8.1), :func:`select_blocks` (SPEC §8)
 * the routed experts' matmuls: :func:`grouped_matmul` (SPEC §9), bf16 or MXFP8 weights
   (:func:`mxfp8_quantize`, :func:`mxfp8_dequantize`, SPEC §9.1)
 * geometry and faults: :func:`unsupported_reason` (SPEC §1), :func:`check_inputs` (SPEC §7)
@@ -37,6 +37,7 @@ from jax_m3sparse.ops.grouped_matmul import grouped_matmul
 from jax_m3sparse.ops.pack import pack_kv_pages, unpack_kv_pages
 from jax_m3sparse.ops.positions import query_token_positions
 from jax_m3sparse.ops.prefill import sparse_prefill
+from jax_m3sparse.ops.index_keys import write_index_keys
 from jax_m3sparse.ops.select import select_blocks
 from jax_m3sparse.spec import KVCacheSpec, allocate_kv_cache, unsupported_reason
 
@@ -50,4 +51,5 @@ __all__ = [
     "nvfp4_quantize",
     "pack_kv_pages", "query_token_positions", "reference", "select_blocks", "sharding",
     "sparse_attention", "sparse_decode", "sparse_prefill", "unpack_kv_pages", "unsupported_reason",
+    "write_index_keys",
 ]

@@ -140,3 +140,25 @@ def reject_cache_sharding(shape, shards, axis_name="tp", how=""):
     if shape[axis] % shards[axis] or (shape[axis] // shards[axis]) % 2:
         raise ValueError(f"kv_cache head-slot axis ({shape[axis]} slots = 2·Hkv) split into "
                          f"{shards[axis]} shards cuts a K/V slot pair (SPEC §3.1). {fix}")
+
+
+INDEX_KEY_DTYPES = (jnp.bfloat16, jnp.float8_e4m3fn)
+
+
+def index_cache(idx_k_cache, layer, di, di_of):
+    """Checks a 3-D ``[P, N, Di]`` / 4-D ``[L, P, N, Di]`` index-key cache (bf16 or fp8) with
+    its ``layer`` (Di: that of the argument named ``di_of``); returns the int32 layer operand
+    (0 for a 3-D cache)."""
+    if idx_k_cache.ndim not in (3, 4):
+        raise ValueError(f"idx_k_cache must have rank 3 ([P, N, Di]) or 4 ([L, P, N, Di]), "
+                         f"got shape {idx_k_cache.shape}")
+    dtype(idx_k_cache, "idx_k_cache", INDEX_KEY_DTYPES)
+    dim("idx_k_cache", f"last dim (Di of {di_of})", di, idx_k_cache.shape[-1])
+    if idx_k_cache.ndim == 4 and layer is None:
+        raise ValueError(f"layer is required for a 4-D idx_k_cache (shape {idx_k_cache.shape}); "
+                         "pass the layer index (int32 scalar, may be traced)")
+    if idx_k_cache.ndim == 3 and layer is not None:
+        raise ValueError(f"layer must be None for a 3-D idx_k_cache (shape {idx_k_cache.shape})")
+    if layer is not None:
+        static_layer(layer, idx_k_cache.shape[0], idx_k_cache.shape, "idx_k_cache")
+    return scalar(0 if layer is None else layer, "layer", jnp.int32)

@@ -449,3 +449,26 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, lhs_rows=None):
     rows = jnp.asarray(lhs_rows if gather else np.zeros(0), jnp.int32)
     return grouped_matmul_impl(jnp.asarray(lhs), rhs, jnp.asarray(group_sizes, jnp.int32), scale,
                                rows, gather=gather)
+
+
+def write_index_keys_impl(idx_k_cache, keys, slot_mapping, layer):
+    """Primitive-level reference of write_index_keys (SPEC §8.1): one scatter into the whole
+    ``[L, P, N, Di]`` cache (in place where XLA runs scatters in place: GPUs); slots outside
+    ``[0, P·N)`` and a layer outside ``[0, L)`` write nothing; fp8 saturates at ±448."""
+    L, P, N, _ = idx_k_cache.shape
+    ok = (slot_mapping >= 0) & (slot_mapping < P * N) & (layer >= 0) & (layer < L)
+    page = jnp.where(ok, slot_mapping // N, P)                   # P: out of range, dropped
+    values = keys.astype(jnp.float32)
+    if idx_k_cache.dtype == jnp.float8_e4m3fn:                   # E4M3 has no infinity
+        values = jnp.clip(values, -448.0, 448.0)
+    return idx_k_cache.at[jnp.clip(layer, 0, L - 1), page, slot_mapping % N].set(
+        values.astype(idx_k_cache.dtype), mode="drop")
+
+
+def write_index_keys(idx_k_cache, keys, slot_mapping, layer=None):
+    """Reference of :func:`jax_m3sparse.write_index_keys` (SPEC §8.1)."""
+    cache = jnp.asarray(idx_k_cache)
+    cache4 = cache if cache.ndim == 4 else cache[None]
+    out = write_index_keys_impl(cache4, jnp.asarray(keys), jnp.asarray(slot_mapping, jnp.int32),
+                                jnp.asarray(0 if layer is None else layer, jnp.int32))
+    return out if cache.ndim == 4 else out[0]

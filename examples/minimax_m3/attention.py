@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jax.sharding import PartitionSpec as P
 
-from jax_m3sparse import select_blocks
+from jax_m3sparse import select_blocks, write_index_keys
 from jax_m3sparse.sharding import replicate_kv_heads
 
 from .layers import apply_rotary, gemma_rms_norm, linear
@@ -122,22 +122,10 @@ def select(iq, ik, cfg, idx_cache, layer, slots, block_table, req, pos):
     best earlier ones). Under tensor parallel each device selects for its own heads only
     (select_blocks partitions over heads). The whole cache goes in and out (in place when
     donated): no per-layer copy of the pool. Returns ``(topk, idx_cache)``."""
-    idx_cache = write_layer_pages(idx_cache, layer, ik, slots, cfg.block_size)
+    idx_cache = write_index_keys(idx_cache, ik, slots, layer=layer)
     topk = select_blocks(iq, idx_cache, block_table, req, pos, topk_blocks=cfg.index_topk_blocks,
                          local_blocks=cfg.index_local_blocks, layer=layer)
     return topk, idx_cache
-
-
-def write_layer_pages(cache, layer, values, slot_mapping, block_size):
-    """Scatters ``values [T, ...]`` into layer ``layer`` of ``cache [L, P, N, ...]`` at slots
-    (< 0: dropped) with one scatter on the whole buffer, so XLA updates it in place."""
-    P = cache.shape[1]
-    ok = slot_mapping >= 0
-    page = jnp.where(ok, slot_mapping // block_size, P)                 # P: out of range, dropped
-    if cache.dtype == jnp.float8_e4m3fn:     # E4M3 has no Inf: saturate instead of NaN
-        values = jnp.clip(values.astype(jnp.float32), -448.0, 448.0)
-    return cache.at[layer, page, slot_mapping % block_size].set(values.astype(cache.dtype),
-                                                                mode="drop")
 
 
 def write_pages(cache, values, slot_mapping, block_size):

@@ -727,7 +727,7 @@ class Parts:
         import jax.numpy as jnp  # noqa: PLC0415
         import jax_m3sparse as m3  # noqa: PLC0415
         from . import model  # noqa: PLC0415
-        from .attention import project, write_layer_pages  # noqa: PLC0415
+        from .attention import project  # noqa: PLC0415
         from .layers import gemma_rms_norm, linear, rotary_cos_sin  # noqa: PLC0415
         cfg, T, H = self.cfg, self.T, self.cfg.hidden_size
         n = self.nlayers(i)
@@ -749,7 +749,7 @@ class Parts:
                                       model.K_SCALE, model.V_SCALE, layer=l,
                                       layout=model.KV_LAYOUT)
                 if has_idx:
-                    idx = write_layer_pages(idx, 0, ik, slots, cfg.block_size)   # in place
+                    idx = m3.write_index_keys(idx, ik, slots, layer=jnp.int32(0))   # in place
                     q = q + jnp.sum(iq) * 0
                 x = x + linear(q.reshape(T, -1), pl["self_attn"]["o_proj"])
                 x = gemma_rms_norm(x, pl["post_attention_layernorm"], cfg.rms_norm_eps)

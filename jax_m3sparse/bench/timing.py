@@ -301,3 +301,19 @@ def bench_select(device, quick=False, Hkv=4, Di=128):
                 t_ours = median_time(ours, args, 20)
             tqdm.write(row(name + (f" {path}" if path else ""), t_ours, t_ref, nbytes, copy_bw,
                            flops))
+    # Writing the step's index keys first (write_index_keys, SPEC §8.1): in place, O(keys),
+    # against the reference's scatter (on the CPU, XLA converts the whole bf16 cache per call).
+    for kd in (jnp.bfloat16, fp8):
+        T, pool = 32, (256 if quick else 4096)
+        cache = jax.device_put(jnp.zeros((2, pool, N, Di), kd), device)
+        keys = jax.device_put(jnp.asarray(rng.standard_normal((T, Di)), jnp.float32), device)
+        slots = jax.device_put(jnp.asarray(rng.choice(pool * N, T, replace=False), jnp.int32),
+                               device)
+        args = [cache, keys, slots]
+        t = []
+        for fn in (lambda c, k, s_: m3.write_index_keys(c, k, s_, layer=jnp.int32(1)),
+                   lambda c, k, s_: reference.write_index_keys(c, k, s_, 1)):
+            args[0] = jax.device_put(jnp.zeros_like(args[0]), device)
+            t.append(median_time(jax.jit(fn, donate_argnums=0), args, 10, donate_first=True))
+        tqdm.write(row(f"write_index_keys {T} keys, pool {pool}, {jnp.dtype(kd).name}", *t,
+                       T * Di * jnp.dtype(kd).itemsize, copy_bw, 0))

@@ -11,7 +11,6 @@ from jax_m3sparse._partitioning import HeadAxes, ResultAxis
 from jax_m3sparse._primitives import define_primitive, i64
 
 _Q_DTYPES = (jnp.float32, jnp.bfloat16)
-_KEY_DTYPES = (jnp.bfloat16, jnp.float8_e4m3fn)
 
 
 def _abstract_eval(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, layer, *,
@@ -97,12 +96,8 @@ def select_blocks(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, 
                          f"selected, SPEC §8), got {local}")
     _checks.rank(idx_q, "idx_q", 3, "[T, Hkv, Di]")
     _checks.dtype(idx_q, "idx_q", _Q_DTYPES)
-    if idx_k_cache.ndim not in (3, 4):
-        raise ValueError(f"idx_k_cache must have rank 3 ([P, N, Di]) or 4 ([L, P, N, Di]), "
-                         f"got shape {idx_k_cache.shape}")
-    _checks.dtype(idx_k_cache, "idx_k_cache", _KEY_DTYPES)
     T, _, Di = idx_q.shape
-    _checks.dim("idx_k_cache", "last dim (Di of idx_q)", Di, idx_k_cache.shape[-1])
+    layer_op = _checks.index_cache(idx_k_cache, layer, Di, "idx_q")
     _checks.rank(block_table, "block_table", 2, "[R, M]")
     for name, x in (("block_table", block_table), ("query_req_id", query_req_id),
                     ("query_abs_pos", query_abs_pos)):
@@ -110,13 +105,5 @@ def select_blocks(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, 
     for name, x in (("query_req_id", query_req_id), ("query_abs_pos", query_abs_pos)):
         _checks.rank(x, name, 1, "[T]")
         _checks.dim(name, "length (T of idx_q)", T, x.shape[0])
-    if idx_k_cache.ndim == 4 and layer is None:
-        raise ValueError(f"layer is required for a 4-D idx_k_cache (shape {idx_k_cache.shape}); "
-                         "pass the layer index (int32 scalar, may be traced)")
-    if idx_k_cache.ndim == 3 and layer is not None:
-        raise ValueError(f"layer must be None for a 3-D idx_k_cache (shape {idx_k_cache.shape})")
-    if layer is not None:
-        _checks.static_layer(layer, idx_k_cache.shape[0], idx_k_cache.shape, "idx_k_cache")
-    layer_op = _checks.scalar(0 if layer is None else layer, "layer", jnp.int32)
     return select_blocks_p.bind(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos,
                                 layer_op, topk_blocks=K, local_blocks=local)
