@@ -153,7 +153,9 @@ def index_cache(idx_k_cache, layer, di, di_of):
         raise ValueError(f"idx_k_cache must have rank 3 ([P, N, Di]) or 4 ([L, P, N, Di]), "
                          f"got shape {idx_k_cache.shape}")
     dtype(idx_k_cache, "idx_k_cache", INDEX_KEY_DTYPES)
-    dim("idx_k_cache", f"last dim (Di of {di_of})", di, idx_k_cache.shape[-1])
+    if idx_k_cache.shape[-1] != di:
+        raise ValueError(f"{di_of} has Di = {di} but idx_k_cache (shape {idx_k_cache.shape}) has "
+                         f"Di = {idx_k_cache.shape[-1]}: they must match")
     if idx_k_cache.ndim == 4 and layer is None:
         raise ValueError(f"layer is required for a 4-D idx_k_cache (shape {idx_k_cache.shape}); "
                          "pass the layer index (int32 scalar, may be traced)")

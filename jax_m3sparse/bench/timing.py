@@ -303,6 +303,8 @@ def bench_select(device, quick=False, Hkv=4, Di=128):
                            flops))
     # Writing the step's index keys first (write_index_keys, SPEC §8.1): in place, O(keys),
     # against the reference's scatter (on the CPU, XLA converts the whole bf16 cache per call).
+    tqdm.write("write_index_keys rows: the cache donated; GB/s counts the key bytes written "
+               "(no FLOPs)")
     for kd in (jnp.bfloat16, fp8):
         T, pool = 32, (256 if quick else 4096)
         cache = jax.device_put(jnp.zeros((2, pool, N, Di), kd), device)
@@ -316,4 +318,4 @@ def bench_select(device, quick=False, Hkv=4, Di=128):
             args[0] = jax.device_put(jnp.zeros_like(args[0]), device)
             t.append(median_time(jax.jit(fn, donate_argnums=0), args, 10, donate_first=True))
         tqdm.write(row(f"write_index_keys {T} keys, pool {pool}, {jnp.dtype(kd).name}", *t,
-                       T * Di * jnp.dtype(kd).itemsize, copy_bw, 0))
+                       T * Di * jnp.dtype(kd).itemsize, copy_bw))

@@ -98,7 +98,7 @@ def test_errors():
         (lambda: m3.write_index_keys(cache, keys, slots), ValueError, "layer is required"),
         (lambda: m3.write_index_keys(cache[0], keys, slots, layer=0), ValueError, "must be None"),
         (lambda: m3.write_index_keys(cache, keys, slots, layer=2), ValueError, r"in \[0, 2\)"),
-        (lambda: m3.write_index_keys(cache, keys[:, :16], slots, layer=0), ValueError, "Di of keys"),
+        (lambda: m3.write_index_keys(cache, keys[:, :16], slots, layer=0), ValueError, r"keys has Di = 16 but idx_k_cache .* has Di = 32"),
         (lambda: m3.write_index_keys(cache, keys, slots[:3], layer=0), ValueError, "slot_mapping"),
         (lambda: m3.write_index_keys(cache.astype(jnp.float32), keys, slots, layer=0),
          (TypeError, ValueError), "idx_k_cache"),

@@ -265,7 +265,7 @@ def test_trace_time_errors():
          "idx_k_cache must be bfloat16 or float8_e4m3fn, got float32"),
         ((q, keys[0], t, r, p), {}, ValueError, "idx_k_cache must have rank 3"),
         ((q, keys[..., :16], t, r, p), {}, ValueError,
-         r"last dim \(Di of idx_q\) must be 32, got 16"),
+         r"idx_q has Di = 32 but idx_k_cache \(shape .*\) has Di = 16"),
         ((q, keys, t[0], r, p), {}, ValueError, "block_table must have rank 2"),
         ((q, keys, t.astype(np.float32), r, p), {}, TypeError, "block_table must be int32"),
         ((q, keys, t, r[:2], p), {}, ValueError,
