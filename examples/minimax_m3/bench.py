@@ -286,12 +286,11 @@ class Bench:
         times = wall_times(call, self.args.warmup, self.args.repeats)
         out = call()
         jax.block_until_ready(out)
-        self.caches = state["caches"]
         host = host_bytes(batch, out)
         row = dict(kind=kind, requests=n if kind == "decode" else 1, tokens=T, context=ctx,
                    step_ms=1e3 * statistics.median(times), step_ms_min=1e3 * min(times),
                    compile_s=compile_s, host_bytes=host, **self.step_trace(call, kind, T))
-        self.caches = state["caches"]
+        self.caches = state["caches"]            # the calls above donated the caches
         if not self.args.no_parts:
             parts = Parts(self, batch, nd, kind, ctx)
             row["parts"] = parts.run()
@@ -302,17 +301,10 @@ class Bench:
         """GPU (``--kernel-times``): the step's kernels from one profiler trace — how many, their
         total, and the GPU's idle time inside the step's span (launch gaps); with
         M3SPARSE_BENCH_TRACE set, the step's top kernels on stderr."""
-        if not (self.gpu and self.args.kernel_times):
-            return {}
-        try:
-            from jax_m3sparse.bench import cuda  # noqa: PLC0415
-            ev = cuda.gpu_events(call, ())
-        except Exception:  # noqa: BLE001 (the wall time stands)
-            return {}
+        ev = gpu_trace(call, f"step {kind} {T}", self.gpu and self.args.kernel_times, top=2)
         if not ev:
             return {}
-        if os.environ.get("M3SPARSE_BENCH_TRACE"):
-            cuda.summary(ev, f"step {kind} {T}", top=2 * int(os.environ["M3SPARSE_BENCH_TRACE"]))
+        from jax_m3sparse.bench import cuda  # noqa: PLC0415
         _, total, span, idle = cuda.split_events(ev, "\0")
         return dict(step_kernels=len(ev), step_kernel_ms=total / 1e3, step_span_ms=span / 1e3,
                     step_idle_ms=idle / 1e3)
@@ -480,6 +472,22 @@ def host_bytes(batch, out) -> dict:
     return dict(to_device=int(up), to_host=int(down))
 
 
+def gpu_trace(call, label: str, enabled: bool, top: int = 1) -> list:
+    """The GPU kernels of one ``call()`` from a profiler trace (jax_m3sparse.bench.cuda's
+    events), or [] when not ``enabled`` or no trace came (the wall time stands); with
+    M3SPARSE_BENCH_TRACE=N set, the ``top`` · N kernels by total time on stderr."""
+    if not enabled:
+        return []
+    try:
+        from jax_m3sparse.bench import cuda  # noqa: PLC0415
+        ev = cuda.gpu_events(call, ())
+    except Exception:  # noqa: BLE001
+        return []
+    if ev and os.environ.get("M3SPARSE_BENCH_TRACE"):
+        cuda.summary(ev, label, top=top * int(os.environ["M3SPARSE_BENCH_TRACE"]))
+    return ev
+
+
 def wall_times(fn, warmup: int, repeats: int) -> list[float]:
     import jax  # noqa: PLC0415
     for _ in range(warmup):
@@ -572,15 +580,7 @@ class Parts:
     def kernel_time(self, call, name):
         """GPU kernels' µs of one call from a profiler trace, else None (CPU, or no trace);
         with M3SPARSE_BENCH_TRACE set, each kernel's count and mean µs on stderr."""
-        if not (self.b.gpu and self.b.args.kernel_times):
-            return None
-        try:
-            from jax_m3sparse.bench import cuda  # noqa: PLC0415
-            ev = cuda.gpu_events(call, ())
-        except Exception:  # noqa: BLE001 (the wall time stands)
-            return None
-        if os.environ.get("M3SPARSE_BENCH_TRACE"):
-            cuda.summary(ev, name, top=int(os.environ["M3SPARSE_BENCH_TRACE"]))
+        ev = gpu_trace(call, name, self.b.gpu and self.b.args.kernel_times)
         return sum(d for _, _, d in ev) or None
 
     def seg(self, i):

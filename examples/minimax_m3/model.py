@@ -426,12 +426,11 @@ class _Step:
         the sparse layers' in order."""
         cfg, live = self.cfg, self.req >= 0
         visible = cfg.num_key_value_heads * jnp.sum(jnp.where(live, self.pos // cfg.block_size + 1,
-                                                             0))
-        rank = np.cumsum([t == SPARSE for t in cfg.layer_types]) - 1
-        per_layer = jnp.stack([attended[r] if t == SPARSE else visible
-                               for t, r in zip(cfg.layer_types, rank)])
-        return jnp.stack([per_layer, jnp.broadcast_to(visible, per_layer.shape)],
-                         axis=1).astype(jnp.int32)
+                                                             0)).astype(jnp.int32)
+        per_layer = jnp.full(cfg.num_layers, visible)
+        if attended is not None:
+            per_layer = per_layer.at[np.asarray(cfg.sparse_layers)].set(attended)
+        return jnp.stack([per_layer, jnp.full(cfg.num_layers, visible)], axis=1)
 
 
 def decoder_layer(p, x, attention, cfg, is_moe, live=None):

@@ -37,7 +37,8 @@ M3_HD float e4m3_to_float(uint8_t byte) {
   return bits_float(sign | ((exp + 120u) << 23) | (man << 20));
 }
 
-// Round v in [2^-9, 448] to the nearest E4M3 value, ties to even (SPEC §2.2 step 2).
+// Round v in [0, 448] to the nearest E4M3 value, ties to even (SPEC §2.2 step 2; the block
+// scales pass v >= 2^-9, write_index_keys any magnitude up to 448).
 M3_HD uint8_t e4m3_from_clamped(float v) {
   uint32_t b = float_bits(v);
   int exp = int(b >> 23) - 127;
