@@ -26,7 +26,8 @@
 //      group's weights only, never on the other rows, the group sizes or the tile shape
 //      (batch-invariant; tests/cuda checks it), and an MXFP8 launch equals the bf16 launch on
 //      the dequantized weights bit for bit.
-//   4. The accumulators are stored (fp32) for the tile's rows inside the group and columns < N.
+//   4. The accumulators are stored (fp32, or rounded to bf16 when out_bf16) for the tile's rows
+//      inside the group and columns < N.
 // With lhs_rows (SPEC §9 item 4) step 2 reads row i's lhs from lhs_rows[i]: the sorted copy of the
 // tokens a mixture of experts would otherwise make is never written.
 // No workspace, no host reads of device data: CUDA-graph safe.
@@ -198,7 +199,6 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
   using Geo = Geometry<kFp8, kMTiles, kWarpsN>;
   constexpr int kThreads = Geo::kThreads, kBN = Geo::kBN, kBM = Geo::kBM;
   constexpr int kElem = kFp8 ? 1 : 2;                    // weight bytes per element
-  float* out = p.out;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wn = warp;
   const __nv_bfloat16* lhs = p.lhs;
@@ -317,8 +317,18 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           const int64_t col = n0 + wn * 32 + nt * 8 + 2 * (lane & 3);
-          float* o = out + row * p.n + col;
           const float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
+          if (p.out_bf16) {   // rounded to nearest even as stored
+            __nv_bfloat16* o = static_cast<__nv_bfloat16*>(p.out) + row * p.n + col;
+            if (col + 1 < p.n && (p.n & 1) == 0) {
+              *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(v0, v1);
+            } else {
+              if (col < p.n) o[0] = __float2bfloat16_rn(v0);
+              if (col + 1 < p.n) o[1] = __float2bfloat16_rn(v1);
+            }
+            continue;
+          }
+          float* o = static_cast<float*>(p.out) + row * p.n + col;
           if (col + 1 < p.n && (p.n & 1) == 0) {
             *reinterpret_cast<float2*>(o) = make_float2(v0, v1);
           } else {
@@ -351,7 +361,8 @@ grouped_matmul_kernel(GroupedMatmulParams p, bool split) {
   if (g < 0) {  // rows no group covers: zeros (SPEC §9)
     for (int64_t i = start; i < end; ++i)
       for (int64_t n = n0 + threadIdx.x; n < n0 + kBN && n < p.n; n += kThreads)
-        p.out[i * p.n + n] = 0.0f;
+        if (p.out_bf16) static_cast<__nv_bfloat16*>(p.out)[i * p.n + n] = __float2bfloat16_rn(0.0f);
+        else static_cast<float*>(p.out)[i * p.n + n] = 0.0f;
     return;
   }
   gemm_rows<kFp8, kMTiles, kWarpsN, kStages>(p, g, start, end, n0, smem);

@@ -10,8 +10,8 @@ from jax_m3sparse import _checks, reference
 from jax_m3sparse._primitives import define_primitive, i64
 
 
-def _abstract_eval(lhs, rhs, group_sizes, rhs_scale, lhs_rows, *, gather):
-    return ShapedArray(((lhs_rows if gather else lhs).shape[0], rhs.shape[1]), jnp.float32)
+def _abstract_eval(lhs, rhs, group_sizes, rhs_scale, lhs_rows, *, gather, out_dtype):
+    return ShapedArray(((lhs_rows if gather else lhs).shape[0], rhs.shape[1]), out_dtype)
 
 
 def _platform_reason(platform, lhs, rhs, *_, **__):
@@ -31,12 +31,13 @@ grouped_matmul_p = define_primitive(
     abstract_eval=_abstract_eval,
     reference=reference.grouped_matmul_impl,
     platform_reason=_platform_reason,
-    attributes=lambda gather: {"gather": i64(gather)},
+    attributes=lambda gather, out_dtype: {"gather": i64(gather)},   # out's dtype is its own
     native_platforms=("cuda",),
 )
 
 
-def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None):
+def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None,
+                   out_dtype=jnp.float32):
     """``out[i] = lhs[i] · rhs[g]ᵀ`` for the rows i of group g, in fp32 (SPEC §9).
 
     The rows of ``lhs`` are grouped in order: group 0 is the first ``group_sizes[0]`` rows,
@@ -65,9 +66,12 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None):
         ``weight_scale_inv``); 255 reads as NaN.
       lhs_rows: optional ``int32[M]`` (data): the ``lhs`` row each product row reads, ``lhs``
         then being any ``[T, K]``; an index outside ``[0, T)`` reads a zero row.
+      out_dtype: ``float32`` (default) or ``bfloat16``: each fp32 result rounded to nearest
+        even as it is stored (SPEC §9 item 5): half the bytes written, and read by the sum.
 
     Returns:
-      ``float32[M, N]`` (M = ``lhs_rows``' length when given). Each element is a fixed-order
+      ``[M, N]`` of ``out_dtype`` (M = ``lhs_rows``' length when given). Each element is a
+      fixed-order
       fp32 sum over K: a row's result depends only on its own row and its group's matrix,
       never on the other rows or groups. Inference-only (SPEC §7).
 
@@ -105,6 +109,9 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None):
         if rhs_scale.shape != (G, N, K // 32):
             raise ValueError(f"MXFP8 rhs_scale must be [G, N, K/32] = {(G, N, K // 32)}, got "
                              f"rhs_scale.shape {rhs_scale.shape}")
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     gather = lhs_rows is not None
     if gather:
         lhs_rows = jnp.asarray(lhs_rows)
@@ -112,4 +119,5 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None):
         _checks.dtype(lhs_rows, "lhs_rows", (jnp.int32,))
     else:
         lhs_rows = jnp.zeros((0,), jnp.int32)
-    return grouped_matmul_p.bind(lhs, rhs, group_sizes, rhs_scale, lhs_rows, gather=gather)
+    return grouped_matmul_p.bind(lhs, rhs, group_sizes, rhs_scale, lhs_rows, gather=gather,
+                                 out_dtype=out_dtype)

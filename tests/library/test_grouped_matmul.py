@@ -74,6 +74,23 @@ def test_gathered_rows(rng, rows):
         m3.grouped_matmul(lhs, rhs, sizes, lhs_rows=rows.astype(jnp.float32))
 
 
+def test_bf16_output_is_the_fp32_result_rounded(rng):
+    """SPEC §9 item 5: out_dtype bfloat16 is the float32 call rounded to nearest even (with
+    gathered rows and MXFP8 weights too); other dtypes are refused."""
+    lhs, rhs = operands(rng, 12, 64, 3, 16)
+    sizes = jnp.asarray([5, 0, 6], jnp.int32)
+    rows = jnp.asarray([3, 1, 1, 11, 0, 7, 9, 2, 4, 20, 5, 6], jnp.int32)
+    for w in ((rhs,), m3.mxfp8_quantize(rhs)):
+        for kw in ({}, {"lhs_rows": rows}):
+            f32 = m3.grouped_matmul(lhs, *w[:1], sizes, *w[1:], **kw)
+            bf16 = jax.jit(lambda a: m3.grouped_matmul(a, *w[:1], sizes, *w[1:], **kw,
+                                                       out_dtype=jnp.bfloat16))(lhs)
+            assert bf16.dtype == jnp.bfloat16
+            np.testing.assert_array_equal(np.asarray(bf16), np.asarray(f32.astype(jnp.bfloat16)))
+    with pytest.raises(ValueError, match="out_dtype"):
+        m3.grouped_matmul(lhs, rhs, sizes, out_dtype=jnp.float16)
+
+
 def test_reference_module_agrees(rng):
     lhs, rhs = operands(rng, 12, 16, 3, 8)
     sizes = jnp.asarray([5, 0, 7], jnp.int32)
