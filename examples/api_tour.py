@@ -120,9 +120,16 @@ print("page 5 dequantized:", keys.shape, "rel. error vs bf16 K:",
 # matmul per projection; each expert's weights are read once (on CUDA), unrouted ones never.
 E, TOPK, H, I = 8, 2, 64, 32
 x = jnp.asarray(rng.standard_normal((5, H)), jnp.bfloat16)
-chosen = np.array([[0, 3], [3, 5], [1, 0], [7, 3], [5, 6]], np.int32)       # [T, k] experts
+# The routing (SPEC §10): each token's top-k experts of scores + bias, weights renormalised, the
+# pairs grouped by expert (stable); the same as numpy's stable argsort of the chosen experts.
+scores = jnp.asarray(rng.uniform(size=(5, E)), jnp.float32)                 # router probabilities
+r = m3.route_experts(scores, TOPK, bias=jnp.zeros(E, jnp.float32))
+chosen = np.asarray(r.experts)                                              # [T, k], best first
 order = np.argsort(chosen.reshape(-1), kind="stable")
-sizes = jnp.asarray(np.bincount(chosen.reshape(-1), minlength=E), jnp.int32)
+sizes = r.group_sizes
+print("route_experts: experts", chosen.tolist(), "| grouped as argsort would:",
+      bool(np.array_equal(np.asarray(r.sorted_tokens), order // TOPK)), "| weights sum to 1:",
+      bool(jnp.allclose(r.weights.sum(1), 1.0)))
 w_up = jnp.asarray(rng.standard_normal((E, I, H)) * H ** -0.5, jnp.bfloat16)   # [E, out, in]
 # lhs_rows: each sorted pair's token, read in place (the same bits as passing x[order // TOPK])
 up = m3.grouped_matmul(x, w_up, sizes, lhs_rows=jnp.asarray(order // TOPK, jnp.int32))  # f32 [T·k, I]

@@ -37,6 +37,7 @@ from jax_m3sparse.ops.grouped_matmul import grouped_matmul
 from jax_m3sparse.ops.pack import pack_kv_pages, unpack_kv_pages
 from jax_m3sparse.ops.positions import query_token_positions
 from jax_m3sparse.ops.prefill import sparse_prefill
+from jax_m3sparse.ops.route import ExpertRouting, route_experts
 from jax_m3sparse.ops.index_keys import write_index_keys
 from jax_m3sparse.ops.select import select_blocks
 from jax_m3sparse.spec import KVCacheSpec, allocate_kv_cache, unsupported_reason
@@ -44,12 +45,12 @@ from jax_m3sparse.spec import KVCacheSpec, allocate_kv_cache, unsupported_reason
 __version__ = "0.1.0"
 
 __all__ = [
-    "KVCacheSpec", "NativeModuleWarning", "SparseAttentionMetadata", "allocate_kv_cache",
+    "ExpertRouting", "KVCacheSpec", "NativeModuleWarning", "SparseAttentionMetadata", "allocate_kv_cache",
     "build_attention_metadata", "check_inputs", "cpu_attention_paths", "export_disabled_checks",
     "full_attention", "grouped_matmul", "mxfp8_dequantize", "mxfp8_quantize", "native_module",
     "native_platforms", "nvfp4_dequantize",
     "nvfp4_quantize",
-    "pack_kv_pages", "query_token_positions", "reference", "select_blocks", "sharding",
+    "pack_kv_pages", "query_token_positions", "reference", "route_experts", "select_blocks", "sharding",
     "sparse_attention", "sparse_decode", "sparse_prefill", "unpack_kv_pages", "unsupported_reason",
     "write_index_keys",
 ]

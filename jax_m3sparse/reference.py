@@ -410,7 +410,8 @@ def select_blocks(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, 
                        topk_blocks=int(topk_blocks), local_blocks=int(local_blocks))
 
 
-def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale, lhs_rows=None, *, gather=False):
+def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale, lhs_rows=None, *, gather=False,
+                        out_dtype=jnp.float32):
     """Primitive-level reference of grouped_matmul (SPEC §9): per group, every row multiplied
     by the group's matrix and *selected* for the group's rows (sizes made valid: negative
     counts as 0, rows past M dropped), rows no group covers 0; MXFP8 weights (``rhs`` fp8,
@@ -418,7 +419,7 @@ def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale, lhs_rows=None, *, gath
     ``ragged_dot``: on the CPU that is a masked product over every group, where a NaN or inf in
     one group's weights (an unrouted expert's included) reached every row (0 · NaN).
     ``gather``: the product's rows are ``lhs[lhs_rows]``, zero rows for ids outside ``[0, T)``
-    (SPEC §9 item 4)."""
+    (SPEC §9 item 4); ``out_dtype`` bf16: the fp32 result rounded to nearest even (item 5)."""
     if gather:
         T = lhs.shape[0]
         ok = (lhs_rows >= 0) & (lhs_rows < T)
@@ -437,10 +438,10 @@ def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale, lhs_rows=None, *, gath
         return jnp.where(((rows >= starts[g]) & (rows < ends[g]))[:, None], y, out), None
 
     return jax.lax.scan(one, jnp.zeros((M, N), jnp.float32),
-                        jnp.arange(rhs.shape[0], dtype=jnp.int32))[0]
+                        jnp.arange(rhs.shape[0], dtype=jnp.int32))[0].astype(out_dtype)
 
 
-def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, lhs_rows=None):
+def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, lhs_rows=None, out_dtype=jnp.float32):
     """Reference of :func:`jax_m3sparse.grouped_matmul` (SPEC §9)."""
     rhs = jnp.asarray(rhs)
     scale = (jnp.zeros((*rhs.shape[:2], 0), jnp.uint8) if rhs_scale is None
@@ -448,7 +449,7 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, lhs_rows=None):
     gather = lhs_rows is not None
     rows = jnp.asarray(lhs_rows if gather else np.zeros(0), jnp.int32)
     return grouped_matmul_impl(jnp.asarray(lhs), rhs, jnp.asarray(group_sizes, jnp.int32), scale,
-                               rows, gather=gather)
+                               rows, gather=gather, out_dtype=jnp.dtype(out_dtype))
 
 
 def write_index_keys_impl(idx_k_cache, keys, slot_mapping, layer):
@@ -472,3 +473,43 @@ def write_index_keys(idx_k_cache, keys, slot_mapping, layer=None):
     out = write_index_keys_impl(cache4, jnp.asarray(keys), jnp.asarray(slot_mapping, jnp.int32),
                                 jnp.asarray(0 if layer is None else layer, jnp.int32))
     return out if cache.ndim == 4 else out[0]
+
+
+def route_experts_impl(scores, bias, live, *, k, renormalize=True):
+    """Primitive-level reference of route_experts (SPEC §10): per token the k experts of largest
+    ``scores + bias`` (NaN as −inf, −0 as +0; ties to the lower id), each weighted by its score
+    (divided by the k scores' sum, added in order, when ``renormalize``); then the (token,
+    expert) pairs of live tokens grouped by expert, stable (pair index t·k + j within a group),
+    the pairs of tokens not live after every group, in pair order. Returns ``(weights [T, k],
+    experts [T, k], group_sizes [E], sorted_tokens [T·k], sorted_weights [T·k], inverse [T,
+    k])``."""
+    T, E = scores.shape
+    choice = scores + bias[None, :]
+    choice = jnp.where(jnp.isnan(choice), -jnp.inf, choice) + 0.0       # + 0.0: −0 -> +0
+    _, experts = jax.lax.top_k(choice, k)
+    experts = experts.astype(jnp.int32)
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if renormalize:
+        total = weights[:, 0]
+        for j in range(1, k):                                           # in order, as the kernels
+            total = total + weights[:, j]
+        # column by column: XLA rewrites a division by a broadcast into a multiplication by
+        # the reciprocal (not correctly rounded); the kernels divide exactly
+        weights = jnp.stack([weights[:, j] / total for j in range(k)], axis=1)
+    bucket = jnp.where(live[:, None], experts, E).reshape(-1)           # E: no group, sorts last
+    order = jnp.argsort(bucket, stable=True).astype(jnp.int32)
+    n = T * k
+    inverse = jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    sizes = jnp.zeros(E + 1, jnp.int32).at[bucket].add(1)[:E]
+    return (weights, experts, sizes, order // k, weights.reshape(-1)[order],
+            inverse.reshape(T, k))
+
+
+def route_experts(scores, k, *, bias=None, live=None, renormalize=True):
+    """Reference of :func:`jax_m3sparse.route_experts` (SPEC §10): the same fields, as a
+    tuple."""
+    scores = jnp.asarray(scores, jnp.float32)
+    T, E = scores.shape
+    bias = jnp.zeros(E, jnp.float32) if bias is None else jnp.asarray(bias, jnp.float32)
+    live = jnp.ones(T, bool) if live is None else jnp.asarray(live, bool)
+    return route_experts_impl(scores, bias, live, k=int(k), renormalize=bool(renormalize))

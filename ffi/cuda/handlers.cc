@@ -4,6 +4,8 @@
 // command-buffer compatible. Data scalars (k_scale, v_scale, layer) stay on the device.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <initializer_list>
 #include <string>
 
 #include "m3sparse/ffi_checks.h"
@@ -249,7 +251,7 @@ ffi::Error SelectBlocks(cudaStream_t stream, ffi::AnyBuffer idx_q, ffi::AnyBuffe
 
 ffi::Error GroupedMatmul(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::AnyBuffer rhs,
                          ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::U8> rhs_scale,
-                         ffi::Buffer<ffi::S32> lhs_rows, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                         ffi::Buffer<ffi::S32> lhs_rows, ffi::Result<ffi::AnyBuffer> out,
                          int64_t gather) {
   auto ld = lhs.dimensions(), rd = rhs.dimensions(), gd = group_sizes.dimensions();
   auto id = lhs_rows.dimensions();
@@ -268,6 +270,9 @@ ffi::Error GroupedMatmul(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::A
   auto od = out->dimensions();
   if (od.size() != 2 || od[0] != m || od[1] != rd[1])
     return invalid("grouped_matmul: out must be [M, N]");
+  const bool out_bf16 = out->element_type() == ffi::BF16;
+  if (!out_bf16 && out->element_type() != ffi::F32)
+    return invalid("grouped_matmul: out must be float32 or bfloat16");
   const char* why = grouped_matmul_unsupported(ld[1], mxfp8);
   if (why[0] != '\0') return invalid(why);
   if (rd[0] > 65534) return invalid("grouped_matmul: G must be below 65535");
@@ -276,7 +281,8 @@ ffi::Error GroupedMatmul(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::A
   p.rhs = rhs.untyped_data();
   p.rhs_scale = mxfp8 ? rhs_scale.typed_data() : nullptr;
   p.group_sizes = group_sizes.typed_data();
-  p.out = out->typed_data();
+  p.out = out->untyped_data();
+  p.out_bf16 = out_bf16;
   p.lhs_rows = gather ? lhs_rows.typed_data() : nullptr;
   p.lhs_count = ld[0];
   p.m = m;
@@ -285,6 +291,47 @@ ffi::Error GroupedMatmul(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::A
   p.num_groups = int32_t(rd[0]);
   if (p.n == 0) return ffi::Error::Success();
   return cuda_error(launch_grouped_matmul(p, stream), "grouped_matmul launch");
+}
+
+ffi::Error RouteExperts(cudaStream_t stream, ffi::Buffer<ffi::F32> scores,
+                        ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> live,
+                        ffi::Result<ffi::Buffer<ffi::F32>> weights,
+                        ffi::Result<ffi::Buffer<ffi::S32>> experts,
+                        ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
+                        ffi::Result<ffi::Buffer<ffi::S32>> sorted_tokens,
+                        ffi::Result<ffi::Buffer<ffi::F32>> sorted_weights,
+                        ffi::Result<ffi::Buffer<ffi::S32>> inverse, int64_t k,
+                        int64_t renormalize) {
+  auto sd = scores.dimensions();
+  if (sd.size() != 2 || bias.dimensions().size() != 1 || bias.dimensions()[0] != sd[1] ||
+      live.dimensions().size() != 1 || live.dimensions()[0] != sd[0])
+    return invalid("route_experts: scores [T, E], bias [E], live [T]");
+  const int64_t T = sd[0], E = sd[1];
+  const char* why = route_unsupported(E, k);
+  if (why[0] != '\0') return invalid(why);
+  if (T * k >= (int64_t(1) << 31)) return invalid("route_experts: T·k must be below 2^31");
+  auto is = [](auto& r, std::initializer_list<int64_t> dims) {
+    auto d = r->dimensions();
+    return std::equal(d.begin(), d.end(), dims.begin(), dims.end());
+  };
+  if (!is(weights, {T, k}) || !is(experts, {T, k}) || !is(group_sizes, {E}) ||
+      !is(sorted_tokens, {T * k}) || !is(sorted_weights, {T * k}) || !is(inverse, {T, k}))
+    return invalid("route_experts: results [T, k], [T, k], [E], [T·k], [T·k], [T, k]");
+  RouteParams p = {};
+  p.scores = scores.typed_data();
+  p.bias = bias.typed_data();
+  p.live = reinterpret_cast<const bool*>(live.typed_data());
+  p.weights = weights->typed_data();
+  p.experts = experts->typed_data();
+  p.group_sizes = group_sizes->typed_data();
+  p.sorted_tokens = sorted_tokens->typed_data();
+  p.sorted_weights = sorted_weights->typed_data();
+  p.inverse = inverse->typed_data();
+  p.num_tokens = T;
+  p.num_experts = int32_t(E);
+  p.k = int32_t(k);
+  p.renormalize = renormalize != 0;
+  return cuda_error(launch_route_experts(p, stream), "route_experts launch");
 }
 
 }  // namespace
@@ -391,6 +438,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_grouped_matmul_cuda, m3sparse::cuda::Grou
                                   .Arg<xffi::Buffer<xffi::S32>>()       // group_sizes
                                   .Arg<xffi::Buffer<xffi::U8>>()        // rhs_scale
                                   .Arg<xffi::Buffer<xffi::S32>>()       // lhs_rows
-                                  .Ret<xffi::Buffer<xffi::F32>>()       // out
+                                  .Ret<xffi::AnyBuffer>()               // out (f32 / bf16)
                                   .Attr<int64_t>("gather"),
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_route_experts_cuda, m3sparse::cuda::RouteExperts,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::Buffer<xffi::F32>>()       // scores
+                                  .Arg<xffi::Buffer<xffi::F32>>()       // bias
+                                  .Arg<xffi::Buffer<xffi::PRED>>()      // live
+                                  .Ret<xffi::Buffer<xffi::F32>>()       // weights
+                                  .Ret<xffi::Buffer<xffi::S32>>()       // experts
+                                  .Ret<xffi::Buffer<xffi::S32>>()       // group_sizes
+                                  .Ret<xffi::Buffer<xffi::S32>>()       // sorted_tokens
+                                  .Ret<xffi::Buffer<xffi::F32>>()       // sorted_weights
+                                  .Ret<xffi::Buffer<xffi::S32>>()       // inverse
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("renormalize"),
                               {xffi::Traits::kCmdBufferCompatible});

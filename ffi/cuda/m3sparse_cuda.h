@@ -117,7 +117,8 @@ struct GroupedMatmulParams {
   const void* rhs;                // [G, N, K] bf16, or fp8 e4m3 when rhs_scale is set
   const uint8_t* rhs_scale;       // [G, N, K / 32] E8M0 (MXFP8), or nullptr (bf16 rhs)
   const int32_t* group_sizes;     // [G] (negative counts as 0; rows past M are dropped)
-  float* out;                     // [M, N]
+  void* out;                      // [M, N] fp32, or bf16 when out_bf16 (each fp32 result
+  bool out_bf16;                  // rounded to nearest even as it is stored: SPEC §9 item 5)
   const int32_t* lhs_rows;        // [M]: the lhs row each row reads (< 0 or >= lhs_count: a
                                   // zero row), or nullptr: row i reads lhs row i (SPEC §9 item 4)
   int64_t lhs_count;              // rows of lhs with lhs_rows (T), else unused
@@ -138,6 +139,29 @@ const char* grouped_matmul_unsupported(int64_t k, bool mxfp8);
 // The tile a launch of p takes.
 GroupedMatmulTile grouped_matmul_tile(const GroupedMatmulParams& p);
 cudaError_t launch_grouped_matmul(const GroupedMatmulParams& p, cudaStream_t stream);
+
+// route_experts (SPEC §10; ffi/cuda/route.cu): each token's top-k experts and weights, and the
+// (token, expert) pairs grouped by expert (stable; pairs of tokens not live last, in no group).
+constexpr int kRouteMaxExperts = 512;   // E: the grouping CTA's per-warp counters
+constexpr int kRouteMaxK = 8;           // k: the choice's per-lane lists
+struct RouteParams {
+  const float* scores;            // [T, E]
+  const float* bias;              // [E], added for the choice only
+  const bool* live;               // [T]
+  float* weights;                 // [T, k]
+  int32_t* experts;               // [T, k]
+  int32_t* group_sizes;           // [E]
+  int32_t* sorted_tokens;         // [T·k]
+  float* sorted_weights;          // [T·k]
+  int32_t* inverse;               // [T, k]
+  int64_t num_tokens;             // T
+  int32_t num_experts;            // E
+  int32_t k;
+  bool renormalize;
+};
+// "" or one sentence naming the unmet requirement (1 <= E <= 512, 1 <= k <= min(E, 8)).
+const char* route_unsupported(int64_t num_experts, int64_t k);
+cudaError_t launch_route_experts(const RouteParams& p, cudaStream_t stream);
 
 // One sentence naming every unmet requirement of the attention kernels, or "" when supported.
 // Mirrors jax_m3sparse.spec.unsupported_reason(..., platform="cuda").

@@ -15,7 +15,10 @@ def test_api_tour_runs(capsys):
     assert "gfx950 serves this geometry: True" in out
     assert ("mixed batch rows: requests [ 0  1  1  1  1  1 -1 -1] "
             "positions [299 995 996 997 998 999  -1  -1]") in out
+    assert "grouped as argsort would: True | weights sum to 1: True" in out
     assert "grouped matmul (10, 32) row 0 is token 0 through expert 0 : True" in out
+    assert "equals the reference on the sorted copy: True" in out
+    assert "MXFP8 grouped matmul equals the bf16 call on mxfp8_dequantize: True" in out
 
 
 def test_serve_sharded_runs(capsys):

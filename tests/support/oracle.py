@@ -6,6 +6,7 @@
 * Attention (SPEC §5): float64 dense softmax over the keys a row attends, read from the
   stored bytes.
 * grouped_matmul (SPEC §9): a float64 matmul per group of rows.
+* route_experts (SPEC §10): Python sorts one token and one pair at a time, float32 weights.
 """
 
 from __future__ import annotations
@@ -205,3 +206,45 @@ def grouped_matmul(lhs, rhs, sizes, rhs_scale=None, lhs_rows=None):
         out[start:end] = a[start:end] @ w[g].T
         start = end
     return out
+
+
+def route_experts(scores, bias, live, k, renormalize=True):
+    """SPEC §10 one token and one pair at a time, in Python / NumPy float32."""
+    scores = np.asarray(scores, np.float32)
+    T, E = scores.shape
+    weights = np.zeros((T, k), np.float32)
+    experts = np.zeros((T, k), np.int32)
+    for t in range(T):
+        keys = [float(np.float32(scores[t, e]) + np.float32(bias[e])) for e in range(E)]
+        keys = [-np.inf if np.isnan(x) else x for x in keys]
+        ranked = sorted(range(E), key=lambda e: (-keys[e], e))      # -0.0 == 0.0: the id decides
+        experts[t] = ranked[:k]
+        w = scores[t, ranked[:k]].astype(np.float32)
+        if renormalize:
+            total = w[0]
+            for j in range(1, k):
+                total = np.float32(total + w[j])
+            with np.errstate(invalid="ignore", divide="ignore"):
+                w = (w / total).astype(np.float32)
+        weights[t] = w
+    pairs = [(int(experts[t, j]) if live[t] else E, t * k + j) for t in range(T) for j in range(k)]
+    ordered = sorted(pairs)                                         # bucket, then pair index
+    inverse = np.zeros(T * k, np.int32)
+    for pos, (_, q) in enumerate(ordered):
+        inverse[q] = pos
+    sizes = np.bincount([b for b, _ in pairs if b < E], minlength=E).astype(np.int32)
+    tokens = np.array([q // k for _, q in ordered], np.int32)
+    sorted_w = np.array([weights.reshape(-1)[q] for _, q in ordered], np.float32)
+    return weights, experts, sizes, tokens, sorted_w, inverse.reshape(T, k)
+
+
+def route_scores(rng, T, E, ties=False):
+    """Sigmoid-like scores in (0, 1); ``ties``: few distinct values, plus NaN, ±0, ±inf."""
+    s = rng.uniform(0, 1, (T, E)).astype(np.float32)
+    if ties:
+        s = np.round(s * 4) / 4
+        flat = s.reshape(-1)
+        idx = rng.choice(flat.size, min(flat.size, 12), replace=False)
+        flat[idx] = np.array([np.nan, -0.0, 0.0, np.inf, -np.inf, np.nan] * 2, np.float32)[
+            :len(idx)]
+    return s
