@@ -7,7 +7,7 @@
 #     example (M3_AFTER="<bench args>"), memcheck of its pytest (SANITIZE=0 skips);
 #     m3: the M3 example at real size (python -m examples.minimax_m3.bench; M3_ARGS, M3_FORMATS
 #     "bf16 mxfp8" for each experts' format in turn, and CUDA_BENCH=1 for bench.cuda --quick
-#     --no-ref after it);
+#     --no-ref after it; PYK: pytest tests/cuda/test_gpu.py -k PYK before it);
 #     quick: smaller benchmark set; sanitize: compute-sanitizer memcheck + racecheck on the
 #     harness and memcheck on the public-API GPU tests (no timings); profile: ncu on the harness;
 #     final: the bench.cuda table, sanitizers and the scan gap analysis in one call;
@@ -241,8 +241,15 @@ if [ "$MODE" = m3 ]; then  # the M3 example at real size: one TP-8 rank (example
   # M3_ARGS: the bench's arguments (default --quick); CUDA_BENCH=1: bench.cuda --quick --no-ref
   # after it (the attention kernel at the TP-8 rank's shapes beside TP 1)
   # M3_FORMATS: the experts' formats to run it with, in turn (default bf16; "bf16 mxfp8")
+  # PYK: pytest tests/cuda/test_gpu.py -k "$PYK" first (PYTEST_S, default 300 s)
   build_modules
   date -u
+  if [ -n "${PYK:-}" ]; then
+    echo "=== pytest tests/cuda/test_gpu.py -k '$PYK'"
+    PYTHONPATH=$ROOT timeout ${PYTEST_S:-300} python3 -m pytest -q -x tests/cuda/test_gpu.py \
+      -k "$PYK" -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/pytest_m3.log" | tail -15
+    date -u
+  fi
   for F in ${M3_FORMATS:-bf16}; do
     echo "=== python -m examples.minimax_m3.bench ${M3_ARGS:---quick} --expert-format $F"
     PYTHONPATH=$ROOT timeout ${M3_S:-420} python3 -m examples.minimax_m3.bench ${M3_ARGS:---quick} \

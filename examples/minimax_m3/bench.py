@@ -685,7 +685,7 @@ class Parts:
         from . import moe  # noqa: PLC0415
         p = jax.tree_util.tree_map(lambda w: w[0], self.seg(i)["mlp"])
         h = jax.random.normal(jax.random.key(3), (self.T, self.cfg.hidden_size), jnp.float32)
-        _, chosen = moe.route(p, h, self.cfg)
+        chosen = moe.route(p, h, self.cfg).experts
         return int(jnp.unique(chosen).shape[0])
 
     def mlp(self, i, is_moe: bool, impl: str = "dense", routed: int = 0) -> dict:

@@ -68,16 +68,17 @@ def dense_mlp(p, x, cfg):
     return linear(swiglu_oai(gu, cfg.swiglu_alpha, cfg.swiglu_limit), p["down_proj"])
 
 
-def route(p, x, cfg):
-    """``MiniMaxM3VLTopKRouter``: sigmoid scores; the correction bias only chooses.
-
-    Returns ``(weights float32[T, k], experts int32[T, k])``, weights renormalised to sum 1.
-    """
+def route(p, x, cfg, live=None):
+    """``MiniMaxM3VLTopKRouter``: sigmoid scores; the correction bias only chooses; the weights
+    renormalised to sum 1. One :func:`jax_m3sparse.route_experts` call, which also groups the
+    (token, expert) pairs by expert for the grouped formulations (on CUDA one kernel in place of
+    XLA's top-k, argsort, scatters and gathers). ``live bool[T]``: padding rows (False) join no
+    expert's group. Returns a :class:`jax_m3sparse.ExpertRouting` (``weights``, ``experts``
+    ``[T, k]``, the grouping fields)."""
     scores = jax.nn.sigmoid(linear(x, p["gate"]).astype(jnp.float32))
-    _, experts = jax.lax.top_k(scores + p["e_score_correction_bias"].astype(jnp.float32),
-                               cfg.num_experts_per_tok)
-    weights = jnp.take_along_axis(scores, experts, axis=-1)
-    return weights / jnp.sum(weights, axis=-1, keepdims=True), experts
+    return jax_m3sparse.route_experts(scores, cfg.num_experts_per_tok,
+                                      bias=p["e_score_correction_bias"].astype(jnp.float32),
+                                      live=live)
 
 
 IMPLS = ("auto", "dense", "dense_batched", "gather", "ragged", "grouped", "tokamax")
@@ -134,33 +135,33 @@ def resolve_impl(impl: str, load: float, backend: str | None = None,
     return "dense"
 
 
-def experts(p, x, weights, chosen, cfg, impl: str | None = None, live=None):
-    """``MiniMaxM3VLExperts``: Σ_k weights[t, k] · expert_{chosen[t, k]}(x[t]), fp32 ``[T, H]``.
+def experts(p, x, routing, cfg, impl: str | None = None):
+    """``MiniMaxM3VLExperts``: Σ_k weights[t, k] · expert_{experts[t, k]}(x[t]), fp32 ``[T, H]``.
 
     p ``gate_up_proj [E, 2, I, H]``, ``down_proj [E, H, I]`` (I may be this device's slice);
-    x ``[T, H]``; weights ``float32[T, k]``; chosen ``int32[T, k]`` in ``[0, E)``. ``impl``
+    x ``[T, H]``; ``routing`` a :class:`jax_m3sparse.ExpertRouting` (:func:`route`). ``impl``
     (default ``cfg.moe_impl``): see the module docstring; every formulation gives the same sum
-    (fp32: to rounding). ``live bool[T]`` (optional): rows that are tokens; the sorted
-    formulations give padding rows no expert (0 out, and no expert's weights read for them).
+    (fp32: to rounding). The sorted formulations give the routing's padding rows (not live)
+    no expert: 0 out, and no expert's weights read for them.
 
     Raises:
       ValueError: unknown impl; ImportError: "tokamax" asked for and not importable.
     """
-    load = chosen.shape[0] * chosen.shape[1] / p["gate_up_proj"].shape[0]   # T·k / E
+    T, k = routing.experts.shape
+    load = T * k / p["gate_up_proj"].shape[0]                             # T·k / E
     impl = resolve_impl(impl or getattr(cfg, "moe_impl", "auto"), load,
                         weight_dtype=p["gate_up_proj"].dtype)
-    if impl in ("grouped", "ragged", "tokamax") and live is not None:
-        chosen = jnp.where(live[:, None], chosen, p["gate_up_proj"].shape[0])   # E: no group
     if impl == "grouped":
-        return experts_sorted(p, x, weights, chosen, cfg, jax_m3sparse.grouped_matmul)
+        return experts_sorted(p, x, routing, cfg, jax_m3sparse.grouped_matmul)
     p = dequantized(p)
+    weights, chosen = routing.weights, routing.experts
     if impl == "dense":
         return experts_dense(p, x, weights, chosen, cfg)
     if impl == "dense_batched":
         return experts_dense(p, x, weights, chosen, cfg, batched_down=True)
     if impl == "gather":
         return experts_gathered(p, x, weights, chosen, cfg)
-    return experts_sorted(p, x, weights, chosen, cfg, _grouped_dot(impl))
+    return experts_sorted(p, x, routing, cfg, _grouped_dot(impl))
 
 
 def dequantized(p):
@@ -208,27 +209,15 @@ def experts_gathered(p, x, weights, chosen, cfg):
                          experts=jnp.where(ids < E, ids, -1))
 
 
-def sort_by_expert(chosen, num_experts: int):
-    """The ``T·k`` (token, expert) pairs grouped by expert: ``order int32[T·k]`` (flat pair
-    indices, stable within an expert), ``group_sizes int32[E]`` (zeros for unrouted experts;
-    they sum to ``T·k`` less the pairs of expert id E, which sort last in no group) and
-    ``inverse`` (``order``'s inverse permutation)."""
-    flat = chosen.reshape(-1).astype(jnp.int32)
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1, mode="drop")
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
-    return order, sizes, inverse
-
-
 # rhs [G, out, in] (PyTorch layout), contracting lhs [M, in] with rhs's last axis
 _OUT_IN = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
                                            lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
 def _grouped_dot(impl: str):
-    """``dot(lhs, rhs [G, out, in], group_sizes [G], lhs_rows=None) -> fp32 [M, out]`` (bf16
-    rhs), like jax_m3sparse.grouped_matmul: with ``lhs_rows`` the product of ``lhs[lhs_rows]``
-    (gathered first here; grouped_matmul reads them in place)."""
+    """``dot(lhs, rhs [G, out, in], group_sizes [G], lhs_rows=None, out_dtype=f32) -> [M, out]``
+    (bf16 rhs; fp32 sums), like jax_m3sparse.grouped_matmul: with ``lhs_rows`` the product of
+    ``lhs[lhs_rows]`` (gathered first here; grouped_matmul reads them in place)."""
     if impl == "ragged":
         general = jax.lax.ragged_dot_general
     elif impl == "tokamax":
@@ -242,37 +231,38 @@ def _grouped_dot(impl: str):
         general = tokamax.ragged_dot_general
     else:
         raise ValueError(f"no grouped dot for moe_impl {impl!r}")
-    return lambda lhs, rhs, sizes, lhs_rows=None: general(
+    return lambda lhs, rhs, sizes, lhs_rows=None, out_dtype=jnp.float32: general(
         lhs if lhs_rows is None else lhs[lhs_rows], rhs, sizes, _OUT_IN,
-        preferred_element_type=jnp.float32)
+        preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def experts_sorted(p, x, weights, chosen, cfg, dot):
-    """Grouped formulation: pairs sorted by expert, two grouped matmuls over the routed rows
-    only (``T·k`` of them, static), each row weighted, then summed back per token. MXFP8
-    weights pass their ``*_scale`` exponents to ``dot`` (jax_m3sparse.grouped_matmul)."""
-    T, k = chosen.shape
+def experts_sorted(p, x, routing, cfg, dot):
+    """Grouped formulation: the routing's pairs grouped by expert, two grouped matmuls over the
+    routed rows only (``T·k`` of them, static), each row weighted, then summed back per token.
+    MXFP8 weights pass their ``*_scale`` exponents to ``dot`` (jax_m3sparse.grouped_matmul)."""
+    T, k = routing.experts.shape
     w_gu, w_down = p["gate_up_proj"], p["down_proj"]
     E, _, I, H = w_gu.shape
     act = jnp.bfloat16 if w_gu.dtype == jnp.float8_e4m3fn else w_gu.dtype   # lhs dtype
     scales = ({} if "gate_up_proj_scale" not in p else
               dict(gu=(p["gate_up_proj_scale"].reshape(E, 2 * I, H // 32),),
                    down=(p["down_proj_scale"],)))
-    order, sizes, inverse = sort_by_expert(chosen, E)
+    sizes = routing.group_sizes
     # the pairs' tokens [T·k, H], gathered as the first product reads them
     gu = dot(x.astype(act), w_gu.reshape(E, 2 * I, H), sizes, *scales.get("gu", ()),
-             lhs_rows=order // k).reshape(T * k, 2, I)
+             lhs_rows=routing.sorted_tokens).reshape(T * k, 2, I)
     # The routing weight before down_proj, as dense dispatch applies it (same bf16 rounding).
-    h = swiglu_oai(gu, cfg.swiglu_alpha, cfg.swiglu_limit) * weights.reshape(-1)[order][:, None]
-    y = dot(h.astype(act), w_down, sizes, *scales.get("down", ()))       # [T·k, H]
-    return jnp.sum(y[inverse].reshape(T, k, H), axis=1)
+    h = swiglu_oai(gu, cfg.swiglu_alpha, cfg.swiglu_limit) * routing.sorted_weights[:, None]
+    # Each pair's output in the activations' dtype (bf16 models: rounded once, as transformers'
+    # bf16 experts are; half the bytes the GEMM writes and the sum reads), summed in fp32.
+    y = dot(h.astype(act), w_down, sizes, *scales.get("down", ()), out_dtype=act)   # [T·k, H]
+    return jnp.sum(y[routing.inverse.reshape(-1)].reshape(T, k, H).astype(jnp.float32), axis=1)
 
 
 def sparse_moe(p, x, cfg, live=None):
     """``MiniMaxM3VLSparseMoeBlock``: routed experts × routed_scaling_factor + shared expert.
     ``live bool[T]``: padding rows (False) go to no routed expert (:func:`experts`)."""
-    weights, chosen = route(p, x, cfg)
-    routed = experts(p["experts"], x, weights, chosen, cfg, live=live)
+    routed = experts(p["experts"], x, route(p, x, cfg, live), cfg)
     return routed * cfg.routed_scaling_factor + dense_mlp(p["shared_experts"], x, cfg)
 
 

@@ -22,23 +22,33 @@ from minimax_m3.config import M3_TEXT, ModelConfig
 CFG = ModelConfig()
 
 
+def _routing(w, chosen, E, live=None):
+    """The routing that picks ``chosen [T, k]`` with weights ``w`` (in (0, 1)): scores of −1
+    elsewhere, not renormalized (jax_m3sparse.route_experts orders a token's experts best
+    first, which only reorders the sum's terms)."""
+    T, k = chosen.shape
+    scores = jnp.full((T, E), -1.0, jnp.float32).at[jnp.arange(T)[:, None], chosen].set(w)
+    return jax_m3sparse.route_experts(scores, k, live=live, renormalize=False)
+
+
 def _experts(rng, T, E, k, H, I):
     p = dict(gate_up_proj=jnp.asarray(rng.normal(0, H ** -0.5, (E, 2, I, H)), jnp.float32),
              down_proj=jnp.asarray(rng.normal(0, I ** -0.5, (E, H, I)), jnp.float32))
     x = jnp.asarray(rng.normal(0, 1, (T, H)), jnp.float32)
     chosen = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]), jnp.int32)
-    w = jnp.asarray(rng.random((T, k)), jnp.float32)
-    return p, x, w, chosen
+    w = jnp.asarray(rng.random((T, k)) * 0.99 + 0.01, jnp.float32)
+    return p, x, _routing(w, chosen, E)
 
 
 @pytest.mark.parametrize("T,E,k", [(1, 16, 2), (5, 128, 8), (37, 8, 3), (64, 4, 4)])
 def test_formulations_equal_dense(rng, T, E, k):
     """Σ_k w·expert(x) is the same sum in every formulation (fp32, to rounding), with
     experts that receive no token (T·k < E) and every expert busy (k = E)."""
-    p, x, w, chosen = _experts(rng, T, E, k, H=64, I=16)
-    dense = np.asarray(moe.experts(p, x, w, chosen, CFG, impl="dense"))
+    p, x, r = _experts(rng, T, E, k, H=64, I=16)
+    w, chosen = r.weights, r.experts
+    dense = np.asarray(moe.experts(p, x, r, CFG, impl="dense"))
     others = {impl: np.asarray(jax.jit(lambda *a, i=impl: moe.experts(*a, CFG, impl=i))(
-        p, x, w, chosen)) for impl in ("ragged", "dense_batched", "gather")}
+        p, x, r)) for impl in ("ragged", "dense_batched", "gather")}
     # the oracle: each token's chosen experts, one at a time, in float64
     ref = np.zeros((T, 64))
     g = np.asarray(p["gate_up_proj"], np.float64)
@@ -55,18 +65,17 @@ def test_formulations_equal_dense(rng, T, E, k):
     for impl, out in others.items():
         assert np.abs(out - ref).max() <= 2e-6 * scale, impl
         assert np.abs(out - dense).max() <= 2e-6 * scale, impl
-    assert int(np.sum(moe.sort_by_expert(chosen, E)[1] == 0)) == E - len(np.unique(chosen))
+    assert int(np.sum(r.group_sizes == 0)) == E - len(np.unique(chosen))
 
 
 @pytest.mark.parametrize("T,E,k", [(3, 16, 2), (40, 8, 4)])
 def test_grouped_equals_dense_in_bf16(rng, T, E, k):
     """moe_impl "grouped" (jax_m3sparse.grouped_matmul; on the CPU its reference lowering)
     with bf16 weights gives dense dispatch's sum to bf16 rounding of the hidden activations."""
-    p, x, w, chosen = _experts(rng, T, E, k, H=64, I=16)
+    p, x, r = _experts(rng, T, E, k, H=64, I=16)
     p = {name: v.astype(jnp.bfloat16) for name, v in p.items()}
-    dense = np.asarray(moe.experts(p, x, w, chosen, CFG, impl="dense"))
-    grouped = np.asarray(jax.jit(lambda *a: moe.experts(*a, CFG, impl="grouped"))(
-        p, x, w, chosen))
+    dense = np.asarray(moe.experts(p, x, r, CFG, impl="dense"))
+    grouped = np.asarray(jax.jit(lambda *a: moe.experts(*a, CFG, impl="grouped"))(p, x, r))
     np.testing.assert_allclose(grouped, dense, rtol=0, atol=1e-2 * np.abs(dense).max())
 
 
@@ -76,18 +85,17 @@ def test_padding_rows_route_to_no_expert(rng, impl):
     last in no group (0 out, no weights read for them) — and the live rows' sums are those of
     the call without padding, bit for bit."""
     T, E, k = 12, 16, 2
-    p, x, w, chosen = _experts(rng, T, E, k, H=64, I=16)
+    p, x, r = _experts(rng, T, E, k, H=64, I=16)
     p = {name: v.astype(jnp.bfloat16) for name, v in p.items()}
     live = jnp.asarray(np.arange(T) % 3 != 1)
-    f = jax.jit(lambda *a: moe.experts(*a, CFG, impl=impl, live=live))
-    got = np.asarray(f(p, x, w, chosen))
+    r = _routing(r.weights, r.experts, E, live)
+    f = jax.jit(lambda *a: moe.experts(*a, CFG, impl=impl))
+    got = np.asarray(f(p, x, r))
     assert not np.any(got[~np.asarray(live)])
     keep = np.flatnonzero(np.asarray(live))
-    alone = np.asarray(jax.jit(lambda *a: moe.experts(*a, CFG, impl=impl))(
-        p, x[keep], w[keep], chosen[keep]))
+    alone = np.asarray(f(p, x[keep], _routing(r.weights[keep], r.experts[keep], E)))
     np.testing.assert_array_equal(got[keep], alone)
-    sizes = moe.sort_by_expert(jnp.where(live[:, None], chosen, E), E)[1]
-    assert int(jnp.sum(sizes)) == len(keep) * k
+    assert int(jnp.sum(r.group_sizes)) == len(keep) * k
 
 
 def test_ragged_in_scan_and_tensor_parallel(rng):
@@ -186,14 +194,14 @@ def test_mxfp8_experts_equal_their_bf16_twin(rng, T, E, k):
     """MXFP8 experts (fp8 + E8M0 exponents) give what their dequantized bf16 twin gives: dense
     dispatch bit for bit (it widens them first), "grouped" (grouped_matmul's MXFP8 operands)
     equal to "grouped" on the twin bit for bit, and "gather" too."""
-    p, x, w, chosen = _experts(rng, T, E, k, H=64, I=32)
+    p, x, r = _experts(rng, T, E, k, H=64, I=32)
     mx = _mxfp8_experts(p)
     twin = moe.dequantized(mx)
     assert {v.dtype for v in twin.values()} == {jnp.dtype(jnp.bfloat16)}
     for impl in ("dense", "grouped", "gather"):
         f = jax.jit(lambda p_, *a, i=impl: moe.experts(p_, *a, CFG, impl=i))
-        np.testing.assert_array_equal(np.asarray(f(mx, x, w, chosen)),
-                                      np.asarray(f(twin, x, w, chosen)), err_msg=impl)
+        np.testing.assert_array_equal(np.asarray(f(mx, x, r)), np.asarray(f(twin, x, r)),
+                                      err_msg=impl)
     assert moe.resolve_impl("auto", 0.25, "cuda", jnp.float8_e4m3fn) == "grouped"
 
 
