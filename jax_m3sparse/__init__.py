@@ -12,6 +12,7 @@ Public API (SPEC.md sections in each docstring):
 * MiniMax M3's indexer: :func:`write_index_keys` (SPEC §8.1), :func:`select_blocks` (SPEC §8)
 * the routed experts' matmuls: :func:`grouped_matmul` (SPEC §9), bf16 or MXFP8 weights
   (:func:`mxfp8_quantize`, :func:`mxfp8_dequantize`, SPEC §9.1)
+* a decode step's dense projections: :func:`dense_matmul` (SPEC §11)
 * geometry and faults: :func:`unsupported_reason` (SPEC §1), :func:`check_inputs` (SPEC §7)
 * :func:`export_disabled_checks` for ``jax.export`` of functions that call these ops
 * :mod:`jax_m3sparse.sharding`: PartitionSpecs and KV-head replication for many devices
@@ -33,6 +34,7 @@ from jax_m3sparse.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 from jax_m3sparse.ops.attention import sparse_attention
 from jax_m3sparse.ops.decode import sparse_decode
 from jax_m3sparse.ops.full import full_attention
+from jax_m3sparse.ops.dense_matmul import dense_matmul
 from jax_m3sparse.ops.grouped_matmul import grouped_matmul
 from jax_m3sparse.ops.pack import pack_kv_pages, unpack_kv_pages
 from jax_m3sparse.ops.positions import query_token_positions
@@ -47,7 +49,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ExpertRouting", "KVCacheSpec", "NativeModuleWarning", "SparseAttentionMetadata", "allocate_kv_cache",
     "build_attention_metadata", "check_inputs", "cpu_attention_paths", "export_disabled_checks",
-    "full_attention", "grouped_matmul", "mxfp8_dequantize", "mxfp8_quantize", "native_module",
+    "dense_matmul", "full_attention", "grouped_matmul", "mxfp8_dequantize", "mxfp8_quantize", "native_module",
     "native_platforms", "nvfp4_dequantize",
     "nvfp4_quantize",
     "pack_kv_pages", "query_token_positions", "reference", "route_experts", "select_blocks", "sharding",

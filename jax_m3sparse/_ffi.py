@@ -164,10 +164,12 @@ def import_error(platform: str) -> str | None:
 
 
 OPS = ("pack_kv_pages", "query_token_positions", "sparse_decode", "sparse_prefill",
-       "full_attention", "select_blocks", "write_index_keys", "grouped_matmul", "route_experts")
+       "full_attention", "select_blocks", "write_index_keys", "grouped_matmul", "route_experts",
+       "dense_matmul")
 # Ops with a kernel on some platforms only (the others lower them to the reference or, for
 # full_attention on the CPU, to another op's kernel).
-_ONLY_ON = {"grouped_matmul": ("cuda",), "route_experts": ("cuda",), "full_attention": ("cuda", "rocm"),
+_ONLY_ON = {"grouped_matmul": ("cuda",), "dense_matmul": ("cuda",), "route_experts": ("cuda",),
+            "full_attention": ("cuda", "rocm"),
             "write_index_keys": ("cpu",)}
 
 

@@ -410,6 +410,18 @@ def select_blocks(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, 
                        topk_blocks=int(topk_blocks), local_blocks=int(local_blocks))
 
 
+def dense_matmul_impl(lhs, rhs, *, out_dtype=jnp.float32):
+    """Primitive-level reference of dense_matmul (SPEC §11): XLA's dot of ``lhs [M, K]`` and
+    ``rhs [N, K]`` with fp32 sums, cast to ``out_dtype``."""
+    return jax.lax.dot_general(lhs, rhs, (([1], [1]), ([], [])),
+                               preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def dense_matmul(lhs, rhs, out_dtype=jnp.float32):
+    """jax_m3sparse.dense_matmul in pure jnp (SPEC §11): XLA's dot, fp32 sums."""
+    return dense_matmul_impl(jnp.asarray(lhs), jnp.asarray(rhs), out_dtype=jnp.dtype(out_dtype))
+
+
 def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale, lhs_rows=None, *, gather=False,
                         out_dtype=jnp.float32):
     """Primitive-level reference of grouped_matmul (SPEC §9): per group, every row multiplied

@@ -75,7 +75,7 @@ def project(p, h, cos, sin, cfg):
     T, D, Di = h.shape[0], cfg.head_dim, cfg.index_head_dim
     w = p["qkv_proj"]
     S, C, H = w.shape
-    out = linear(h, w.reshape(S * C, H)).reshape(T, S, C)
+    out = linear(h, w.reshape(S * C, H), cfg).reshape(T, S, C)
     g = cfg.num_attention_heads // S                              # query heads per group
     # a group's q heads and its k head lie side by side: one norm and one RoPE for all of them
     # (and for the index query and key below), fewer kernels than one per tensor

@@ -38,6 +38,9 @@ M3_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
                          "m3_config", "config.json")
 
 
+DENSE_ROWS_DEFAULT = "128"      # cfg.dense_matmul_rows' default, as the bench's option
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m examples.minimax_m3.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,6 +70,10 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-context", type=int, default=8192,
                     help="the chunk's request length (its last token's position + 1)")
     ap.add_argument("--quick", action="store_true", help="decode 4 and 128 at 16k, prefill 2048")
+    ap.add_argument("--dense-matmul-rows", default=DENSE_ROWS_DEFAULT,
+                    help="cfg.dense_matmul_rows (GPUs: projections of at most this many rows "
+                    "through jax_m3sparse.dense_matmul; 0: XLA's dot); a list times each shape "
+                    "once per value, the parts with the first")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-parts", action="store_true", help="time the whole step only")
@@ -194,6 +201,7 @@ class Bench:
         self.full = full_config(args)
         self.batches = [int(b) for b in args.batch.split(",") if b]
         self.contexts = [int(c) for c in args.context.split(",") if c]
+        self.dense_rows = [int(u) for u in args.dense_matmul_rows.split(",") if u]
         N = self.full.block_size
         self.part_cache = {}     # parts that depend on the token count only, by (part, T)
         self.pages = max([b * -(-c // N) for b in self.batches for c in self.contexts]
@@ -255,9 +263,11 @@ class Bench:
             shapes.append(("prefill", self.args.prefill, self.args.prefill_context))
         rows = []
         for kind, n, ctx in shapes:
-            row = self.time_shape(kind, n, ctx)
-            rows.append(row)
-            print(format_row(row, self.args.tp), flush=True)
+            for i, dense_rows in enumerate(self.dense_rows):
+                self.cfg = dataclasses.replace(self.cfg, dense_matmul_rows=dense_rows)
+                row = self.time_shape(kind, n, ctx, parts=i == 0)
+                rows.append(row)
+                print(format_row(row, self.args.tp), flush=True)
         return dict(device=_device_name(), backend=self.backend, rank_config=_cfg_dict(self.cfg),
                     full_layers=self.full.num_layers, tp=self.args.tp, pages=self.pages,
                     init_s=self.init_s, memory=self.mem, moe_impl=self.args.moe_impl,
@@ -270,7 +280,7 @@ class Bench:
                     allreduce="2 per layer of [T, hidden] bf16, ring: 2·(tp−1)/tp·bytes / "
                               "link_bandwidth + latency each (a model, not measured)")
 
-    def time_shape(self, kind, n, ctx) -> dict:
+    def time_shape(self, kind, n, ctx, parts: bool = True) -> dict:
         import jax  # noqa: PLC0415
         batch, nd = make_batch(self.cfg, kind, n, ctx, self.pages, self.args.seed)
         T = batch["tokens"].shape[0]
@@ -288,10 +298,10 @@ class Bench:
         jax.block_until_ready(out)
         host = host_bytes(batch, out)
         row = dict(kind=kind, requests=n if kind == "decode" else 1, tokens=T, context=ctx,
-                   step_ms=1e3 * statistics.median(times), step_ms_min=1e3 * min(times),
+                   dense_matmul_rows=self.cfg.dense_matmul_rows, step_ms=1e3 * statistics.median(times), step_ms_min=1e3 * min(times),
                    compile_s=compile_s, host_bytes=host, **self.step_trace(call, kind, T))
         self.caches = state["caches"]            # the calls above donated the caches
-        if not self.args.no_parts:
+        if parts and not self.args.no_parts:
             parts = Parts(self, batch, nd, kind, ctx)
             row["parts"] = parts.run()
             row.update(self.project(row, parts))
@@ -751,7 +761,7 @@ class Parts:
                 if has_idx:
                     idx = m3.write_index_keys(idx, ik, slots, layer=jnp.int32(0))   # in place
                     q = q + jnp.sum(iq) * 0
-                x = x + linear(q.reshape(T, -1), pl["self_attn"]["o_proj"])
+                x = x + linear(q.reshape(T, -1), pl["self_attn"]["o_proj"], cfg)
                 x = gemma_rms_norm(x, pl["post_attention_layernorm"], cfg.rms_norm_eps)
                 return (x, kv, idx), None
             x, kv, idx = jax.lax.scan(body, (x, kv, idx), (p, first + jnp.arange(n)))[0]
@@ -794,9 +804,15 @@ class Parts:
 
 
 # ----------------------------------------------------------------------------- output
+def rows_note(row) -> str:
+    """", dense_matmul_rows N" where a run times more than one value."""
+    n = row.get("dense_matmul_rows")
+    return "" if n is None or n == int(DENSE_ROWS_DEFAULT) else f", dense_matmul_rows {n}"
+
+
 def format_row(row, tp: int | None = None) -> str:
     head = (f"{row['kind']} {row['requests']} req × {row['context']} ctx ({row['tokens']} "
-            f"tokens): step {row['step_ms']:.2f} ms (median; min {row['step_ms_min']:.2f})"
+            f"tokens{rows_note(row)}): step {row['step_ms']:.2f} ms (median; min {row['step_ms_min']:.2f})"
             + (f", floor {row['step_floor_ms']:.2f} ms" if "step_floor_ms" in row else "")
             + f", compile {row['compile_s']:.1f} s, host {row['host_bytes']['to_device']:,} B up"
             f" / {row['host_bytes']['to_host']:,} B down")
@@ -845,7 +861,7 @@ def format_report(r) -> str:
         "projected ms (all layers) | tok/s per GPU |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in r["shapes"]:
-        lines.append(f"| {s['kind']} | {s['requests']} | {s['context']} | {s['step_ms']:.2f} | "
+        lines.append(f"| {s['kind']}{rows_note(s)} | {s['requests']} | {s['context']} | {s['step_ms']:.2f} | "
                      f"{s.get('step_floor_ms', float('nan')):.2f} | "
                      f"{s['host_bytes']['to_host']:,} | {s['compile_s']:.1f} | "
                      f"{s.get('projected_step_ms', float('nan')):.2f} | "

@@ -7,14 +7,29 @@ transformers' ``nn.Linear`` (no bias), ``MiniMaxM3VLRMSNorm`` (Gemma style: scal
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
+import jax_m3sparse
 
-def linear(x, w):
+
+def linear(x, w, cfg=None):
     """``x @ w.T`` for a PyTorch-layout weight ``[out, in]``, in the weight's dtype with fp32
-    accumulation (bf16 checkpoints stay bf16; fp32 ones compute in fp32)."""
-    return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    accumulation (bf16 checkpoints stay bf16; fp32 ones compute in fp32).
+
+    On GPUs, bf16 products of at most ``cfg.dense_matmul_rows`` rows (a decode step's) go
+    through :func:`jax_m3sparse.dense_matmul`, which reads the weight at the copy rate where
+    XLA's cuBLAS call reads it at a fraction of it, and gives each row the same bits whatever
+    the batch (BENCHMARKS.md §1)."""
+    x = x.astype(w.dtype)
+    rows = math.prod(x.shape[:-1])
+    if (cfg is not None and 0 < rows <= cfg.dense_matmul_rows and w.dtype == jnp.bfloat16
+            and w.shape[-1] % 64 == 0 and jax.default_backend() not in ("cpu",)):
+        out = jax_m3sparse.dense_matmul(x.reshape(rows, w.shape[-1]), w)
+        return out.reshape(*x.shape[:-1], w.shape[0])
+    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
 
 
 def gemma_rms_norm(x, w, eps):

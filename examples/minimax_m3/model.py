@@ -442,7 +442,7 @@ def decoder_layer(p, x, attention, cfg, is_moe, live=None):
     to no expert, moe.sparse_moe); None: every row."""
     h = gemma_rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
     attn, extra = attention(p["self_attn"], h)
-    x = x + linear(attn, p["self_attn"]["o_proj"])
+    x = x + linear(attn, p["self_attn"]["o_proj"], cfg)
     h = gemma_rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
     return x + moe.mlp(p["mlp"], h, cfg, is_moe, live), attn, extra
 
@@ -497,8 +497,8 @@ def logits_of(params, h, cfg):
     # fp32 (M3 at TP 8: 219 + 147 µs instead of ~75); the padding rows are sliced off
     x = gemma_rms_norm(jnp.pad(h, ((0, -S % 8), (0, 0))), params["norm"], cfg.rms_norm_eps)
     if tp_size() == 1:
-        return linear(x, head)[:S]
-    local = lambda w, x_: jax.lax.all_gather(linear(x_, w)[:S], AXIS, axis=1, tiled=True)
+        return linear(x, head, cfg)[:S]
+    local = lambda w, x_: jax.lax.all_gather(linear(x_, w, cfg)[:S], AXIS, axis=1, tiled=True)
     return jax.shard_map(local, in_specs=(P(AXIS, None), P()), out_specs=P(),
                          check_vma=False)(head, x)
 

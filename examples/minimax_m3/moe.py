@@ -63,9 +63,9 @@ def swiglu_oai(gate_up, alpha, limit):
 
 def dense_mlp(p, x, cfg):
     """``MiniMaxM3VLDenseMLP``: p ``gate_up_proj [2, I, H]``, ``down_proj [H, I]``; x ``[T, H]``."""
-    gu = jnp.einsum("th,gih->tgi", x.astype(p["gate_up_proj"].dtype), p["gate_up_proj"],
-                    preferred_element_type=jnp.float32)
-    return linear(swiglu_oai(gu, cfg.swiglu_alpha, cfg.swiglu_limit), p["down_proj"])
+    _, I, H = p["gate_up_proj"].shape
+    gu = linear(x, p["gate_up_proj"].reshape(2 * I, H), cfg).reshape(-1, 2, I)
+    return linear(swiglu_oai(gu, cfg.swiglu_alpha, cfg.swiglu_limit), p["down_proj"], cfg)
 
 
 def route(p, x, cfg, live=None):
@@ -75,7 +75,7 @@ def route(p, x, cfg, live=None):
     XLA's top-k, argsort, scatters and gathers). ``live bool[T]``: padding rows (False) join no
     expert's group. Returns a :class:`jax_m3sparse.ExpertRouting` (``weights``, ``experts``
     ``[T, k]``, the grouping fields)."""
-    scores = jax.nn.sigmoid(linear(x, p["gate"]).astype(jnp.float32))
+    scores = jax.nn.sigmoid(linear(x, p["gate"], cfg).astype(jnp.float32))
     return jax_m3sparse.route_experts(scores, cfg.num_experts_per_tok,
                                       bias=p["e_score_correction_bias"].astype(jnp.float32),
                                       live=live)

@@ -12,6 +12,7 @@ XLA_FFI_Error* m3sparse_full_attention_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_pack_kv_pages_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_query_token_positions_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_route_experts_cuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* m3sparse_dense_matmul_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_select_blocks_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_sparse_decode_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_sparse_prefill_cuda(XLA_FFI_CallFrame*);
@@ -32,6 +33,7 @@ NB_MODULE(_m3sparse_cuda, m) {
     d["m3sparse_pack_kv_pages_cuda"] = capsule(m3sparse_pack_kv_pages_cuda);
     d["m3sparse_query_token_positions_cuda"] = capsule(m3sparse_query_token_positions_cuda);
     d["m3sparse_route_experts_cuda"] = capsule(m3sparse_route_experts_cuda);
+    d["m3sparse_dense_matmul_cuda"] = capsule(m3sparse_dense_matmul_cuda);
     d["m3sparse_select_blocks_cuda"] = capsule(m3sparse_select_blocks_cuda);
     d["m3sparse_sparse_decode_cuda"] = capsule(m3sparse_sparse_decode_cuda);
     d["m3sparse_sparse_prefill_cuda"] = capsule(m3sparse_sparse_prefill_cuda);

@@ -293,6 +293,29 @@ ffi::Error GroupedMatmul(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::A
   return cuda_error(launch_grouped_matmul(p, stream), "grouped_matmul launch");
 }
 
+ffi::Error DenseMatmul(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
+                       ffi::Buffer<ffi::BF16> rhs, ffi::Result<ffi::AnyBuffer> out) {
+  auto ld = lhs.dimensions(), rd = rhs.dimensions(), od = out->dimensions();
+  if (ld.size() != 2 || rd.size() != 2 || rd[1] != ld[1] || od.size() != 2 || od[0] != ld[0] ||
+      od[1] != rd[0])
+    return invalid("dense_matmul: lhs [M, K], rhs [N, K], out [M, N]");
+  const bool out_bf16 = out->element_type() == ffi::BF16;
+  if (!out_bf16 && out->element_type() != ffi::F32)
+    return invalid("dense_matmul: out must be float32 or bfloat16");
+  const char* why = dense_matmul_unsupported(ld[1]);
+  if (why[0] != '\0') return invalid(why);
+  if ((ld[0] + 31) / 32 > 65535) return invalid("dense_matmul: M must be below 2^21");
+  DenseMatmulParams p = {};
+  p.lhs = reinterpret_cast<const __nv_bfloat16*>(lhs.typed_data());
+  p.rhs = reinterpret_cast<const __nv_bfloat16*>(rhs.typed_data());
+  p.out = out->untyped_data();
+  p.out_bf16 = out_bf16;
+  p.m = ld[0];
+  p.n = rd[0];
+  p.k = ld[1];
+  return cuda_error(launch_dense_matmul(p, stream), "dense_matmul launch");
+}
+
 ffi::Error RouteExperts(cudaStream_t stream, ffi::Buffer<ffi::F32> scores,
                         ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> live,
                         ffi::Result<ffi::Buffer<ffi::F32>> weights,
@@ -440,6 +463,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_grouped_matmul_cuda, m3sparse::cuda::Grou
                                   .Arg<xffi::Buffer<xffi::S32>>()       // lhs_rows
                                   .Ret<xffi::AnyBuffer>()               // out (f32 / bf16)
                                   .Attr<int64_t>("gather"),
+                              {xffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_dense_matmul_cuda, m3sparse::cuda::DenseMatmul,
+                              xffi::Ffi::Bind()
+                                  .Ctx<xffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xffi::Buffer<xffi::BF16>>()      // lhs
+                                  .Arg<xffi::Buffer<xffi::BF16>>()      // rhs
+                                  .Ret<xffi::AnyBuffer>(),              // out (f32 / bf16)
                               {xffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_route_experts_cuda, m3sparse::cuda::RouteExperts,

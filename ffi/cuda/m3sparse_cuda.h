@@ -140,6 +140,20 @@ const char* grouped_matmul_unsupported(int64_t k, bool mxfp8);
 GroupedMatmulTile grouped_matmul_tile(const GroupedMatmulParams& p);
 cudaError_t launch_grouped_matmul(const GroupedMatmulParams& p, cudaStream_t stream);
 
+// dense_matmul (SPEC §11; ffi/cuda/dense_matmul.cu): out[M, N] = lhs[M, K] · rhs[N, K]ᵀ, bf16
+// operands, fp32 sums in a fixed order (a row's bits never depend on M); a weight-streaming
+// kernel for decode-sized M.
+struct DenseMatmulParams {
+  const __nv_bfloat16* lhs;       // [M, K]
+  const __nv_bfloat16* rhs;       // [N, K] (PyTorch's Linear weight)
+  void* out;                      // [M, N] fp32, or bf16 when out_bf16 (rounded once)
+  bool out_bf16;
+  int64_t m, n, k;
+};
+// "" or one sentence naming the unmet requirement (K % 64 == 0).
+const char* dense_matmul_unsupported(int64_t k);
+cudaError_t launch_dense_matmul(const DenseMatmulParams& p, cudaStream_t stream);
+
 // route_experts (SPEC §10; ffi/cuda/route.cu): each token's top-k experts and weights, and the
 // (token, expert) pairs grouped by expert (stable; pairs of tokens not live last, in no group).
 constexpr int kRouteMaxExperts = 512;   // E: the grouping CTA's per-warp counters

@@ -511,6 +511,41 @@ def bench_full(device, rng, copy_bw, args):
     return 0
 
 
+# One TP-8 rank of MiniMax M3: (name, N, K) of the projections a decode step reads.
+DENSE_SHAPES = (("qkv_proj", 1536, 6144), ("o_proj", 6144, 1024), ("router", 128, 6144),
+                ("shared gate_up", 768, 6144), ("shared down", 6144, 384),
+                ("dense gate_up", 3072, 6144), ("dense down", 6144, 1536))
+
+
+def dense(device, rng, M, N, K, copies=8):
+    """(kernel µs of dense_matmul, of XLA's dot) per call: one jitted function over ``copies``
+    distinct weights (more than L2 holds for the large ones), kernel times from a trace."""
+    x = jax.device_put(jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16), device)
+    ws = jax.device_put(jnp.asarray(rng.normal(size=(copies, N, K)) / 64, jnp.bfloat16), device)
+    ours = jax.jit(lambda x, ws: [m3.dense_matmul(x, ws[i]) for i in range(copies)])
+    xla = jax.jit(lambda x, ws: [jnp.einsum("mk,nk->mn", x, ws[i],
+                                            preferred_element_type=jnp.float32)
+                                 for i in range(copies)])
+    out = []
+    for fn in (ours, xla):
+        ev = [e for e in gpu_events(fn, (x, ws)) if "memcpy" not in e[0].lower()]
+        out.append(sum(d for _, _, d in ev) / copies)
+    return out
+
+
+def bench_dense(device, rng):
+    """The dense_matmul table: ours against XLA's dot (cuBLAS) at a decode step's row counts."""
+    print("dense_matmul (one TP-8 rank of M3) | N x K | rows | ours kernel µs | XLA dot kernel "
+          "µs | XLA / ours | floor µs (bytes ÷ 4.25 TB/s) | ours / floor")
+    for name, N, K in DENSE_SHAPES:
+        for M in (1, 4, 16, 64, 128):
+            ours, xla = dense(device, rng, M, N, K)
+            floor = (N * K + M * K + M * N * 2) * 2 / HBM_BYTES_PER_S * 1e6
+            print(f"dense | {name} {N}x{K} | {M} | {ours:8.2f} | {xla:8.2f} | {xla / ours:5.2f}x | "
+                  f"{floor:7.2f} | {ours / floor:5.2f}x")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m jax_m3sparse.bench.cuda", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -521,6 +556,8 @@ def main(argv=None):
                         help="only the full_attention rows (with their XLA reference unless --no-ref)")
     parser.add_argument("--part-blocks", type=lambda s: [int(x) for x in s.split(",")],
                         help="with --full: the CUDA kernel's part sizes to compare (e.g. 8,16,32)")
+    parser.add_argument("--dense", action="store_true",
+                        help="only the dense_matmul rows (ours against XLA's dot)")
     parser.add_argument("--gap", action="store_true",
                         help="only the kernel vs through-JAX gap analysis (variants of the scan)")
     parser.add_argument("--tp", type=int, metavar="N",
@@ -549,6 +586,8 @@ def main(argv=None):
           f"{copy_bw / 1e12:.3f} TB/s (jitted x+1 over 1 GiB, read + write)")
     if args.full:
         return bench_full(device, rng, copy_bw, args)
+    if args.dense:
+        return bench_dense(device, rng)
     print(f"decode inside a jitted lax.scan over {LAYERS} layers of a 5-D LBHNC cache "
           "(traced layer), µs per layer; seq 32768, top-16x128, bf16; 'other' = XLA's own "
           "kernels per layer, 'idle' = GPU idle per layer (trace); dql 's12': a request's rows "

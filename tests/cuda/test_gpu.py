@@ -686,3 +686,46 @@ def test_route_experts_matches_oracle(rng, T, E, k, ties):
         _gpu(jnp.asarray(scores)), _gpu(jnp.asarray(bias)), _gpu(jnp.asarray(live)))
     for name, g, w in zip(m3.ExpertRouting._fields, got, oracle.route_experts(scores, bias, live, k)):
         np.testing.assert_array_equal(np.asarray(g), w, err_msg=name)
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 128, 6144), (4, 1536, 6144), (5, 6144, 1024),
+                                   (17, 6144, 384), (33, 100, 64), (64, 768, 6144),
+                                   (130, 50, 128), (0, 16, 64), (3, 0, 64)])
+def test_dense_matmul_matches_oracle(rng, M, N, K):
+    """SPEC §11: the CUDA kernel within the fp32 summation bound of a float64 oracle; bf16
+    output = the fp32 result rounded, bit for bit; N not a multiple of 16, K of one chunk."""
+    lhs = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.normal(size=(N, K)) / np.sqrt(K), jnp.bfloat16)
+    f = jax.jit(m3.dense_matmul, static_argnames="out_dtype")
+    got = np.asarray(f(_gpu(lhs), _gpu(rhs)))
+    want, bound = oracle.dense_matmul(lhs, rhs)
+    assert got.shape == (M, N)
+    assert np.all(np.abs(got - want) <= bound)
+    bf = np.asarray(f(_gpu(lhs), _gpu(rhs), out_dtype=jnp.bfloat16))
+    np.testing.assert_array_equal(bf.astype(np.float32),
+                                  np.asarray(jnp.asarray(got).astype(jnp.bfloat16), np.float32))
+
+
+def test_dense_matmul_rows_do_not_depend_on_the_batch(rng):
+    """A row's bits are the same alone, in batches of every size the launch treats differently
+    (8, 16, 32 rows per CTA row; several CTA rows), and with NaN/inf in other rows; a NaN in
+    one weight row reaches only its own column; the same through a scan over stacked weights."""
+    K, N = 1024, 272
+    lhs = jnp.asarray(rng.normal(size=(100, K)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.normal(size=(N, K)) / 32, jnp.bfloat16)
+    f = jax.jit(m3.dense_matmul)
+    alone = np.concatenate([np.asarray(f(_gpu(lhs[i:i + 1]), _gpu(rhs))) for i in range(100)])
+    for M in (3, 8, 9, 16, 31, 32, 33, 100):
+        np.testing.assert_array_equal(np.asarray(f(_gpu(lhs[:M]), _gpu(rhs))), alone[:M])
+    bad = lhs.at[5].set(jnp.nan).at[6, 3].set(jnp.inf)
+    got = np.asarray(f(_gpu(bad), _gpu(rhs)))
+    np.testing.assert_array_equal(np.delete(got, [5, 6], 0), np.delete(alone, [5, 6], 0))
+    assert np.isnan(got[5]).all()
+    nan_w = np.asarray(f(_gpu(lhs[:9]), _gpu(rhs.at[7, 100].set(jnp.nan))))
+    assert np.isnan(nan_w[:, 7]).all()
+    np.testing.assert_array_equal(np.delete(nan_w, 7, 1), np.delete(alone[:9], 7, 1))
+    stack = _gpu(jnp.stack([rhs, rhs[::-1]]))
+    scanned = jax.jit(lambda x, ws: jax.lax.scan(
+        lambda c, w: (c, m3.dense_matmul(x, w)), 0, ws)[1])(_gpu(lhs[:4]), stack)
+    np.testing.assert_array_equal(np.asarray(scanned[0]), alone[:4])
+    np.testing.assert_array_equal(np.asarray(scanned[1]), alone[:4, ::-1])

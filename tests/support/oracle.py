@@ -248,3 +248,12 @@ def route_scores(rng, T, E, ties=False):
         flat[idx] = np.array([np.nan, -0.0, 0.0, np.inf, -np.inf, np.nan] * 2, np.float32)[
             :len(idx)]
     return s
+
+
+def dense_matmul(lhs, rhs):
+    """dense_matmul (SPEC §11) in float64 over the bf16 operands' exact values, with the bound
+    an fp32 sum of K products may stray from it: ``(exact [M, N], bound [M, N])``."""
+    a = np.asarray(lhs, np.float32).astype(np.float64)
+    b = np.asarray(rhs, np.float32).astype(np.float64)
+    K = a.shape[1]
+    return a @ b.T, 2 * K * 2.0 ** -24 * (np.abs(a) @ np.abs(b).T) + 1e-30
