@@ -59,14 +59,14 @@ def dense_matmul(lhs, rhs, *, out_dtype=jnp.float32):
       ``out_dtype``; ValueError when lowering for CUDA with K % 64 != 0.
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    _checks.rank(lhs, "lhs", 2, "[M, K]")
-    _checks.rank(rhs, "rhs", 2, "[N, K]")
-    _checks.dtype(lhs, "lhs", (jnp.bfloat16,))
-    _checks.dtype(rhs, "rhs", (jnp.bfloat16,))
+    _checks.rank(lhs, "dense_matmul's lhs", 2, "[M, K]")
+    _checks.rank(rhs, "dense_matmul's rhs", 2, "[N, K]")
+    _checks.dtype(lhs, "dense_matmul's lhs", (jnp.bfloat16,))
+    _checks.dtype(rhs, "dense_matmul's rhs", (jnp.bfloat16,))
     if lhs.shape[1] != rhs.shape[1]:
-        raise ValueError(f"lhs [M, K] and rhs [N, K] must share K: lhs.shape {lhs.shape}, "
+        raise ValueError(f"dense_matmul: lhs [M, K] and rhs [N, K] must share K: lhs.shape {lhs.shape}, "
                          f"rhs.shape {rhs.shape}")
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+        raise ValueError(f"dense_matmul: out_dtype must be float32 or bfloat16, got {out_dtype}")
     return dense_matmul_p.bind(lhs, rhs, out_dtype=out_dtype)
