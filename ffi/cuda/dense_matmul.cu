@@ -2,16 +2,16 @@
 // sums; a weight-streaming kernel for the few rows of a decode step, where cuBLAS reads a
 // projection's weight at well under the copy rate (M3 at TP 8, 4 rows: 1.7 TB/s).
 //
-//   1. A CTA of 8 warps owns 16 output features (rows of rhs) and up to 32 lhs rows
-//      (grid.y = ceil(M / 32)). rhs is the A operand of m16n8k16 bf16 mma (16 features x 16 k),
+//   1. A CTA of W warps owns 16 output features (rows of rhs) and up to 16 lhs rows
+//      (grid.y = ceil(M / 16)); W (4 to 16) from N and K only (dense_matmul_warps). rhs is the A operand of m16n8k16 bf16 mma (16 features x 16 k),
 //      lhs the B operand (16 k x 8 rows): each weight element is read once per CTA and serves
 //      every lhs row of it.
-//   2. K is cut into chunks of 64; warp w takes chunks w, w + 8, w + 16, ... and accumulates
+//   2. K is cut into chunks of 64; warp w takes chunks w, w + W, w + 2W, ... and accumulates
 //      them in fp32 registers in that order. Lane (g, t) loads 32 contiguous bytes of feature
 //      rows g and g + 8 and of its lhs rows (k = 64c + 16t ...): inside a chunk the k order is
 //      permuted the same way on both operands (step s, mma k index 2t + e -> 16t + 4s + e,
 //      2t + 8 + e -> 16t + 4s + 2 + e), so the four lanes of a row read 128 contiguous bytes.
-//      The next two chunks' loads are issued before the current chunk's mma.
+//      Up to three later chunks' loads are in flight while a chunk is multiplied.
 //   3. The warps' partial sums meet in shared memory and are added in warp order 0, 1, ...
 //      (only warps that had a chunk), then stored (fp32, or rounded to bf16 once).
 // An output element is the same instruction sequence over the same operands whatever M is and
@@ -25,9 +25,9 @@ namespace m3sparse {
 namespace cuda {
 namespace {
 
-constexpr int kWarpsDm = 8;
+constexpr int kMaxWarpsDm = 16;
 constexpr int kChunk = 64;                  // k per chunk
-constexpr int kMaxTilesDm = 4;              // n-tiles of 8 lhs rows: 32 rows per CTA row
+constexpr int kMaxTilesDm = 2;              // n-tiles of 8 lhs rows: 16 rows per CTA row
 
 struct Frag {
   uint4 w[2][2];                            // feature rows g, g + 8: 2 x 16 bytes each
@@ -74,9 +74,16 @@ __device__ __forceinline__ void mma_chunk(const Frag& f, float (&acc)[NT][4]) {
   }
 }
 
+// Chunks in flight per warp: D - 1 beyond the one being multiplied (fewer with more rows, whose
+// lhs fragments take registers; the order of the sums is the same at every depth).
 template <int NT>
-__global__ void __launch_bounds__(kWarpsDm * 32) dense_matmul_kernel(DenseMatmulParams p) {
-  __shared__ float red[kWarpsDm][NT][4][32];
+constexpr int kDepth = NT == 1 ? 4 : 3;
+
+template <int NT>
+__global__ void __launch_bounds__(kMaxWarpsDm * 32) dense_matmul_kernel(DenseMatmulParams p) {
+  constexpr int D = kDepth<NT>;
+  __shared__ float red[kMaxWarpsDm][NT][4][32];
+  const int W = blockDim.x >> 5;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int64_t n0 = int64_t(blockIdx.x) * 16, m0 = int64_t(blockIdx.y) * (8 * NT);
@@ -85,15 +92,21 @@ __global__ void __launch_bounds__(kWarpsDm * 32) dense_matmul_kernel(DenseMatmul
   float acc[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-  // two chunks in flight beyond the one being multiplied
-  Frag cur, n1, n2;
-  if (warp < chunks) load_chunk<NT>(p, n0, m0, warp, g, t, cur);
-  if (warp + kWarpsDm < chunks) load_chunk<NT>(p, n0, m0, warp + kWarpsDm, g, t, n1);
-  for (int c = warp; c < chunks; c += kWarpsDm) {
-    if (c + 2 * kWarpsDm < chunks) load_chunk<NT>(p, n0, m0, c + 2 * kWarpsDm, g, t, n2);
-    mma_chunk<NT>(cur, acc);
-    cur = n1;
-    n1 = n2;
+  // warp w multiplies chunks w, w + W, w + 2W, ... in that order; buf[d] holds the chunk of
+  // its d-th turn modulo D (indices fixed at compile time once the inner loop is unrolled)
+  Frag buf[D];
+#pragma unroll
+  for (int d = 0; d < D - 1; ++d)
+    if (warp + d * W < chunks) load_chunk<NT>(p, n0, m0, warp + d * W, g, t, buf[d]);
+  for (int c0 = warp; c0 < chunks; c0 += D * W) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      const int c = c0 + d * W;
+      if (c >= chunks) break;
+      if (c + (D - 1) * W < chunks)
+        load_chunk<NT>(p, n0, m0, c + (D - 1) * W, g, t, buf[(d + D - 1) % D]);
+      mma_chunk<NT>(buf[d], acc);
+    }
   }
 #pragma unroll
   for (int j = 0; j < NT; ++j)
@@ -101,8 +114,8 @@ __global__ void __launch_bounds__(kWarpsDm * 32) dense_matmul_kernel(DenseMatmul
     for (int r = 0; r < 4; ++r) red[warp][j][r][lane] = acc[j][r];
   __syncthreads();
 
-  const int used = chunks < kWarpsDm ? chunks : kWarpsDm;
-  for (int e = threadIdx.x; e < NT * 4 * 32; e += kWarpsDm * 32) {
+  const int used = chunks < W ? chunks : W;
+  for (int e = threadIdx.x; e < NT * 4 * 32; e += blockDim.x) {
     const int j = e / 128, r = (e / 32) & 3, l = e & 31;
     float v = red[0][j][r][l];
     for (int w = 1; w < used; ++w) v += red[w][j][r][l];
@@ -118,9 +131,9 @@ __global__ void __launch_bounds__(kWarpsDm * 32) dense_matmul_kernel(DenseMatmul
 }
 
 template <int NT>
-cudaError_t launch_nt(const DenseMatmulParams& p, cudaStream_t stream) {
+cudaError_t launch_nt(const DenseMatmulParams& p, int warps, cudaStream_t stream) {
   const dim3 grid(unsigned((p.n + 15) / 16), unsigned((p.m + 8 * NT - 1) / (8 * NT)));
-  dense_matmul_kernel<NT><<<grid, kWarpsDm * 32, 0, stream>>>(p);
+  dense_matmul_kernel<NT><<<grid, warps * 32, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -131,15 +144,27 @@ const char* dense_matmul_unsupported(int64_t k) {
   return "";
 }
 
+// Warps per CTA (the parts K is dealt to) from the weight's shape only, never from M, so that
+// the order of the sums is the same at every M: up to 16, halved while the grid would hold
+// more than ~2700 warps (about what fits the H200's 132 SMs at these kernels' registers, so
+// that a decode-sized call runs in one wave), at least 4, and no more than the chunks.
+int dense_matmul_warps(int64_t n, int64_t k) {
+  const int64_t ctas = (n + 15) / 16, chunks = k / kChunk;
+  int w = kMaxWarpsDm;
+  while (w > 4 && ctas * w > 2700) w /= 2;
+  while (w > 1 && w > chunks) w /= 2;
+  return w;
+}
+
 cudaError_t launch_dense_matmul(const DenseMatmulParams& p, cudaStream_t stream) {
   if (dense_matmul_unsupported(p.k)[0] != '\0' || p.m < 0 || p.n < 0 ||
-      (p.n + 15) / 16 > 0x7fffffff || (p.m + 31) / 32 > 65535)
+      (p.n + 15) / 16 > 0x7fffffff || (p.m + 15) / 16 > 65535)
     return cudaErrorInvalidValue;
   if (p.m == 0 || p.n == 0) return cudaSuccess;
+  const int warps = dense_matmul_warps(p.n, p.k);
   // rows per CTA row by M only; every choice gives the same bits (step 3)
-  if (p.m <= 8) return launch_nt<1>(p, stream);
-  if (p.m <= 16) return launch_nt<2>(p, stream);
-  return launch_nt<4>(p, stream);
+  if (p.m <= 8) return launch_nt<1>(p, warps, stream);
+  return launch_nt<2>(p, warps, stream);
 }
 
 }  // namespace cuda

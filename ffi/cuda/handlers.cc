@@ -304,7 +304,7 @@ ffi::Error DenseMatmul(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
     return invalid("dense_matmul: out must be float32 or bfloat16");
   const char* why = dense_matmul_unsupported(ld[1]);
   if (why[0] != '\0') return invalid(why);
-  if ((ld[0] + 31) / 32 > 65535) return invalid("dense_matmul: M must be below 2^21");
+  if ((ld[0] + 15) / 16 > 65535) return invalid("dense_matmul: M must be below 2^20");
   DenseMatmulParams p = {};
   p.lhs = reinterpret_cast<const __nv_bfloat16*>(lhs.typed_data());
   p.rhs = reinterpret_cast<const __nv_bfloat16*>(rhs.typed_data());

@@ -37,9 +37,9 @@ def dense_matmul(lhs, rhs, *, out_dtype=jnp.float32):
     """``out = lhs · rhsᵀ`` with fp32 sums: a linear layer (``rhs`` in PyTorch's ``[out, in]``
     orientation), for the few rows of a decode step (SPEC §11).
 
-    On CUDA a weight-streaming kernel: every weight element is read once for all rows, K is
-    split over eight warps per 16 output features and their partial sums are added in a fixed
-    order, so a row's result is the same bits whatever the other rows are or how many there
+    On CUDA a weight-streaming kernel: every weight element is read once per 16 rows, K is
+    split over 4 to 16 warps per 16 output features (their number set by the weight's shape)
+    and their partial sums are added in a fixed order, so a row's result is the same bits whatever the other rows are or how many there
     are (cuBLAS picks its algorithm, and so its summation order, by shape). It is for small M
     (a decode step's rows: one TP-8 rank of MiniMax M3 reads its projections at about 2.5× the
     rate of XLA's cuBLAS call at 4 rows); at prefill sizes a GEMM library wins. Elsewhere
