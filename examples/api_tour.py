@@ -144,3 +144,11 @@ w8, w8_scale = m3.mxfp8_quantize(w_up)
 up8 = m3.grouped_matmul(x, w8, sizes, w8_scale, lhs_rows=jnp.asarray(order // TOPK, jnp.int32))
 print("MXFP8 grouped matmul equals the bf16 call on mxfp8_dequantize:", bool(jnp.array_equal(
     up8, m3.reference.grouped_matmul(x[order // TOPK], m3.mxfp8_dequantize(w8, w8_scale), sizes))))
+
+# A decode step's dense projection (SPEC §11): rows bf16 [T, in] · w bf16 [out, in]ᵀ, fp32 sums
+# (on CUDA a weight-streaming kernel whose rows' bits do not depend on the batch; here XLA's dot).
+w_o = jnp.asarray(rng.standard_normal((96, H)) * H ** -0.5, jnp.bfloat16)      # [out, in]
+o = jax.jit(m3.dense_matmul)(x, w_o)                                           # float32 [5, 96]
+print("dense_matmul", o.shape, "within fp32 rounding of numpy:", bool(np.allclose(
+    np.asarray(o), np.asarray(x, np.float32) @ np.asarray(w_o, np.float32).T, rtol=1e-5,
+    atol=1e-5)))
