@@ -39,11 +39,12 @@ def dense_matmul(lhs, rhs, *, out_dtype=jnp.float32):
 
     On CUDA a weight-streaming kernel: every weight element is read once per 16 rows, K is
     split over 4 to 16 warps per 16 output features (their number set by the weight's shape)
-    and their partial sums are added in a fixed order, so a row's result is the same bits whatever the other rows are or how many there
-    are (cuBLAS picks its algorithm, and so its summation order, by shape). It is for small M
-    (a decode step's rows: one TP-8 rank of MiniMax M3 reads its projections at about 2.5× the
-    rate of XLA's cuBLAS call at 4 rows); at prefill sizes a GEMM library wins. Elsewhere
-    XLA's dot (``preferred_element_type=float32``).
+    and their partial sums are added in a fixed order, so a row's result is the same bits
+    whatever the other rows are or how many there are (cuBLAS picks its algorithm, and so its
+    summation order, by shape). It is for small M (a decode step's rows); at prefill sizes a
+    GEMM library wins, and at decode sizes it beats XLA's cuBLAS call on some of MiniMax M3's
+    projections and not yet on others (docs/perf-log/m3-step-kernels.md). Elsewhere XLA's
+    dot (``preferred_element_type=float32``).
 
     Args:
       lhs: ``bfloat16[M, K]``, the rows.
