@@ -18,7 +18,8 @@
 #     select: select_blocks: tests/cuda/select_harness.cu correctness and timings,
 #     pytest tests/cuda -k select_blocks (PYTEST=0 skips), memcheck of the harness (SANITIZE=0 skips);
 #     grouped: the same for grouped_matmul (tests/cuda/grouped_harness.cu); both take
-#     HARNESS_ARGS, and M3_AFTER="<bench args>" runs python -m examples.minimax_m3.bench last;
+#     HARNESS_ARGS, AB_OLD=<an older kernel source> (timings old, new, old, new in one call),
+#     and M3_AFTER="<bench args>" runs python -m examples.minimax_m3.bench last;
 #     tp: several GPUs (kind nvidia-h200-x2 and up): bench.cuda --tp N and the M3 example at
 #     --tp 1 and N (N = TP, default every GPU; TP_STEPS picks from "bench example m3 pytest",
 #     and "repeat": the M3-heads example 3 times at each tp, run-to-run token agreement)
@@ -314,6 +315,13 @@ if [ "$MODE" = select ] || [ "$MODE" = grouped ]; then  # one op: harness, timin
   wait $p1 || { echo "$KSRC.cu build failed"; tail -20 "$OUT/ptxas_$MODE.log"; exit 1; }
   nvcc $flags "$B/$KSRC.o" "$B/$HSRC.o" -o "$B/$HSRC" || exit 1
   grep -E "registers|spill" "$OUT/ptxas_$MODE.log" | sort | uniq -c
+  if [ -n "${AB_OLD:-}" ]; then  # AB_OLD=<an older $KSRC.cu>: the same harness on that kernel
+    cp "$AB_OLD" "ffi/cuda/_ab_old_$KSRC.cu"
+    nvcc $flags -Xptxas -v -c "ffi/cuda/_ab_old_$KSRC.cu" -o "$B/${KSRC}_old.o" \
+      >"$OUT/ptxas_${MODE}_old.log" 2>&1 && rm "ffi/cuda/_ab_old_$KSRC.cu" &&
+      nvcc $flags "$B/${KSRC}_old.o" "$B/$HSRC.o" -o "$B/${HSRC}_old" || exit 1
+    echo "old kernel:"; grep -E "registers|spill" "$OUT/ptxas_${MODE}_old.log" | sort | uniq -c
+  fi
   date -u
   echo "=== $MODE harness correctness"
   timeout 120 "$B/$HSRC" --no-bench >"$OUT/${MODE}_tests.log" 2>&1
@@ -321,8 +329,16 @@ if [ "$MODE" = select ] || [ "$MODE" = grouped ]; then  # one op: harness, timin
   grep -E "^FAIL|failure|error" "$OUT/${MODE}_tests.log" | cut -c1-400 | tail -12
   date -u
   echo "=== $MODE harness timings"
-  timeout 120 "$B/$HSRC" --bench-only ${HARNESS_ARGS:-} >"$OUT/${MODE}_bench.log" 2>&1
-  echo "rc=$?"; grep -E "TABLE|error" "$OUT/${MODE}_bench.log"; [ $MODE = grouped ] && cat "$OUT/${MODE}_bench.log"
+  if [ -n "${AB_OLD:-}" ]; then  # old, new, old, new: one line per case and run
+    for run in old new old new; do
+      bin="$B/$HSRC"; [ $run = old ] && bin="$B/${HSRC}_old"
+      timeout 120 "$bin" --bench-only ${HARNESS_ARGS:-} >"$OUT/${MODE}_bench_$run.log" 2>&1
+      echo "--- $run rc=$?"; grep -E "TABLE|error" "$OUT/${MODE}_bench_$run.log" | cut -c1-${AB_COLS:-160}
+    done
+  else
+    timeout 120 "$B/$HSRC" --bench-only ${HARNESS_ARGS:-} >"$OUT/${MODE}_bench.log" 2>&1
+    echo "rc=$?"; grep -E "TABLE|error" "$OUT/${MODE}_bench.log"; [ $MODE = grouped ] && cat "$OUT/${MODE}_bench.log"
+  fi
   date -u
   if [ "${PYTEST:-1}" = 1 ]; then
     wait $CMAKE_PID; grep -E "CUDA module built|rror" "$OUT/cmake.log" | head -5

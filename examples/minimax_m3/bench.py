@@ -61,6 +61,8 @@ def parse_args(argv=None):
     ap.add_argument("--expert-format", default="bf16", choices=("bf16", "mxfp8"),
                     help="the routed experts' weights on the device (mxfp8: fp8 + an E8M0 "
                          "exponent per 32 inputs, through grouped_matmul)")
+    ap.add_argument("--index-cache-dtype", default=None, choices=("bfloat16", "float8_e4m3fn"),
+                    help="the index keys' cache (default: the config's, bfloat16)")
     ap.add_argument("--moe-impls", default=None,
                     help="formulations timed as parts (default: --moe-impl's, dense, and "
                          "tokamax if it imports)")
@@ -152,6 +154,8 @@ def full_config(args):
                            mlp_layer_types=(DENSE_MLP, "sparse", "sparse", "sparse"),
                            expert_format=args.expert_format)
     cfg = from_hf_config(args.config, expert_format=args.expert_format)
+    if getattr(args, "index_cache_dtype", None):
+        cfg = dataclasses.replace(cfg, index_cache_dtype=args.index_cache_dtype)
     if not args.keep_layer_types:
         cfg = dataclasses.replace(cfg, layer_types=tuple(
             FULL if m == DENSE_MLP else SPARSE for m in cfg.mlp_layer_types))
@@ -210,8 +214,10 @@ class Bench:
     # --- memory
     def cache_bytes_per_layer(self, cfg, sparse: bool) -> int:
         import jax_m3sparse as m3  # noqa: PLC0415
+        import numpy as np  # noqa: PLC0415
         spec = m3.KVCacheSpec(cfg.cache_kv_heads, cfg.head_dim, cfg.block_size)
-        idx = self.pages * cfg.block_size * cfg.index_head_dim * 2 if sparse else 0
+        idx = (self.pages * cfg.block_size * cfg.index_head_dim
+               * np.dtype(cfg.index_cache_dtype).itemsize if sparse else 0)
         return self.pages * spec.page_bytes + idx
 
     def choose_layers(self) -> tuple[int, dict]:
@@ -682,7 +688,7 @@ class Parts:
 
         # index keys read: each request's context once; scores: every row × its context
         keys = self.T * self.ctx if self.kind == "decode" else self.ctx
-        nbytes = keys * cfg.index_head_dim * 2
+        nbytes = keys * cfg.index_head_dim * self.b.caches["idx"].dtype.itemsize
         flops = 2 * T * Hi * cfg.index_head_dim * self.ctx
         return self.timed("selection", fn, (iq, self.b.caches["idx"]), n, nbytes, flops,
                           index_heads=Hi, layer_argument=layered)
