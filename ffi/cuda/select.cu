@@ -15,8 +15,10 @@
 //   1. Every CTA lists the cluster's pieces itself (a block-wide scan over query_req_id; no host
 //      sync, no pre-pass kernel): the piece starts are the q-rows where a run starts or a
 //      multiple of rows_per_piece falls.
-//   2. Per piece, the CTA stages the rows' q in shared memory as bf16 mma B fragments: a bf16 q
-//      as is, an fp32 q as three bf16 parts hi + mid + lo, which sum to q exactly; and each row's
+//   2. Per piece, the CTA stages the rows' q in shared memory as mma B fragments: a bf16 q
+//      as is, an fp32 q as three bf16 parts hi + mid + lo, which sum to q exactly (FP8 keys: the
+//      same in f16, after scaling each row's q by a power of two that puts its largest |q| in
+//      [2^14, 2^15), which ranks the blocks the same; row_scales); and each row's
 //      position (−1 for a padding row: request outside [0, R), position < 0, layer outside
 //      [0, L), SPEC §8 step 1). The piece's blocks are [0, min(max pos // N, M − 1)].
 //   3. A warp reads the pages of its blocks 32 at a time (one lane each) before any key load; a
@@ -24,8 +26,8 @@
 //      units of 4 KB of keys (16 bf16 keys or 32 E4M3 keys of 128 dims) straight from global
 //      memory into registers (16-byte loads, 64 contiguous bytes per 4 lanes, the next unit in
 //      flight while the current one is computed). The keys are the A operand of
-//      m16n8k16 bf16 mma (E4M3 widened to bf16 exactly in registers: the bits placed in a bf16 and
-//      multiplied by 2^120, NaN kept), the rows' q the B operand; the dims are permuted inside a
+//      m16n8k16 mma, bf16 (FP8 keys: f16, each pair of E4M3 bytes widened exactly by one
+//      cvt, NaN kept), the rows' q the B operand; the dims are permuted inside a
 //      k-step the same way on both sides, so each lane loads contiguous bytes. fp32 accumulation,
 //      one accumulator per q part, score = hi + (mid + lo). Each key's dot product is the same
 //      instruction sequence whichever tile, piece, batch or page it is in (SPEC §8 step 6).
@@ -113,27 +115,25 @@ __device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
   return v;
 }
 
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
+__device__ __forceinline__ void mma_f16(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Four E4M3 bytes -> two bf16x2 words (bytes 0, 1 -> lo; 2, 3 -> hi), exactly: the byte's
-// exponent and mantissa bits placed at the bottom of a bf16's exponent field give the value
-// times 2^-120 (subnormals included), and mul.rn.bf16x2 by 2^120 is exact (no flush); the NaN
-// bytes (0x7F, 0xFF) are forced to a bf16 NaN.
-__device__ __forceinline__ void e4m3x4_to_bf16(uint32_t w, uint32_t* lo, uint32_t* hi) {
-  const uint32_t nan = __vcmpeq4(w & 0x7F7F7F7Fu, 0x7F7F7F7Fu);   // 0xFF per NaN byte
-  const uint32_t x0 = prmt(w, 0u, 0x1404u);   // halves: byte0 << 8, byte1 << 8
-  const uint32_t x1 = prmt(w, 0u, 0x3424u);   // halves: byte2 << 8, byte3 << 8
-  const uint32_t y0 = (x0 & 0x80008000u) | ((x0 >> 4) & 0x07F007F0u);
-  const uint32_t y1 = (x1 & 0x80008000u) | ((x1 >> 4) & 0x07F007F0u);
-  uint32_t z0, z1;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(z0) : "r"(y0), "r"(0x7B807B80u));
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(z1) : "r"(y1), "r"(0x7B807B80u));
-  *lo = z0 | (prmt(nan, 0u, 0x1100u) & 0x7FC07FC0u);
-  *hi = z1 | (prmt(nan, 0u, 0x3322u) & 0x7FC07FC0u);
+// Four E4M3 bytes -> two f16x2 words (bytes 0, 1 -> lo; 2, 3 -> hi), exactly: every E4M3 value
+// (subnormals included) is an f16 normal, and the two NaN codes become f16 NaNs. One conversion
+// instruction per two keys (sm_89+), where widening to bf16 took about seven integer ones.
+__device__ __forceinline__ void e4m3x4_to_f16(uint32_t w, uint32_t* lo, uint32_t* hi) {
+  asm("{.reg .b16 l, h;\n\t"
+      "mov.b32 {l, h}, %2;\n\t"
+      "cvt.rn.f16x2.e4m3x2 %0, l;\n\t"
+      "cvt.rn.f16x2.e4m3x2 %1, h;}"
+      : "=r"(*lo), "=r"(*hi)
+      : "r"(w));
 }
 
 // ---- step 1: the cluster's pieces
@@ -239,8 +239,8 @@ struct KeyUnit {
       const int j = ci >> 1, w = 2 * (ci & 1) + hh;
       const uint32_t* r0 = reinterpret_cast<const uint32_t*>(&raw[(s * 2) * kChunks + j]);
       const uint32_t* r1 = reinterpret_cast<const uint32_t*>(&raw[(s * 2 + 1) * kChunks + j]);
-      e4m3x4_to_bf16(r0[w], &a[0], &a[2]);
-      e4m3x4_to_bf16(r1[w], &a[1], &a[3]);
+      e4m3x4_to_f16(r0[w], &a[0], &a[2]);
+      e4m3x4_to_f16(r1[w], &a[1], &a[3]);
     }
   }
 };
@@ -278,8 +278,13 @@ __device__ __forceinline__ void score_unit(const uint4* raw, const uint4* s_q, c
           const uint4 b = s_q[((n * PARTS + q) * kQChunks + ci) * 32 + lane];
           const uint32_t* k0 = a[2 * ci];
           const uint32_t* k1 = a[2 * ci + 1];
-          mma_bf16(acc[q], k0[0], k0[1], k0[2], k0[3], b.x, b.y);
-          mma_bf16(acc[q], k1[0], k1[1], k1[2], k1[3], b.z, b.w);
+          if constexpr (FP8) {
+            mma_f16(acc[q], k0[0], k0[1], k0[2], k0[3], b.x, b.y);
+            mma_f16(acc[q], k1[0], k1[1], k1[2], k1[3], b.z, b.w);
+          } else {
+            mma_bf16(acc[q], k0[0], k0[1], k0[2], k0[3], b.x, b.y);
+            mma_bf16(acc[q], k1[0], k1[1], k1[2], k1[3], b.z, b.w);
+          }
         }
       // columns 2t, 2t+1 of n-tile n: keys kk0 (c0, c1) and kk0 + 8 (c2, c3)
       const int2 pos2 = *reinterpret_cast<const int2*>(&s_pos[n * 8 + 2 * t]);
@@ -302,10 +307,59 @@ __device__ __forceinline__ void score_unit(const uint4* raw, const uint4* s_q, c
   }
 }
 
-// Stages the piece's rows [u0, u1): positions (−1: padding) and q in B-fragment order.
+// q-row u's 8 dims [8·c8, 8·c8 + 8) as fp32 (a bf16 q widened exactly).
+__device__ __forceinline__ void load_q8(const SelectParams& p, int64_t u, int c8, int di,
+                                        float (&x)[8]) {
+  const int64_t off = u * di + 8 * c8;
+  if (p.q_dtype == DType::kF32) {
+    const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(p.idx_q) + off);
+    const float4 v0 = src[0], v1 = src[1];
+    x[0] = v0.x; x[1] = v0.y; x[2] = v0.z; x[3] = v0.w;
+    x[4] = v1.x; x[5] = v1.y; x[6] = v1.z; x[7] = v1.w;
+  } else {
+    const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.idx_q) + off);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      x[2 * k] = __uint_as_float(w[k] << 16);
+      x[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+    }
+  }
+}
+
+// FP8 keys multiply in f16 (step 3), so each row's q is scaled by 2^s, s such that its largest
+// finite |q| lands in [2^14, 2^15): a power of two changes no block's rank, an E4M3 key times
+// such a q is exact in fp32, and f16 parts hold every q element of magnitude >= 2^-15 (PARTS =
+// 3) or >= 2^-17 (PARTS = 1, bf16 q: 8 significant bits) of that largest one exactly; smaller
+// ones are rounded to f16's subnormal grid (docs/spec_decisions.md). The scaled sums cannot
+// overflow (|score| < 2^15 · 448 · 128). A warp per row; s_scale[row] = s.
+template <int DI>
+__device__ void row_scales(const SelectParams& p, int32_t u0, int nrows, bool live, int rp,
+                           int* s_scale) {
+  const int lane = threadIdx.x & 31;
+  for (int row = threadIdx.x >> 5; row < rp; row += kWarpsSel) {
+    float m = 0.0f;
+    if (live && row < nrows)
+      for (int c8 = lane; c8 < DI / 8; c8 += 32) {
+        float x[8];
+        load_q8(p, u0 + row, c8, DI, x);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) m = fmaxf(m, fabsf(x[k]));   // fmaxf skips a NaN
+      }
+    // non-negative floats order as their bits
+    const uint32_t top = __reduce_max_sync(0xffffffffu, __float_as_uint(m));
+    // floor(log2 m): from the exponent field (inf: 128), or the top bit of a subnormal
+    const int e = int(top >> 23);
+    const int lg = e != 0 ? e - 127 : (31 - __clz(int(top))) - 149;
+    if (lane == 0) s_scale[row] = top == 0u ? 0 : 14 - lg;
+  }
+}
+
+// Stages the piece's rows [u0, u1): positions (−1: padding) and q in B-fragment order (bf16
+// parts; f16 parts of 2^s · q for FP8 keys). s_tmp: rp ints of scratch.
 template <int DI, bool FP8, int PARTS>
 __device__ void stage_piece(const SelectParams& p, const SelectLayout& l, int32_t u0, int32_t u1,
-                            bool live, uint4* s_q, int* s_pos) {
+                            bool live, uint4* s_q, int* s_pos, int* s_tmp) {
   const int tid = threadIdx.x;
   const int rp = l.rows_per_piece, hkv = p.num_kv_heads;
   const int nrows = u1 - u0;
@@ -316,6 +370,10 @@ __device__ void stage_piece(const SelectParams& p, const SelectLayout& l, int32_
       pos = x >= 0 ? x : -1;
     }
     s_pos[i] = pos;
+  }
+  if constexpr (FP8) {
+    row_scales<DI>(p, u0, nrows, live, rp, s_tmp);
+    __syncthreads();
   }
   constexpr int kC8 = DI / 8;  // 8-dim chunks per row
   constexpr int kQChunks = DI / 32;
@@ -334,35 +392,37 @@ __device__ void stage_piece(const SelectParams& p, const SelectLayout& l, int32_
     const int lane = (row & 7) * 4 + t, n = row >> 3;
     float x[8];
     if (live && row < nrows) {
-      const int64_t off = int64_t(u0 + row) * DI + 8 * c8;
-      if (p.q_dtype == DType::kF32) {
-        const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(p.idx_q) + off);
-        const float4 v0 = src[0], v1 = src[1];
-        x[0] = v0.x; x[1] = v0.y; x[2] = v0.z; x[3] = v0.w;
-        x[4] = v1.x; x[5] = v1.y; x[6] = v1.z; x[7] = v1.w;
-      } else {
-        const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.idx_q) + off);
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      load_q8(p, u0 + row, c8, DI, x);
+      if constexpr (FP8) {
+        const int sc = s_tmp[row];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          x[2 * k] = __uint_as_float(w[k] << 16);
-          x[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
-        }
+        for (int k = 0; k < 8; ++k) x[k] = scalbnf(x[k], sc);
       }
     } else {
 #pragma unroll
       for (int k = 0; k < 8; ++k) x[k] = 0.0f;
     }
-    // parts: hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid); exact sum for fp32 x
+    // parts: hi = h(x), mid = h(x - hi), lo = h(x - hi - mid), h = bf16 (f16 for FP8 keys)
+    // rounding; they sum to x exactly (an fp32 x; for FP8 keys within the bound above)
 #pragma unroll
     for (int q = 0; q < PARTS; ++q) {
       uint32_t w[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(x[2 * k], x[2 * k + 1]);
-        w[k] = *reinterpret_cast<const uint32_t*>(&h);
-        x[2 * k] -= __low2float(h);
-        x[2 * k + 1] -= __high2float(h);
+        float lo, hi;
+        if constexpr (FP8) {
+          const __half2 h = __floats2half2_rn(x[2 * k], x[2 * k + 1]);
+          w[k] = *reinterpret_cast<const uint32_t*>(&h);
+          lo = __low2float(h);
+          hi = __high2float(h);
+        } else {
+          const __nv_bfloat162 h = __floats2bfloat162_rn(x[2 * k], x[2 * k + 1]);
+          w[k] = *reinterpret_cast<const uint32_t*>(&h);
+          lo = __low2float(h);
+          hi = __high2float(h);
+        }
+        x[2 * k] -= lo;
+        x[2 * k + 1] -= hi;
       }
       s_q[((n * PARTS + q) * kQChunks + ci) * 32 + lane] = make_uint4(w[0], w[1], w[2], w[3]);
     }
@@ -549,7 +609,7 @@ __global__ void __launch_bounds__(kThreadsSel, 2)
     const int64_t r = p.query_req_id[u0 / hkv];
     const bool live = layer_ok && r >= 0 && r < p.num_requests;
     // 2. stage q and positions; the piece's blocks [0, nb)
-    stage_piece<DI, FP8, PARTS>(p, l, u0, u1, live, s_q, s_pos);
+    stage_piece<DI, FP8, PARTS>(p, l, u0, u1, live, s_q, s_pos, reinterpret_cast<int*>(s_part));
     __syncthreads();
     if (warp < 2) {
       const int i = warp * 32 + lane;

@@ -568,6 +568,31 @@ int main(int argc, char** argv) {
         test_case(std::string("exact ties and NaN keys, ") + (fp8 ? "fp8" : "bf16"), c, true);
       }
     }
+    {  // FP8 keys multiply in f16 after scaling each row's q by a power of two: rows whose q
+       // sits anywhere in the exponent range (2^-120 .. 2^100), a zero row (every block ties),
+       // rows holding +inf or NaN elements; exact data, so the ids equal the oracle's
+      std::mt19937 r2(17);
+      for (int f32 = 0; f32 < 2; ++f32) {
+        Spec s;
+        s.fp8 = true;
+        s.q_f32 = f32;
+        s.K = 8;
+        s.ctx = {1500, 2049, 900, 1300, 700, 1024, 2000, 640, 1800};
+        for (int64_t x : s.ctx) s.rows.push_back(decode_rows(x, 1));
+        Case c = build(r2, s);
+        const int e[] = {-120, -60, -20, 20, 60, 100};
+        for (int64_t t = 0; t < c.T; ++t)
+          for (int64_t d = 0; d < c.Di; ++d) {
+            float& x = c.q[t * c.Di + d];
+            if (t < 6) x = std::ldexp(x, e[t]);
+            else if (t == 6) x = 0.0f;
+            else if (t == 7 && d == 5) x = INFINITY;
+            else if (t == 8 && d == 9) x = NAN;
+          }
+        test_case(std::string("fp8 keys, q scaled 2^-120..2^100, zero, inf and NaN rows, ") +
+                      (f32 ? "f32" : "bf16") + " q", c, true);
+      }
+    }
     {  // split blocks: pieces of few blocks spread a block's units over 2, 4 or 8 warps (the
        // max of the warps' parts); block counts 1..40 (S = 8, 4, 2, 1 and CTAs with fewer
        // blocks than others), N = 96 (6 bf16 / 3 fp8 units: not a multiple of the split)
