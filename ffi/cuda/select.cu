@@ -56,6 +56,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "device_utils.cuh"
 #include "m3sparse_cuda.h"
@@ -98,30 +99,12 @@ __host__ __device__ inline SelectLayout make_layout(int rows_per_piece, int part
   return l;
 }
 
-__device__ __forceinline__ void mma_bf16(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
-}
-
-__device__ __forceinline__ void mma_f16(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
-                                        uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // Four E4M3 bytes -> two f16x2 words (bytes 0, 1 -> lo; 2, 3 -> hi), exactly: every E4M3 value
@@ -278,13 +261,9 @@ __device__ __forceinline__ void score_unit(const uint4* raw, const uint4* s_q, c
           const uint4 b = s_q[((n * PARTS + q) * kQChunks + ci) * 32 + lane];
           const uint32_t* k0 = a[2 * ci];
           const uint32_t* k1 = a[2 * ci + 1];
-          if constexpr (FP8) {
-            mma_f16(acc[q], k0[0], k0[1], k0[2], k0[3], b.x, b.y);
-            mma_f16(acc[q], k1[0], k1[1], k1[2], k1[3], b.z, b.w);
-          } else {
-            mma_bf16(acc[q], k0[0], k0[1], k0[2], k0[3], b.x, b.y);
-            mma_bf16(acc[q], k1[0], k1[1], k1[2], k1[3], b.z, b.w);
-          }
+          using KeyT = std::conditional_t<FP8, __half, __nv_bfloat16>;   // FP8: f16 mma
+          Traits<KeyT>::mma(acc[q], k0, b.x, b.y);
+          Traits<KeyT>::mma(acc[q], k1, b.z, b.w);
         }
       // columns 2t, 2t+1 of n-tile n: keys kk0 (c0, c1) and kk0 + 8 (c2, c3)
       const int2 pos2 = *reinterpret_cast<const int2*>(&s_pos[n * 8 + 2 * t]);
