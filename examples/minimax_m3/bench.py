@@ -38,7 +38,7 @@ M3_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
                          "m3_config", "config.json")
 
 
-DENSE_ROWS_DEFAULT = "0"        # cfg.dense_matmul_rows' default, as the bench's option
+DENSE_ROWS_DEFAULT = "16"       # cfg.dense_matmul_rows' default, as the bench's option
 
 
 def parse_args(argv=None):

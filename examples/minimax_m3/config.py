@@ -74,7 +74,7 @@ class ModelConfig:
     moe_impl: str = "auto"                     # routed experts: moe.IMPLS ("auto", "dense", ...)
     index_cache_dtype: str = "bfloat16"        # the index keys' cache: or "float8_e4m3fn"
     expert_format: str = "bf16"                # routed experts on the device: or "mxfp8"
-    dense_matmul_rows: int = 0                 # GPUs: projections of <= this many rows through
+    dense_matmul_rows: int = 16                # GPUs: projections of <= this many rows through
                                                # jax_m3sparse.dense_matmul (0: never; layers.linear)
 
     def __post_init__(self):

@@ -19,10 +19,10 @@ def linear(x, w, cfg=None):
     """``x @ w.T`` for a PyTorch-layout weight ``[out, in]``, in the weight's dtype with fp32
     accumulation (bf16 checkpoints stay bf16; fp32 ones compute in fp32).
 
-    On GPUs, bf16 products of at most ``cfg.dense_matmul_rows`` rows (a decode step's; 0 by
-    default) go through :func:`jax_m3sparse.dense_matmul`, a weight-streaming kernel that
-    gives each row the same bits whatever the batch and needs no padding of 4 rows to 8
-    (docs/perf-log/m3-step-kernels.md has its step figures)."""
+    On GPUs, bf16 products of at most ``cfg.dense_matmul_rows`` rows (16 by default: a small
+    decode step's) go through :func:`jax_m3sparse.dense_matmul`, a weight-streaming kernel
+    that gives each row the same bits whatever the batch and needs no padding of 4 rows to 8;
+    from 64 rows up XLA's cuBLAS GEMMs are faster (BENCHMARKS.md §1.3 has both figures)."""
     x = x.astype(w.dtype)
     rows = math.prod(x.shape[:-1])
     if (cfg is not None and 0 < rows <= cfg.dense_matmul_rows and w.dtype == jnp.bfloat16
