@@ -7,7 +7,8 @@ head, 128 experts of I = 384, shared expert 384, dense MLP 1536; the released la
 largest batch × context with random cache contents (the timing does not depend on them), and
 times, per step shape (decode batches × contexts, one prefill chunk):
 
-* the whole ``model.forward_step`` (wall, median after warmup) and its compile time;
+* the whole ``model.forward_step`` as a server calls it (wall, median after warmup; without the
+  engine report's block counts unless ``--block-stats``) and its compile time;
 * each part per layer, as its own jitted function over the built layers' weights (a
   ``lax.scan``, so that one call's launch cost is shared by the layers): attention, selection,
   MoE (each ``--moe-impls``), dense MLP, projections + norms + cache writes, lm_head +
@@ -79,6 +80,9 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-parts", action="store_true", help="time the whole step only")
+    ap.add_argument("--block-stats", action="store_true",
+                    help="the step also counts each sparse layer's attended blocks, as the "
+                         "engine's report asks (default: as a server calls it, without)")
     ap.add_argument("--kernel-times", action="store_true",
                     help="GPU: also each part's kernel time from a jax.profiler trace (a trace "
                          "per part and shape: slower)")
@@ -277,6 +281,7 @@ class Bench:
         return dict(device=_device_name(), backend=self.backend, rank_config=_cfg_dict(self.cfg),
                     full_layers=self.full.num_layers, tp=self.args.tp, pages=self.pages,
                     init_s=self.init_s, memory=self.mem, moe_impl=self.args.moe_impl,
+                    block_stats=self.args.block_stats,
                     impls=self.impls, model=self.model_note(), shapes=rows)
 
     def model_note(self) -> dict:
@@ -291,7 +296,8 @@ class Bench:
         batch, nd = make_batch(self.cfg, kind, n, ctx, self.pages, self.args.seed)
         T = batch["tokens"].shape[0]
         t0 = time.perf_counter()
-        step = compile_step(self.params, self.caches, batch, self.cfg, nd)
+        step = compile_step(self.params, self.caches, batch, self.cfg, nd,
+                            block_stats=self.args.block_stats)
         compile_s = time.perf_counter() - t0
         state = dict(caches=self.caches)
 
@@ -456,10 +462,13 @@ def make_batch(cfg, kind: str, n: int, ctx: int, pages: int, seed: int):
 
 # ----------------------------------------------------------------------------- the step call
 # The only place that knows forward_step's interface: adapt here when it changes.
-def _step_kwargs():
+def _step_kwargs(block_stats: bool):
     from . import model  # noqa: PLC0415
     params = inspect.signature(model.forward_step).parameters
-    return dict(compare=False) if "compare" in params else {}
+    kw = dict(compare=False) if "compare" in params else {}
+    if "block_stats" in params:
+        kw["block_stats"] = block_stats
+    return kw
 
 
 def step_batch(batch: dict, sample_rows) -> dict:
@@ -471,13 +480,15 @@ def step_batch(batch: dict, sample_rows) -> dict:
     return dict(batch, **batch_arrays(sample_rows))
 
 
-def compile_step(params, caches, batch, cfg, num_decode_requests: int):
+def compile_step(params, caches, batch, cfg, num_decode_requests: int, block_stats=False):
     """The compiled ``forward_step`` for this shape (trace + compile timed by the caller);
-    called as ``step(params, caches, batch) -> (caches, out)``, caches donated."""
+    called as ``step(params, caches, batch) -> (caches, out)``, caches donated.
+    ``block_stats``: the step counts attended blocks (the engine's report), else not."""
     from . import model  # noqa: PLC0415
     return model.forward_step.lower(params, caches, batch, cfg=cfg,
                                     num_decode_requests=num_decode_requests,
-                                    decode_query_len=1, **_step_kwargs()).compile()
+                                    decode_query_len=1,
+                                    **_step_kwargs(block_stats)).compile()
 
 
 def host_bytes(batch, out) -> dict:

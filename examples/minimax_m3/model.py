@@ -354,10 +354,14 @@ def _cpu() -> bool:
 # ----------------------------------------------------------------------------- one layer
 class _Step:
     """What every layer of one step shares: config, metadata, rows, rotary tables, and which
-    per-layer arrays to collect (``collect``: names among "hidden", "topk", "attn")."""
+    per-layer arrays to collect (``collect``: names among "hidden", "topk", "attn").
+    ``block_stats``: count each sparse layer's attended blocks (:meth:`blocks`)."""
 
-    def __init__(self, cfg, meta, batch, req, pos, collect=()):
+    def __init__(self, cfg, meta, batch, req, pos, collect=(), block_stats=True):
         self.cfg, self.meta, self.req, self.pos = cfg, meta, req, pos
+        # made once, outside the layer scan: inside it XLA computes it again on every layer
+        self.live = req >= 0
+        self.block_stats = block_stats
         self.slots = batch["slot_mapping"]
         self.collect = frozenset(collect)
         self.cos, self.sin = rotary_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta)
@@ -406,17 +410,18 @@ class _Step:
             return attn, (c, topk)
 
         x, attn, (caches, topk) = decoder_layer(p, x, attention, self.cfg, mlp_kind == MOE,
-                                                self.req >= 0)
+                                                self.live)
         return (x, caches), self.outputs(x, attn, topk, sparse)
 
     def outputs(self, x, attn, topk, sparse) -> dict:
         """A layer's ys: ``attended`` on sparse layers (token-block pairs selected by live
         tokens; :meth:`blocks` adds what does not change between layers after the scan) and
         the collected arrays (``topk`` on sparse layers only). Not ``topk`` itself: XLA then
-        writes it by a second select_blocks call into the stacked output."""
+        writes it by a second select_blocks call into the stacked output. Without
+        ``block_stats`` no ``attended``: its reduction and write are two launches per layer."""
         ys = {}
-        if sparse:
-            ys["attended"] = jnp.sum(jnp.where((self.req >= 0)[None, :, None], topk >= 0, False))
+        if sparse and self.block_stats:
+            ys["attended"] = jnp.sum(jnp.where(self.live[None, :, None], topk >= 0, False))
         for name, value in (("hidden", x), ("attn", attn), ("topk", topk)):
             if name in self.collect and (sparse or name != "topk"):
                 ys[name] = value
@@ -426,7 +431,7 @@ class _Step:
         """``int32[L, 2]``: per layer, the token-block pairs attended and visible (pos // N + 1
         per live token and KV head; full layers attend all of them); ``attended [L_sparse]``
         the sparse layers' in order."""
-        cfg, live = self.cfg, self.req >= 0
+        cfg, live = self.cfg, self.live
         visible = cfg.num_key_value_heads * jnp.sum(jnp.where(live, self.pos // cfg.block_size + 1,
                                                              0)).astype(jnp.int32)
         per_layer = jnp.full(cfg.num_layers, visible)
@@ -505,11 +510,12 @@ def logits_of(params, h, cfg):
 
 # ----------------------------------------------------------------------------- the step
 @functools.partial(jax.jit, static_argnames=("cfg", "num_decode_requests", "decode_query_len",
-                                             "num_logprobs", "return_logits", "collect"),
+                                             "num_logprobs", "return_logits", "collect",
+                                             "block_stats"),
                    donate_argnames=("caches",))
 def forward_step(params, caches, batch, *, cfg: ModelConfig, num_decode_requests: int,
                  decode_query_len: int, num_logprobs: int = 0, return_logits: bool = False,
-                 collect: tuple[str, ...] = ()):
+                 collect: tuple[str, ...] = (), block_stats: bool = True):
     """One engine step: writes this step's tokens into the caches and samples the rows that
     sample (the engine's model interface, ``engine.ModelStep``).
 
@@ -529,20 +535,24 @@ def forward_step(params, caches, batch, *, cfg: ModelConfig, num_decode_requests
       collect: static names of per-layer arrays to return: ``hidden [L + 1, T, H]``
         (embeddings first), ``attn [L, T, Hq·D]`` (attention outputs, fp32), ``topk
         [L_sparse, Hkv, T, K]`` (the sparse layers' selections).
+      block_stats: static; False leaves out ``blocks`` (a server that reports no sparsity
+        saves a reduction and a write per sparse layer: BENCHMARKS.md §1).
 
     Returns:
-      ``(caches, out)``: ``tokens int32[S]`` (−1 where ``sample_rows`` is −1) and ``blocks
-      [L, 2]`` (token-block pairs selected, blocks visible), plus what the options add.
+      ``(caches, out)``: ``tokens int32[S]`` (−1 where ``sample_rows`` is −1) and, with
+      ``block_stats``, ``blocks [L, 2]`` (token-block pairs selected, blocks visible), plus
+      what the options add.
     """
     meta, req, pos = batch_rows(batch, num_decode_requests, decode_query_len)
-    step = _Step(cfg, meta, batch, req, pos, collect)
+    step = _Step(cfg, meta, batch, req, pos, collect, block_stats)
     x0 = embed(params, batch["tokens"], cfg)
     (x, caches), ys = scan_layers(params, cfg, step.layer, (x0, caches))
     rows = batch["sample_rows"]
     logits = logits_of(params, x[jnp.clip(rows, 0, x.shape[0] - 1)], cfg)
-    out = dict(sampling.sample_rows_out(logits, batch, pos, num_logprobs=num_logprobs,
-                                        return_logits=return_logits),
-               blocks=step.blocks(ys.get("attended")))
+    out = sampling.sample_rows_out(logits, batch, pos, num_logprobs=num_logprobs,
+                                   return_logits=return_logits)
+    if block_stats:
+        out["blocks"] = step.blocks(ys.get("attended"))
     if "hidden" in collect:
         out["hidden"] = jnp.concatenate([x0[None], ys["hidden"]])
     out.update((k, ys.get(k)) for k in ("attn", "topk") if k in collect)

@@ -434,3 +434,36 @@ def test_fp8_index_cache_selects_like_bf16():
     shared = np.mean([len(np.intersect1d(x, y)) / K for x, y in zip(sa.reshape(-1, K),
                                                                     sb.reshape(-1, K))])
     assert shared >= 0.95 and same_rows >= 0.6, (shared, same_rows)
+
+
+def test_step_without_block_stats(params):
+    """``block_stats=False`` (how the real-size bench times the step) changes nothing but the
+    missing ``blocks``: the same tokens and caches bit for bit. With it, ``blocks`` equals a
+    count made here from the collected selections (live rows' non-negative ids per sparse
+    layer; every visible block on full layers)."""
+    from minimax_m3 import model, sampling
+    cfg = CFG
+    S, N = 300, cfg.block_size
+    M = -(-S // N)
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, S).astype(np.int32)
+    batch = dict(tokens=tokens, slot_mapping=np.arange(S, dtype=np.int32),
+                 query_lens=np.array([S], np.int32), context_lens=np.array([0], np.int32),
+                 block_table=np.arange(M, dtype=np.int32)[None],
+                 **sampling.batch_arrays(np.array([S - 1])))
+    runs = {}
+    for stats in (True, False):
+        caches, out = model.forward_step(params, model.allocate_caches(cfg, M), batch, cfg=cfg,
+                                         num_decode_requests=0, decode_query_len=1,
+                                         collect=("topk",), block_stats=stats)
+        runs[stats] = jax.device_get((caches, out))
+    (c_on, on), (c_off, off) = runs[True], runs[False]
+    assert "blocks" not in off and set(on) - set(off) == {"blocks"}
+    np.testing.assert_array_equal(on["tokens"], off["tokens"])
+    for name in c_on:
+        np.testing.assert_array_equal(np.asarray(c_on[name]).view(np.uint8),
+                                      np.asarray(c_off[name]).view(np.uint8))
+    visible = cfg.num_key_value_heads * int(np.sum(np.arange(S) // N + 1))
+    expected = np.full((cfg.num_layers, 2), visible)
+    expected[list(cfg.sparse_layers), 0] = (on["topk"] >= 0).sum(axis=(1, 2, 3))
+    np.testing.assert_array_equal(on["blocks"], expected)
+    assert expected[list(cfg.sparse_layers), 0].min() < visible    # the selection did choose
