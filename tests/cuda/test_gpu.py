@@ -706,11 +706,12 @@ def test_dense_matmul_matches_oracle(rng, M, N, K):
                                   np.asarray(jnp.asarray(got).astype(jnp.bfloat16), np.float32))
 
 
-def test_dense_matmul_rows_do_not_depend_on_the_batch(rng):
+@pytest.mark.parametrize("K,N", [(1024, 272), (6144, 128)])
+def test_dense_matmul_rows_do_not_depend_on_the_batch(rng, K, N):
     """A row's bits are the same alone, in batches of every size the launch treats differently
     (8, 16, 32 rows per CTA row; several CTA rows), and with NaN/inf in other rows; a NaN in
-    one weight row reaches only its own column; the same through a scan over stacked weights."""
-    K, N = 1024, 272
+    one weight row reaches only its own column; the same through a scan over stacked weights.
+    6144 x 128 is M3's router at TP 8 (8 CTAs of 16 warps)."""
     lhs = jnp.asarray(rng.normal(size=(100, K)), jnp.bfloat16)
     rhs = jnp.asarray(rng.normal(size=(N, K)) / 32, jnp.bfloat16)
     f = jax.jit(m3.dense_matmul)
@@ -721,7 +722,7 @@ def test_dense_matmul_rows_do_not_depend_on_the_batch(rng):
     got = np.asarray(f(_gpu(bad), _gpu(rhs)))
     np.testing.assert_array_equal(np.delete(got, [5, 6], 0), np.delete(alone, [5, 6], 0))
     assert np.isnan(got[5]).all()
-    nan_w = np.asarray(f(_gpu(lhs[:9]), _gpu(rhs.at[7, 100].set(jnp.nan))))
+    nan_w = np.asarray(f(_gpu(lhs[:9]), _gpu(rhs.at[7, K - 5].set(jnp.nan))))
     assert np.isnan(nan_w[:, 7]).all()
     np.testing.assert_array_equal(np.delete(nan_w, 7, 1), np.delete(alone[:9], 7, 1))
     stack = _gpu(jnp.stack([rhs, rhs[::-1]]))
