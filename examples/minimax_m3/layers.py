@@ -14,6 +14,8 @@ import jax.numpy as jnp
 
 import jax_m3sparse
 
+from . import parallel
+
 
 def linear(x, w, cfg=None):
     """``x @ w.T`` for a PyTorch-layout weight ``[out, in]``, in the weight's dtype with fp32
@@ -22,11 +24,14 @@ def linear(x, w, cfg=None):
     On GPUs, bf16 products of at most ``cfg.dense_matmul_rows`` rows (16 by default: a small
     decode step's) go through :func:`jax_m3sparse.dense_matmul`, a weight-streaming kernel
     that gives each row the same bits whatever the batch and needs no padding of 4 rows to 8;
-    from 64 rows up XLA's cuBLAS GEMMs are faster (BENCHMARKS.md §1.3 has both figures)."""
+    from 64 rows up XLA's cuBLAS GEMMs are faster (BENCHMARKS.md §1.3 has both figures).
+    Not where jit splits the weight over "tp" (the kernel has no sharding rule: its operands
+    would be gathered); inside the MLPs' ``shard_map`` it runs on each device's slice."""
     x = x.astype(w.dtype)
     rows = math.prod(x.shape[:-1])
     if (cfg is not None and 0 < rows <= cfg.dense_matmul_rows and w.dtype == jnp.bfloat16
-            and w.shape[-1] % 64 == 0 and jax.default_backend() not in ("cpu",)):
+            and w.shape[-1] % 64 == 0 and jax.default_backend() not in ("cpu",)
+            and not parallel.tp_partitioned()):
         out = jax_m3sparse.dense_matmul(x.reshape(rows, w.shape[-1]), w)
         return out.reshape(*x.shape[:-1], w.shape[0])
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)

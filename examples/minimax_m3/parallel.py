@@ -48,6 +48,17 @@ def tp_size() -> int:
     return 1 if mesh.empty or AXIS not in mesh.axis_names else mesh.shape[AXIS]
 
 
+def tp_partitioned() -> bool:
+    """Whether this trace's arrays are split over "tp" by ``jax.jit`` (an Auto "tp" axis of
+    size > 1 in context), as opposed to no mesh, one device, or the per-device body of a
+    ``shard_map`` (a Manual axis). A custom call without a sharding rule there would have its
+    operands gathered."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or AXIS not in mesh.axis_names or mesh.shape[AXIS] == 1:
+        return False
+    return mesh.axis_types[mesh.axis_names.index(AXIS)] != AxisType.Manual
+
+
 def check_divisible(cfg, tp: int) -> None:
     """Raises ValueError naming each size that ``tp`` does not divide."""
     sizes = dict(num_attention_heads=cfg.num_attention_heads,

@@ -92,3 +92,42 @@ def test_checkpoint_loads_sharded_over_8_devices(tmp_path):
     qkv = loaded["segments"][0]["self_attn"]["qkv_proj"]      # [L, S = 4 KV heads x 2, C, H]
     assert qkv.shape[1] == 8
     assert {s.data.shape for s in qkv.addressable_shards} == {(1, 1, qkv.shape[2], 128)}
+
+
+@needs8
+def test_dense_matmul_never_sees_a_split_weight(monkeypatch):
+    """On GPUs ``layers.linear`` sends products of <= ``dense_matmul_rows`` rows to
+    ``jax_m3sparse.dense_matmul``, whose custom call has no sharding rule: under --tp it may
+    run on a whole weight or on a ``shard_map``'s per-device slice, never where jit splits the
+    weight over "tp" (XLA would gather it first). The GPU is faked: the kernel is replaced by a
+    recording einsum."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from minimax_m3 import layers
+    from minimax_m3.config import ModelConfig
+    calls = []
+
+    def fake(x, w):
+        calls.append(w.shape)
+        return jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32)
+
+    monkeypatch.setattr(layers.jax_m3sparse, "dense_matmul", fake)
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    cfg = ModelConfig(dense_matmul_rows=16)
+    x = jnp.ones((4, 64), jnp.bfloat16)
+    w = jnp.ones((32, 64), jnp.bfloat16)
+    want = np.full((4, 32), 64.0, np.float32)
+    np.testing.assert_array_equal(jax.jit(lambda a, b: layers.linear(a, b, cfg))(x, w), want)
+    assert calls == [(32, 64)]                              # no mesh: the kernel
+    mesh = parallel.make_mesh(8)
+    with jax.set_mesh(mesh):
+        ws = jax.device_put(w, NamedSharding(mesh, P("tp", None)))
+        got = jax.jit(lambda a, b: layers.linear(a, b, cfg))(x, ws)
+        assert calls == [(32, 64)]                          # split by jit: XLA's dot
+        local = jax.shard_map(lambda a, b: layers.linear(a, b, cfg), in_specs=(P(), P("tp", None)),
+                              out_specs=P(None, "tp"))
+        got_local = jax.jit(local)(x, ws)
+        assert calls == [(32, 64), (4, 64)]                 # per device: the kernel, 4 rows each
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_local, want)
