@@ -33,7 +33,9 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
     """Per-device bytes of weights and caches of ``cfg`` at tensor parallel ``tp`` for
     ``batch`` requests of ``context_len`` tokens (the served stream alone: ``--no-compare``),
     whether the step traces, and whether it fits ``device_memory_gb`` with ``reserve_gb`` left
-    for activations.
+    for activations; with ``device_memory_gb``, ``formats`` also gives that for each routed-
+    experts format on the device (bf16, mxfp8) and index-key cache dtype (bf16, fp8), with
+    the requests of ``context_len`` tokens that fit (``max_requests``).
 
     Raises:
       ValueError when ``tp`` does not divide the model's sizes.
@@ -41,11 +43,7 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
     check_divisible(cfg, tp)
     cfg = dataclasses.replace(cfg, kv_replicas=kv_head_replicas(cfg.num_key_value_heads, tp))
     shapes = model.param_shapes(cfg)
-    dtypes = model.param_dtypes(cfg, weight_dtype)
-    weights = jax.tree_util.tree_map_with_path(
-        lambda path, s, dt: _per_device(s, leaf_spec(path, cfg, tp), tp) * dt.itemsize, shapes,
-        dtypes, is_leaf=is_shape)
-    weight_bytes = sum(jax.tree_util.tree_leaves(weights))   # = weight_bytes_per_device's
+    weight_bytes = _weight_bytes(cfg, tp, weight_dtype)
     # parameters: the checkpoint's elements (the served qkv_proj repeats replicated KV heads;
     # MXFP8 exponents are part of their weights' format)
     total_weights = sum(math.prod(s) for s, dt in zip(
@@ -53,10 +51,7 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
         jax.tree_util.tree_leaves(model.param_dtypes(cfg, weight_dtype, fused=False)))
         if dt != jnp.uint8)
     pages = batch * -(-context_len // cfg.block_size)
-    spec = m3.KVCacheSpec(cfg.cache_kv_heads // tp, cfg.head_dim, cfg.block_size)
-    kv_bytes = cfg.num_layers * pages * spec.page_bytes
-    idx_bytes = (len(cfg.sparse_layers) * pages * cfg.block_size * cfg.index_head_dim
-                 * jnp.dtype(cfg.index_cache_dtype).itemsize)
+    kv_bytes, idx_bytes = _cache_bytes(cfg, tp, pages, cfg.index_cache_dtype)
     traced = _trace(cfg, shapes, weight_dtype, pages)
     out = dict(tp=tp, context_len=context_len, batch=batch, pages=pages,
                parameters=total_weights, weight_dtype=str(jnp.dtype(weight_dtype)) + (
@@ -69,7 +64,42 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
         out["device_memory_bytes"] = int(device_memory_gb * 1e9)
         out["reserve_bytes"] = int(reserve_gb * 1e9)
         out["fits"] = out["total_bytes_per_device"] + out["reserve_bytes"] <= out["device_memory_bytes"]
+        out["formats"] = _formats(cfg, tp, context_len, batch, weight_dtype,
+                                  out["device_memory_bytes"] - out["reserve_bytes"])
     return out
+
+
+def _weight_bytes(cfg, tp: int, weight_dtype) -> int:
+    """One device's bytes of ``cfg``'s weights at ``tp`` (each leaf's shard by its spec)."""
+    per_leaf = jax.tree_util.tree_map_with_path(
+        lambda path, s, dt: _per_device(s, leaf_spec(path, cfg, tp), tp) * dt.itemsize,
+        model.param_shapes(cfg), model.param_dtypes(cfg, weight_dtype), is_leaf=is_shape)
+    return sum(jax.tree_util.tree_leaves(per_leaf))
+
+
+def _cache_bytes(cfg, tp: int, pages: int, index_dtype) -> tuple[int, int]:
+    """One device's bytes of the NVFP4 K/V cache and of the index-key cache for ``pages``."""
+    spec = m3.KVCacheSpec(cfg.cache_kv_heads // tp, cfg.head_dim, cfg.block_size)
+    idx = (len(cfg.sparse_layers) * pages * cfg.block_size * cfg.index_head_dim
+           * jnp.dtype(index_dtype).itemsize)
+    return cfg.num_layers * pages * spec.page_bytes, idx
+
+
+def _formats(cfg, tp, context_len, batch, weight_dtype, budget) -> list[dict]:
+    """Per device, for each routed-experts format on the device and index-key cache dtype:
+    weight and cache bytes for ``batch`` requests, whether they fit ``budget`` bytes, and how
+    many requests of ``context_len`` tokens fit it."""
+    pages = -(-context_len // cfg.block_size)
+    rows = []
+    for experts in ("bf16", "mxfp8"):
+        weights = _weight_bytes(dataclasses.replace(cfg, expert_format=experts), tp, weight_dtype)
+        for index in ("bfloat16", "float8_e4m3fn"):
+            per_request = sum(_cache_bytes(cfg, tp, pages, index))
+            rows.append(dict(experts=experts, index_cache_dtype=index, weight_bytes=weights,
+                             cache_bytes=batch * per_request,
+                             fits=weights + batch * per_request <= budget,
+                             max_requests=max(budget - weights, 0) // per_request))
+    return rows
 
 
 def _trace(cfg, shapes, weight_dtype, pages) -> tuple[int, ...]:
@@ -163,4 +193,16 @@ def format_plan(p: dict) -> str:
            f"with {gb(p['reserve_bytes'])} kept for activations" if "fits" in p else ""),
         "  (the served stream alone, as with --no-compare; activations and XLA workspace not "
         "counted; JAX takes 75 % of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says more)"]
+    if "formats" in p:
+        lines.append(f"  each format on a device of {gb(p['device_memory_bytes'])} less "
+                     f"{gb(p['reserve_bytes'])} (weights + caches of {p['batch']} requests; "
+                     f"requests of {p['context_len']} tokens that fit):")
+        for f in p["formats"]:
+            idx = "bf16" if f["index_cache_dtype"] == "bfloat16" else "fp8"
+            lines.append(f"    experts {f['experts']:5s}, index keys {idx:4s}: "
+                         f"{gb(f['weight_bytes'])} + {gb(f['cache_bytes'])}, "
+                         f"{'fits' if f['fits'] else 'does NOT fit'}, {f['max_requests']} requests")
+        lines.append("  (every checkpoint format loads into either experts format: the experts "
+                     "are read as bf16 and, for mxfp8, quantized on the device — exactly for "
+                     "the MXFP8 checkpoint)")
     return "\n".join(lines)

@@ -374,7 +374,7 @@ def test_dry_run_plans_the_real_model(capsys):
     import minimax_m3_generate as cli
     cfg_path = str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "m3_config")
     p = cli.main(["--config", cfg_path, "--dry-run", "--tp", "8", "--context-len", "131072",
-                  "--batch", "8", "--device-memory-gb", "192"])
+                  "--batch", "8"])
     assert 420e9 < p["parameters"] < 432e9 and p["step_logits"] == (8, 200064)
     pages = 8 * 131072 // 128
     assert p["kv_cache_bytes_per_device"] == 60 * pages * 2 * 1 * 128 * 72   # 1 KV head/device
@@ -382,12 +382,23 @@ def test_dry_run_plans_the_real_model(capsys):
     # weights: about 1/8 of 2 bytes per parameter plus the replicated embeddings, router, indexer
     assert 2 * p["parameters"] / 8 < p["weight_bytes_per_device"] < 2 * p["parameters"] / 8 + 6e9
     out = capsys.readouterr().out
-    assert p["fits"] and "fits with 8.0 GB kept" in out
+    assert p["fits"] and "of 141.0 GB: fits with 8.0 GB kept" in out     # an H200 by default
+    # each format: the requests of 131072 tokens that fit 141 - 8 GB beside the weights
+    per_request = 1024 * 60 * 2 * 128 * 72 + 1024 * 57 * 128 * 128 * np.array([2, 1, 2, 1])
+    weights = np.array([p["weight_bytes_per_device"]] * 2
+                       + [p["weight_bytes_per_device"] - (experts := 57 * 128 * 3 * 6144 * 3072 // 8)
+                          + experts // 32] * 2)
+    got = [(f["experts"], f["index_cache_dtype"], f["weight_bytes"], f["max_requests"])
+           for f in p["formats"]]
+    assert got == [(e, i, w, n) for (e, i), w, n in zip(
+        [("bf16", "bfloat16"), ("bf16", "float8_e4m3fn"), ("mxfp8", "bfloat16"),
+         ("mxfp8", "float8_e4m3fn")], weights, (133e9 - weights) // per_request)]
+    assert [f["fits"] for f in p["formats"]] == [True] * 4 and got[0][3] == 8
     # the example README shows this very command's output: it must be what the code prints
     readme = (pathlib.Path(cfg_path).parents[0] / "minimax_m3" / "README.md").read_text()
-    block = readme.split("--tp 8 --context-len 131072 --batch 8 --device-memory-gb 192\n")[1]
+    block = readme.split("--tp 8 --context-len 131072 --batch 8\n")[1]
     shown = block.split("```")[0].strip().splitlines()
-    assert len(shown) == 6 and all(line in out for line in shown), (shown, out)
+    assert len(shown) == 12 and all(line in out for line in shown), (shown, out)
     # MXFP8 routed experts: the same parameters; each expert weight 1 byte + 1/32 for its
     # exponent instead of 2 (57 MoE layers × 128 experts × 3 × 6144 × 3072 / 8 per device)
     q = cli.main(["--config", cfg_path, "--dry-run", "--tp", "8", "--context-len", "131072",
