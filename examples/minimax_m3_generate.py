@@ -93,6 +93,10 @@ def parse_args(argv=None):
                            "--reserve-gb left for activations, and what fits it in each "
                            "weight and index-cache format (default 141: an H200, the GPU "
                            "the real-size bench ran on; e.g. 192 for an AMD MI300X; 0: no check)")
+    plan.add_argument("--mem-fraction", type=float, default=None,
+                      help="the share of each device JAX takes for its pool (default: "
+                           "$XLA_PYTHON_CLIENT_MEM_FRACTION, else JAX's 0.75); the plan fits "
+                           "--device-memory-gb × this")
     plan.add_argument("--reserve-gb", type=float, default=8.0,
                       help="per-device memory the plan keeps free for activations and workspace")
     eng = p.add_argument_group("engine")
@@ -159,7 +163,8 @@ def main(argv=None):
     if args.dry_run:
         from minimax_m3 import plan  # noqa: PLC0415
         p = plan.plan(cfg, tp=args.tp, context_len=args.context_len, batch=args.batch,
-                      device_memory_gb=args.device_memory_gb, reserve_gb=args.reserve_gb)
+                      device_memory_gb=args.device_memory_gb, reserve_gb=args.reserve_gb,
+                      mem_fraction=args.mem_fraction)
         print(plan.format_plan(p))
         return p
     return serve(args, cfg)

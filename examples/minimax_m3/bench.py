@@ -67,18 +67,22 @@ def parse_args(argv=None):
     ap.add_argument("--moe-impls", default=None,
                     help="formulations timed as parts (default: --moe-impl's, dense, and "
                          "tokamax if it imports)")
-    ap.add_argument("--batch", default="1,4,8,32,64,128", help="decode batch sizes")
-    ap.add_argument("--context", default="2048,16384", help="decode context lengths")
-    ap.add_argument("--prefill", type=int, default=2048, help="prefill chunk (0: none)")
+    ap.add_argument("--batch", default="1,4,8,32,64,128", help="decode batch sizes (default: %(default)s)")
+    ap.add_argument("--context", default="2048,16384", help="decode context lengths (default: %(default)s)")
+    ap.add_argument("--prefill", type=int, default=2048, help="prefill chunk tokens (0: none; default %(default)s)")
     ap.add_argument("--prefill-context", type=int, default=8192,
-                    help="the chunk's request length (its last token's position + 1)")
+                    help="the chunk's request length (its last token's position + 1; default "
+                         "%(default)s)")
     ap.add_argument("--quick", action="store_true", help="decode 4 and 128 at 16k, prefill 2048")
     ap.add_argument("--dense-matmul-rows", default=DENSE_ROWS_DEFAULT,
-                    help="cfg.dense_matmul_rows (GPUs: projections of at most this many rows "
-                    "through jax_m3sparse.dense_matmul; 0: XLA's dot); a list times each shape "
+                    help="cfg.dense_matmul_rows (GPUs: bf16 projections of at most this many rows, "
+                    "input width % 64 == 0, through jax_m3sparse.dense_matmul; 0: XLA's dot; "
+                    "default %(default)s); a list times each shape "
                     "once per value, the parts with the first")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=10, help="timed steps per shape (default "
+                    "%(default)s; the median is reported)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default "
+                    "%(default)s)")
     ap.add_argument("--no-parts", action="store_true", help="time the whole step only")
     ap.add_argument("--block-stats", action="store_true",
                     help="the step also counts each sparse layer's attended blocks, as the "
@@ -869,7 +873,9 @@ def format_report(r) -> str:
         f" q / {cfg['num_key_value_heads']} KV heads, {cfg['num_local_experts']} experts of "
         f"{cfg['intermediate_size']}, top {cfg['num_experts_per_tok']}, vocab "
         f"{cfg['vocab_size']}), {r['pages']} pages, weights made in {r['init_s']:.1f} s, "
-        f"moe_impl {r['moe_impl']}, experts {cfg.get('expert_format', 'bf16')}",
+        f"moe_impl {r['moe_impl']}, experts {cfg.get('expert_format', 'bf16')}; the step "
+        f"{'with' if r.get('block_stats') else 'without'} the per-layer block counts "
+        f"(block_stats={bool(r.get('block_stats'))})",
         f"floors: bytes ÷ {r['model']['bandwidth'] / 1e12:.2f} TB/s or FLOPs ÷ "
         f"{r['model']['flops'] / 1e12:.0f} TFLOP/s; the MoE's counts the routed experts only. "
         f"All-reduces: {r['model']['allreduce']}, {r['model']['link_bandwidth'] / 1e9:.0f} GB/s, "

@@ -29,7 +29,7 @@ bf16 (or the ``dtype`` asked for), each format as its ``quantization_config.quan
 
 A format the ``quant_method`` does not name, a scale of the wrong shape or an unknown
 ``quant_method`` is an error naming it before anything is read. Real M3 in bf16 fits TP 8 on
-192 GB devices (``plan.py``). ``--expert-format mxfp8`` (``ModelConfig.expert_format``) then
+H200s (141 GB; ``--dry-run``, ``plan.py``). ``--expert-format mxfp8`` (``ModelConfig.expert_format``) then
 makes the routed experts MXFP8 on the device (``moe.quantize_experts``: lossless for an MXFP8
 checkpoint), which jax_m3sparse.grouped_matmul reads as they are.
 

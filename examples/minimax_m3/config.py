@@ -74,7 +74,8 @@ class ModelConfig:
     moe_impl: str = "auto"                     # routed experts: moe.IMPLS ("auto", "dense", ...)
     index_cache_dtype: str = "bfloat16"        # the index keys' cache: or "float8_e4m3fn"
     expert_format: str = "bf16"                # routed experts on the device: or "mxfp8"
-    dense_matmul_rows: int = 16                # GPUs: projections of <= this many rows through
+    dense_matmul_rows: int = 16                # GPUs: bf16 projections of <= this many rows and
+                                               # an input width % 64 == 0 through
                                                # jax_m3sparse.dense_matmul (0: never; layers.linear)
 
     def __post_init__(self):
@@ -111,6 +112,9 @@ class ModelConfig:
             raise ValueError(f"expert_format 'mxfp8' needs hidden_size ({self.hidden_size}) and "
                              f"intermediate_size ({self.intermediate_size}) multiples of 32 "
                              f"(one E8M0 exponent per 32 inputs)")
+        if self.dense_matmul_rows < 0:
+            raise ValueError(f"dense_matmul_rows ({self.dense_matmul_rows}) must be >= 0 (0: "
+                             f"XLA's dot for every projection)")
         if self.baseline_selection not in ("served", "own"):
             raise ValueError(f"baseline_selection {self.baseline_selection!r}: 'served' or 'own'")
         if self.index_block_size != 128:

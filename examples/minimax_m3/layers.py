@@ -22,7 +22,7 @@ def linear(x, w, cfg=None):
     accumulation (bf16 checkpoints stay bf16; fp32 ones compute in fp32).
 
     On GPUs, bf16 products of at most ``cfg.dense_matmul_rows`` rows (16 by default: a small
-    decode step's) go through :func:`jax_m3sparse.dense_matmul`, a weight-streaming kernel
+    decode step's) whose input width is a multiple of 64 (the kernel's chunk) go through :func:`jax_m3sparse.dense_matmul`, a weight-streaming kernel
     that gives each row the same bits whatever the batch and needs no padding of 4 rows to 8;
     from 64 rows up XLA's cuBLAS GEMMs are faster (BENCHMARKS.md §1.3 has both figures).
     Not where jit splits the weight over "tp" (the kernel has no sharding rule: its operands

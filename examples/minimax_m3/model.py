@@ -509,6 +509,10 @@ def logits_of(params, h, cfg):
 
 
 # ----------------------------------------------------------------------------- the step
+BATCH_KEYS = ("tokens", "slot_mapping", "query_lens", "context_lens", "block_table",
+              "sample_rows")
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "num_decode_requests", "decode_query_len",
                                              "num_logprobs", "return_logits", "collect",
                                              "block_stats"),
@@ -526,8 +530,9 @@ def forward_step(params, caches, batch, *, cfg: ModelConfig, num_decode_requests
         int32[R]``, ``context_lens int32[R]``, ``block_table int32[R, M]`` with the
         ``num_decode_requests`` decode requests first (each ``decode_query_len`` rows;
         query_len 0 = padded), then prefill chunks (SPEC §5.6); and the sampling arrays of
-        ``sampling.batch_arrays``: ``sample_rows int32[S]`` (token rows that sample, −1 =
-        none), ``temperature``, ``top_k``, ``top_p``, ``seed`` ``[S]`` (absent: all greedy).
+        ``sampling.batch_arrays``: ``sample_rows int32[S]`` (required: the token rows that
+        sample, −1 = none) and, optional, ``temperature``, ``top_k``, ``top_p``, ``seed``
+        ``[S]`` (absent: all greedy).
       cfg, num_decode_requests, decode_query_len: static.
       num_logprobs: static N; > 0 adds ``logprob [S]``, ``top_logprobs [S, N]``, ``top_ids
         [S, N]`` (sampling.logprobs).
@@ -542,7 +547,14 @@ def forward_step(params, caches, batch, *, cfg: ModelConfig, num_decode_requests
       ``(caches, out)``: ``tokens int32[S]`` (−1 where ``sample_rows`` is −1) and, with
       ``block_stats``, ``blocks [L, 2]`` (token-block pairs selected, blocks visible), plus
       what the options add.
+
+    Raises:
+      KeyError at trace time naming the arrays ``batch`` lacks.
     """
+    missing = [k for k in BATCH_KEYS if k not in batch]
+    if missing:
+        raise KeyError(f"forward_step: batch lacks {missing} (it needs {list(BATCH_KEYS)}; "
+                       f"sampling.batch_arrays(sample_rows) makes sample_rows)")
     meta, req, pos = batch_rows(batch, num_decode_requests, decode_query_len)
     step = _Step(cfg, meta, batch, req, pos, collect, block_stats)
     x0 = embed(params, batch["tokens"], cfg)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,8 @@ from jax_m3sparse.sharding import kv_head_replicas
 from . import model
 from .parallel import AXIS, check_divisible, is_shape, leaf_spec
 
+JAX_MEM_FRACTION = 0.75   # the share of a GPU JAX's pool takes when XLA_PYTHON_CLIENT_MEM_FRACTION is unset
+
 
 def _per_device(shape, spec, tp: int) -> int:
     """Elements of one device's shard of ``shape`` under ``spec``."""
@@ -29,17 +32,26 @@ def _per_device(shape, spec, tp: int) -> int:
 
 
 def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
-         device_memory_gb: float | None = None, reserve_gb: float = 8.0) -> dict:
+         device_memory_gb: float | None = None, reserve_gb: float = 8.0,
+         mem_fraction: float | None = None) -> dict:
     """Per-device bytes of weights and caches of ``cfg`` at tensor parallel ``tp`` for
     ``batch`` requests of ``context_len`` tokens (the served stream alone: ``--no-compare``),
-    whether the step traces, and whether it fits ``device_memory_gb`` with ``reserve_gb`` left
-    for activations; with ``device_memory_gb``, ``formats`` also gives that for each routed-
+    whether the step traces, and whether it fits JAX's pool on a device of
+    ``device_memory_gb`` (``mem_fraction`` of it: by default
+    ``$XLA_PYTHON_CLIENT_MEM_FRACTION``, else JAX's 0.75) with ``reserve_gb`` left for
+    activations; with ``device_memory_gb``, ``formats`` also gives that for each routed-
     experts format on the device (bf16, mxfp8) and index-key cache dtype (bf16, fp8), with
     the requests of ``context_len`` tokens that fit (``max_requests``).
 
     Raises:
-      ValueError when ``tp`` does not divide the model's sizes.
+      ValueError when ``tp`` does not divide the model's sizes, or ``mem_fraction`` is not in
+      (0, 1].
     """
+    if mem_fraction is None:
+        mem_fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_MEM_FRACTION))
+    if not 0 < mem_fraction <= 1:
+        raise ValueError(f"mem_fraction (XLA_PYTHON_CLIENT_MEM_FRACTION) must be in (0, 1], "
+                         f"got {mem_fraction}")
     check_divisible(cfg, tp)
     cfg = dataclasses.replace(cfg, kv_replicas=kv_head_replicas(cfg.num_key_value_heads, tp))
     shapes = model.param_shapes(cfg)
@@ -62,10 +74,12 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
                cache_kv_heads=cfg.cache_kv_heads, step_logits=traced)
     if device_memory_gb:
         out["device_memory_bytes"] = int(device_memory_gb * 1e9)
+        out["mem_fraction"] = mem_fraction
+        out["pool_bytes"] = int(device_memory_gb * 1e9 * mem_fraction)
         out["reserve_bytes"] = int(reserve_gb * 1e9)
-        out["fits"] = out["total_bytes_per_device"] + out["reserve_bytes"] <= out["device_memory_bytes"]
+        out["fits"] = out["total_bytes_per_device"] + out["reserve_bytes"] <= out["pool_bytes"]
         out["formats"] = _formats(cfg, tp, context_len, batch, weight_dtype,
-                                  out["device_memory_bytes"] - out["reserve_bytes"])
+                                  out["pool_bytes"] - out["reserve_bytes"])
     return out
 
 
@@ -189,14 +203,14 @@ def format_plan(p: dict) -> str:
         f"({p['cache_kv_heads']} KV heads stored, {p['cache_kv_heads'] // p['tp']} per device)",
         f"  index-key cache per device: {gb(p['index_cache_bytes_per_device'])} ({p['index_cache_dtype']}, replicated)",
         f"  total per device:           {gb(p['total_bytes_per_device'])}"
-        + (f" of {gb(p['device_memory_bytes'])}: {'fits' if p['fits'] else 'does NOT fit'} "
+        + (f" of {gb(p['pool_bytes'])} ({p['mem_fraction'] * 100:g} % of {gb(p['device_memory_bytes'])}, "
+           f"JAX's pool): {'fits' if p['fits'] else 'does NOT fit'} "
            f"with {gb(p['reserve_bytes'])} kept for activations" if "fits" in p else ""),
         "  (the served stream alone, as with --no-compare; activations and XLA workspace not "
-        "counted; JAX takes 75 % of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says more)"]
+        "counted; JAX's pool is XLA_PYTHON_CLIENT_MEM_FRACTION of a GPU, 75 % unless set)"]
     if "formats" in p:
-        lines.append(f"  each format on a device of {gb(p['device_memory_bytes'])} less "
-                     f"{gb(p['reserve_bytes'])} (weights + caches of {p['batch']} requests; "
-                     f"requests of {p['context_len']} tokens that fit):")
+        lines.append(f"  each format in that pool less {gb(p['reserve_bytes'])} (weights + caches "
+                     f"of {p['batch']} requests; requests of {p['context_len']} tokens that fit):")
         for f in p["formats"]:
             idx = "bf16" if f["index_cache_dtype"] == "bfloat16" else "fp8"
             lines.append(f"    experts {f['experts']:5s}, index keys {idx:4s}: "
