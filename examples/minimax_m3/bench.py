@@ -76,7 +76,7 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="decode 4 and 128 at 16k, prefill 2048")
     ap.add_argument("--dense-matmul-rows", default=DENSE_ROWS_DEFAULT,
                     help="cfg.dense_matmul_rows (GPUs: bf16 projections of at most this many rows, "
-                    "input width % 64 == 0, through jax_m3sparse.dense_matmul; 0: XLA's dot; "
+                    "input width %% 64 == 0, through jax_m3sparse.dense_matmul; 0: XLA's dot; "
                     "default %(default)s); a list times each shape "
                     "once per value, the parts with the first")
     ap.add_argument("--repeats", type=int, default=10, help="timed steps per shape (default "
