@@ -77,10 +77,12 @@ def parse_args(argv=None):
                                 "tokamax"),
                        help="the routed experts' formulation (minimax_m3/moe.py; auto: dense "
                             "on the CPU, grouped on GPUs)")
-    model.add_argument("--expert-format", default="bf16", choices=("bf16", "mxfp8"),
+    model.add_argument("--expert-format", default="bf16", choices=("bf16", "mxfp8", "mxfp8_w8a8"),
                        help="the routed experts' weights on the device: mxfp8 keeps fp8 with an "
                             "exponent per 32 inputs (half the bytes; lossless from an MXFP8 "
-                            "checkpoint, quantized on the device from others)"),
+                            "checkpoint, quantized on the device from others); mxfp8_w8a8 also "
+                            "quantizes the experts' inputs per 32 (dynamic, as the MXFP8 "
+                            "checkpoint's activation_scheme) and multiplies fp8 by fp8")
     plan = p.add_argument_group("dry run (no weights)")
     plan.add_argument("--config", metavar="PATH", help="a config.json (or its directory): the "
                       "model's shapes (with random weights unless --dry-run)")
@@ -224,7 +226,7 @@ def serve(args, cfg):
     print(f"backend {jax.default_backend()}, tp {args.tp} of {jax.device_count()} devices; "
           f"MiniMax M3: {cfg.num_layers} layers ({len(cfg.sparse_layers)} sparse attention, "
           f"{moe_layers} MoE of {cfg.num_local_experts} "
-          f"{'MXFP8 ' if cfg.expert_format == 'mxfp8' else ''}experts "
+          f"{'MXFP8 ' if cfg.mxfp8_experts else ''}{'(W8A8) ' if cfg.expert_format == 'mxfp8_w8a8' else ''}experts "
           f"top-{cfg.num_experts_per_tok} + shared), hidden {cfg.hidden_size}, Hq {cfg.num_attention_heads}, Hkv "
           f"{cfg.num_key_value_heads}, D {cfg.head_dim}, top-{cfg.index_topk_blocks} of "
           f"{cfg.block_size}-token blocks; weights: "

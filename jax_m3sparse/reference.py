@@ -422,8 +422,8 @@ def dense_matmul(lhs, rhs, out_dtype=jnp.float32):
     return dense_matmul_impl(jnp.asarray(lhs), jnp.asarray(rhs), out_dtype=jnp.dtype(out_dtype))
 
 
-def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale, lhs_rows=None, *, gather=False,
-                        out_dtype=jnp.float32):
+def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale, lhs_rows=None, lhs_scale=None, *,
+                        gather=False, out_dtype=jnp.float32):
     """Primitive-level reference of grouped_matmul (SPEC §9): per group, every row multiplied
     by the group's matrix and *selected* for the group's rows (sizes made valid: negative
     counts as 0, rows past M dropped), rows no group covers 0; MXFP8 weights (``rhs`` fp8,
@@ -431,7 +431,11 @@ def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale, lhs_rows=None, *, gath
     ``ragged_dot``: on the CPU that is a masked product over every group, where a NaN or inf in
     one group's weights (an unrouted expert's included) reached every row (0 · NaN).
     ``gather``: the product's rows are ``lhs[lhs_rows]``, zero rows for ids outside ``[0, T)``
-    (SPEC §9 item 4); ``out_dtype`` bf16: the fp32 result rounded to nearest even (item 5)."""
+    (SPEC §9 item 4); ``out_dtype`` bf16: the fp32 result rounded to nearest even (item 5).
+    An MXFP8 ``lhs`` (fp8 with ``lhs_scale`` [T, K/32], §9.2) is dequantized to bf16 first too:
+    the same products, summed in another order than the CUDA kernel's blocks."""
+    if lhs.dtype == jnp.float8_e4m3fn:
+        lhs = mxfp8_dequantize(lhs, lhs_scale)
     if gather:
         T = lhs.shape[0]
         ok = (lhs_rows >= 0) & (lhs_rows < T)
@@ -453,15 +457,18 @@ def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale, lhs_rows=None, *, gath
                         jnp.arange(rhs.shape[0], dtype=jnp.int32))[0].astype(out_dtype)
 
 
-def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, lhs_rows=None, out_dtype=jnp.float32):
+def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, lhs_rows=None, out_dtype=jnp.float32,
+                   lhs_scale=None):
     """Reference of :func:`jax_m3sparse.grouped_matmul` (SPEC §9)."""
-    rhs = jnp.asarray(rhs)
+    rhs, lhs = jnp.asarray(rhs), jnp.asarray(lhs)
     scale = (jnp.zeros((*rhs.shape[:2], 0), jnp.uint8) if rhs_scale is None
              else jnp.asarray(rhs_scale))
+    lhs_scale = (jnp.zeros((lhs.shape[0], 0), jnp.uint8) if lhs_scale is None
+                 else jnp.asarray(lhs_scale))
     gather = lhs_rows is not None
     rows = jnp.asarray(lhs_rows if gather else np.zeros(0), jnp.int32)
-    return grouped_matmul_impl(jnp.asarray(lhs), rhs, jnp.asarray(group_sizes, jnp.int32), scale,
-                               rows, gather=gather, out_dtype=jnp.dtype(out_dtype))
+    return grouped_matmul_impl(lhs, rhs, jnp.asarray(group_sizes, jnp.int32), scale, rows,
+                               lhs_scale, gather=gather, out_dtype=jnp.dtype(out_dtype))
 
 
 def write_index_keys_impl(idx_k_cache, keys, slot_mapping, layer):

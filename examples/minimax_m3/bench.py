@@ -59,9 +59,10 @@ def parse_args(argv=None):
     ap.add_argument("--reserve-gb", type=float, default=10.0,
                     help="device memory kept for activations and workspace when fitting layers")
     ap.add_argument("--moe-impl", default="auto", help="the step's moe_impl (moe.IMPLS)")
-    ap.add_argument("--expert-format", default="bf16", choices=("bf16", "mxfp8"),
+    ap.add_argument("--expert-format", default="bf16", choices=("bf16", "mxfp8", "mxfp8_w8a8"),
                     help="the routed experts' weights on the device (mxfp8: fp8 + an E8M0 "
-                         "exponent per 32 inputs, through grouped_matmul)")
+                         "exponent per 32 inputs, through grouped_matmul; mxfp8_w8a8: their "
+                         "inputs too, fp8 × fp8)")
     ap.add_argument("--index-cache-dtype", default=None, choices=("bfloat16", "float8_e4m3fn"),
                     help="the index keys' cache (default: the config's, bfloat16)")
     ap.add_argument("--moe-impls", default=None,
@@ -197,7 +198,7 @@ def layer_bytes(cfg, attn, mlp, dtype_bytes=2) -> int:
 
     def nbytes(path, shape):
         names = [getattr(k, "key", None) for k in path]
-        mx = cfg.expert_format == "mxfp8" and "experts" in names
+        mx = cfg.mxfp8_experts and "experts" in names
         return (1 if mx else dtype_bytes) * math.prod(shape)
     return sum(jax.tree_util.tree_leaves(jax.tree_util.tree_map_with_path(
         nbytes, model.layer_shapes(cfg, attn, mlp), is_leaf=is_shape)))
@@ -735,7 +736,7 @@ class Parts:
 
         if is_moe:
             I, E, k = cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok
-            per_expert = 3 * I * H * (1 + 1 / 32 if cfg.expert_format == "mxfp8" else 2)
+            per_expert = 3 * I * H * (1 + 1 / 32 if cfg.mxfp8_experts else 2)
             shared = 3 * cfg.shared_intermediate_size * H * 2
             nbytes = routed * per_expert + shared + E * H * 2
             flops = 2 * T * (k * 3 * I * H + 3 * cfg.shared_intermediate_size * H + E * H)

@@ -23,7 +23,7 @@ import jax_m3sparse as m3
 
 FULL, SPARSE = "full_attention", "minimax_m3_sparse"     # layer_types
 DENSE_MLP, MOE = "dense", "sparse"                       # mlp_layer_types
-EXPERT_FORMATS = ("bf16", "mxfp8")                       # expert_format (model.expert_format)
+EXPERT_FORMATS = ("bf16", "mxfp8", "mxfp8_w8a8")         # expert_format (model.expert_format)
 
 _LEGACY_INDEX = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
                  "index_block_size": "sparse_block_size",
@@ -74,6 +74,7 @@ class ModelConfig:
     moe_impl: str = "auto"                     # routed experts: moe.IMPLS ("auto", "dense", ...)
     index_cache_dtype: str = "bfloat16"        # the index keys' cache: or "float8_e4m3fn"
     expert_format: str = "bf16"                # routed experts on the device: or "mxfp8"
+                                               # (weights), "mxfp8_w8a8" (weights and inputs)
     dense_matmul_rows: int = 16                # GPUs: bf16 projections of <= this many rows and
                                                # an input width % 64 == 0 through
                                                # jax_m3sparse.dense_matmul (0: never; layers.linear)
@@ -108,8 +109,8 @@ class ModelConfig:
         if self.expert_format not in EXPERT_FORMATS:
             raise ValueError(f"expert_format {self.expert_format!r}: one of {EXPERT_FORMATS} "
                              f"(the routed experts' weights as the device holds them)")
-        if self.expert_format == "mxfp8" and (self.hidden_size % 32 or self.intermediate_size % 32):
-            raise ValueError(f"expert_format 'mxfp8' needs hidden_size ({self.hidden_size}) and "
+        if self.mxfp8_experts and (self.hidden_size % 32 or self.intermediate_size % 32):
+            raise ValueError(f"expert_format {self.expert_format!r} needs hidden_size ({self.hidden_size}) and "
                              f"intermediate_size ({self.intermediate_size}) multiples of 32 "
                              f"(one E8M0 exponent per 32 inputs)")
         if self.dense_matmul_rows < 0:
@@ -133,6 +134,12 @@ class ModelConfig:
             raise ValueError(reason)
 
     # names the engine and the library use
+    @property
+    def mxfp8_experts(self) -> bool:
+        """The routed experts' weights are MXFP8 on the device (expert_format "mxfp8" or
+        "mxfp8_w8a8"; the latter quantizes their inputs too: moe.experts_sorted)."""
+        return self.expert_format != "bf16"
+
     @property
     def num_layers(self) -> int:
         return self.num_hidden_layers

@@ -66,7 +66,7 @@ def layer_shapes(cfg: ModelConfig, attn: str, mlp: str, fused: bool = True) -> d
     if mlp == MOE:
         E, I = cfg.num_local_experts, cfg.intermediate_size
         experts = dict(gate_up_proj=(E, 2, I, H), down_proj=(E, H, I))
-        if cfg.expert_format == "mxfp8":   # fp8 weights + one E8M0 exponent per 32 inputs
+        if cfg.mxfp8_experts:   # fp8 weights + one E8M0 exponent per 32 inputs
             experts.update(gate_up_proj_scale=(E, 2, I, H // 32), down_proj_scale=(E, H, I // 32))
         mlp_shapes = dict(gate=(E, H), e_score_correction_bias=(E,), experts=experts,
                           shared_experts=swiglu(cfg.shared_intermediate_size))
@@ -92,11 +92,11 @@ def param_shapes(cfg: ModelConfig, fused: bool = True) -> dict:
 
 def param_dtypes(cfg: ModelConfig, dtype, fused: bool = True) -> dict:
     """Each leaf's dtype, a pytree like :func:`param_shapes`: ``dtype``, except the routed
-    experts' weights under ``cfg.expert_format == "mxfp8"`` — ``float8_e4m3fn``, with their
+    experts' weights under MXFP8 ``cfg.expert_format`` — ``float8_e4m3fn``, with their
     ``*_scale`` E8M0 exponents ``uint8`` (jax_m3sparse.grouped_matmul's MXFP8 operands)."""
     def one(path, _):
         names = [getattr(k, "key", None) for k in path]
-        if cfg.expert_format == "mxfp8" and "experts" in names:
+        if cfg.mxfp8_experts and "experts" in names:
             return jnp.dtype(jnp.uint8 if names[-1].endswith("_scale") else jnp.float8_e4m3fn)
         return jnp.dtype(dtype)
     return jax.tree_util.tree_map_with_path(one, param_shapes(cfg, fused), is_leaf=is_shape)
@@ -129,7 +129,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None, dtype=None,
     from . import plan  # noqa: PLC0415 (plan imports this module)
     dtype = jnp.dtype(dtype or (jnp.float32 if _cpu() else jnp.bfloat16))
     plan.check_fits(cfg, dtype, shardings, cache_bytes=cache_bytes)
-    mx = cfg.expert_format == "mxfp8"
+    mx = cfg.mxfp8_experts
     base = dataclasses.replace(cfg, expert_format="bf16") if mx else cfg   # what is drawn
     # drawn in the checkpoint's layout (the same values at any tp), fused at the end
     drawn_shardings = checkpoint_shardings(shardings, cfg)

@@ -31,7 +31,9 @@ The routed experts have these formulations, chosen by ``cfg.moe_impl`` (:func:`r
 
 MXFP8 experts (``gate_up_proj`` / ``down_proj`` fp8 beside ``*_scale`` uint8) run as they are
 through "grouped"; every other formulation first widens them to bf16
-(:func:`jax_m3sparse.mxfp8_dequantize`, the same values the kernel multiplies).
+(:func:`jax_m3sparse.mxfp8_dequantize`, the same values the kernel multiplies). Under
+``expert_format`` "mxfp8_w8a8" the experts' inputs are MXFP8 too and every backend takes
+"grouped" (fp8 × fp8 on CUDA, SPEC §9.2; the reference's dequantized products elsewhere).
 
 Tensor parallel (``parallel.py``): every MLP's intermediate axis ``I`` is split over the mesh
 axis "tp" (Megatron style; each device holds ``1/tp`` of every expert, never all of one
@@ -151,6 +153,10 @@ def experts(p, x, routing, cfg, impl: str | None = None):
     load = T * k / p["gate_up_proj"].shape[0]                             # T·k / E
     impl = resolve_impl(impl or getattr(cfg, "moe_impl", "auto"), load,
                         weight_dtype=p["gate_up_proj"].dtype)
+    if getattr(cfg, "expert_format", "bf16") == "mxfp8_w8a8":
+        # fp8 × fp8 (SPEC §9.2) is grouped_matmul's on every backend (the CPU's reference
+        # multiplies the dequantized values): one formulation, the same numbers everywhere
+        impl = "grouped"
     if impl == "grouped":
         return experts_sorted(p, x, routing, cfg, jax_m3sparse.grouped_matmul)
     p = dequantized(p)
@@ -239,7 +245,10 @@ def _grouped_dot(impl: str):
 def experts_sorted(p, x, routing, cfg, dot):
     """Grouped formulation: the routing's pairs grouped by expert, two grouped matmuls over the
     routed rows only (``T·k`` of them, static), each row weighted, then summed back per token.
-    MXFP8 weights pass their ``*_scale`` exponents to ``dot`` (jax_m3sparse.grouped_matmul)."""
+    MXFP8 weights pass their ``*_scale`` exponents to ``dot`` (jax_m3sparse.grouped_matmul);
+    under ``expert_format`` "mxfp8_w8a8" each product's inputs are MXFP8 too (the tokens once,
+    per 32 of H; the SwiGLU outputs per 32 of I: dynamic, as the MXFP8 checkpoint's
+    ``activation_scheme`` says)."""
     T, k = routing.experts.shape
     w_gu, w_down = p["gate_up_proj"], p["down_proj"]
     E, _, I, H = w_gu.shape
@@ -248,14 +257,24 @@ def experts_sorted(p, x, routing, cfg, dot):
               dict(gu=(p["gate_up_proj_scale"].reshape(E, 2 * I, H // 32),),
                    down=(p["down_proj_scale"],)))
     sizes = routing.group_sizes
+    w8a8 = getattr(cfg, "expert_format", "bf16") == "mxfp8_w8a8"
+
+    def rows(a):     # the product's lhs: bf16, or MXFP8 with its exponents
+        if not w8a8:
+            return (a.astype(act),), {}
+        data, exps = jax_m3sparse.mxfp8_quantize(a)
+        return (data,), dict(lhs_scale=exps)
+
     # the pairs' tokens [T·k, H], gathered as the first product reads them
-    gu = dot(x.astype(act), w_gu.reshape(E, 2 * I, H), sizes, *scales.get("gu", ()),
-             lhs_rows=routing.sorted_tokens).reshape(T * k, 2, I)
+    a, kw = rows(x)
+    gu = dot(*a, w_gu.reshape(E, 2 * I, H), sizes, *scales.get("gu", ()),
+             lhs_rows=routing.sorted_tokens, **kw).reshape(T * k, 2, I)
     # The routing weight before down_proj, as dense dispatch applies it (same bf16 rounding).
     h = swiglu_oai(gu, cfg.swiglu_alpha, cfg.swiglu_limit) * routing.sorted_weights[:, None]
     # Each pair's output in the activations' dtype (bf16 models: rounded once, as transformers'
     # bf16 experts are; half the bytes the GEMM writes and the sum reads), summed in fp32.
-    y = dot(h.astype(act), w_down, sizes, *scales.get("down", ()), out_dtype=act)   # [T·k, H]
+    a, kw = rows(h)
+    y = dot(*a, w_down, sizes, *scales.get("down", ()), out_dtype=act, **kw)   # [T·k, H]
     return jnp.sum(y[routing.inverse.reshape(-1)].reshape(T, k, H).astype(jnp.float32), axis=1)
 
 

@@ -67,7 +67,7 @@ def check_divisible(cfg, tp: int) -> None:
                  shared_intermediate_size=cfg.shared_intermediate_size,
                  vocab_size=cfg.vocab_size)
     bad = [f"{k} = {v}" for k, v in sizes.items() if v % tp]
-    if not bad and cfg.expert_format == "mxfp8" and (cfg.intermediate_size // tp) % 32:
+    if not bad and cfg.mxfp8_experts and (cfg.intermediate_size // tp) % 32:
         raise ValueError(f"--tp {tp} with MXFP8 experts needs intermediate_size / tp = "
                          f"{cfg.intermediate_size // tp} to be a multiple of 32 (down_proj's "
                          f"exponents, one per 32 inputs, are split with its inputs)")

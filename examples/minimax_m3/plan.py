@@ -67,7 +67,7 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
     traced = _trace(cfg, shapes, weight_dtype, pages)
     out = dict(tp=tp, context_len=context_len, batch=batch, pages=pages,
                parameters=total_weights, weight_dtype=str(jnp.dtype(weight_dtype)) + (
-                   ", routed experts mxfp8" if cfg.expert_format == "mxfp8" else ""),
+                   f", routed experts {cfg.expert_format}" if cfg.mxfp8_experts else ""),
                weight_bytes_per_device=weight_bytes, kv_cache_bytes_per_device=kv_bytes,
                index_cache_bytes_per_device=idx_bytes, index_cache_dtype=cfg.index_cache_dtype,
                total_bytes_per_device=weight_bytes + kv_bytes + idx_bytes,

@@ -180,31 +180,54 @@ __device__ void find_group(const int32_t* sizes, int G, int64_t M, int64_t y, bo
   *g = s_g, *start = s_start, *end = s_end;
 }
 
-// Stage geometry of a launch: kFp8 weights take 128 k per stage (lhs in two [BM][64] sub-tiles).
-template <bool kFp8, int kMTiles, int kWarpsN>
+// The operands' formats: bf16 lhs and weights; bf16 lhs and MXFP8 weights widened to bf16
+// (SPEC §9.1); MXFP8 lhs and weights multiplied as fp8 (SPEC §9.2).
+enum class Fmt { kBf16, kFp8W, kW8A8 };
+
+// Stage geometry of a launch: fp8 weights take 128 k per stage (the same 128 bytes per row),
+// with a bf16 lhs in two [BM][64] sub-tiles, an fp8 lhs in one [BM][128]; four E8M0 bytes per
+// fp8 row and stage (weights, then the lhs rows).
+template <Fmt kF, int kMTiles, int kWarpsN>
 struct Geometry {
+  static constexpr bool kFp8B = kF != Fmt::kBf16, kFp8A = kF == Fmt::kW8A8;
   static constexpr int kThreads = 32 * kWarpsN, kBN = 32 * kWarpsN, kBM = 16 * kMTiles;
-  static constexpr int kSubTiles = kFp8 ? 2 : 1;         // [BM][64] bf16 lhs sub-tiles
-  static constexpr int kStepK = 64 * kSubTiles;          // k per stage
+  static constexpr int kSubTiles = kF == Fmt::kFp8W ? 2 : 1;   // [BM][128 B] lhs sub-tiles
+  static constexpr int kStepK = kFp8B ? 128 : 64;              // k per stage
   static constexpr int kSubA = kBM * kRowBytes;
   static constexpr int kStageA = kSubA * kSubTiles, kStageB = kBN * kRowBytes;
-  static constexpr int kStageS = kFp8 ? kBN * 4 : 0;     // four E8M0 bytes per weight row
+  static constexpr int kStageS = (kFp8B ? kBN * 4 : 0) + (kFp8A ? kBM * 4 : 0);
   static constexpr int kStage = kStageA + kStageB + kStageS;
 };
 
+// E8M0 byte -> 2^(e - 127) as one fp32 (e = 0: the subnormal 2^-127; 255: NaN).
+__device__ __forceinline__ float e8m0_float(uint32_t e) {
+  return __uint_as_float(e == 255 ? 0x7FC00000u : e == 0 ? 0x00400000u : e << 23);
+}
+
+__device__ __forceinline__ void mma_fp8(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%10,%10,%10,%10};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
 // Steps 2-4 for the rows [start, end) of group g and the column tile from n0.
-template <bool kFp8, int kMTiles, int kWarpsN, int kStages>
+template <Fmt kF, int kMTiles, int kWarpsN, int kStages>
 __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, int64_t start,
                                           int64_t end, int64_t n0, uint8_t* smem) {
-  using Geo = Geometry<kFp8, kMTiles, kWarpsN>;
+  using Geo = Geometry<kF, kMTiles, kWarpsN>;
+  constexpr bool kFp8B = Geo::kFp8B, kFp8A = Geo::kFp8A;
   constexpr int kThreads = Geo::kThreads, kBN = Geo::kBN, kBM = Geo::kBM;
-  constexpr int kElem = kFp8 ? 1 : 2;                    // weight bytes per element
+  constexpr int kElem = kFp8B ? 1 : 2;                   // weight bytes per element
+  constexpr int kElemA = kFp8A ? 1 : 2;                  // lhs bytes per element
+  constexpr int kChunkK = 16 / kElemA;                   // lhs k per 16-byte chunk
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wn = warp;
-  const __nv_bfloat16* lhs = p.lhs;
+  const uint8_t* lhs = static_cast<const uint8_t*>(p.lhs);
   const uint8_t* rhs = static_cast<const uint8_t*>(p.rhs) + int64_t(g) * p.n * p.k * kElem;
-  const int64_t scale_row = p.k / 32;                    // E8M0 bytes per weight row
-  const uint8_t* scales = kFp8 ? p.rhs_scale + int64_t(g) * p.n * scale_row : nullptr;
+  const int64_t scale_row = p.k / 32;                    // E8M0 bytes per fp8 row
+  const uint8_t* scales = kFp8B ? p.rhs_scale + int64_t(g) * p.n * scale_row : nullptr;
   const int ksteps = int((p.k + Geo::kStepK - 1) / Geo::kStepK);
 
   for (int64_t m0 = start; m0 < end; m0 += kBM) {
@@ -212,23 +235,30 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
     // Each thread copies chunk c = tid % 8 of rows tid / 8 + j · kRowStep of both tiles: the
     // pointers and row checks are made once per tile, a k-step only adds k0 (a single warp
     // issuing per-chunk address arithmetic would otherwise cost more than the copy's latency).
-    // With fp8 weights thread t also copies the scale bytes of weight row t (BN = threads).
+    // With fp8 weights thread t also copies the scale bytes of weight row t (BN = threads),
+    // with an fp8 lhs threads t < BM those of lhs row t.
     constexpr int kRowStep = kThreads / 8, kRowsA = kBM / kRowStep, kRowsB = kBN / kRowStep;
     const int c = tid & 7, r0 = tid >> 3;
     // The lhs row each of this thread's A rows reads: the row itself, or its lhs_rows entry
     // (gathered as it is read; ids outside [0, lhs_count) and rows past the group read zeros).
-    const __nv_bfloat16* pa[kRowsA];
+    auto source_row = [&](int64_t row, bool* live) {
+      int64_t src = row;
+      *live = row < end;
+      if (p.lhs_rows != nullptr) {
+        src = *live ? p.lhs_rows[row] : 0;
+        *live = *live && src >= 0 && src < p.lhs_count;
+      }
+      return *live ? src : 0;
+    };
+    const uint8_t* pa[kRowsA];
     bool live_a[kRowsA];
 #pragma unroll
-    for (int j = 0; j < kRowsA; ++j) {
-      const int64_t row = m0 + r0 + j * kRowStep;
-      int64_t src = row;
-      live_a[j] = row < end;
-      if (p.lhs_rows != nullptr) {
-        src = live_a[j] ? p.lhs_rows[row] : 0;
-        live_a[j] = live_a[j] && src >= 0 && src < p.lhs_count;
-      }
-      pa[j] = lhs + (live_a[j] ? src : 0) * p.k + 8 * c;
+    for (int j = 0; j < kRowsA; ++j)
+      pa[j] = lhs + source_row(m0 + r0 + j * kRowStep, &live_a[j]) * p.k * kElemA + 16 * c;
+    bool live_sa = false;                  // fp8 lhs: thread tid < BM copies row tid's scales
+    const uint8_t* psa = p.lhs_scale;
+    if constexpr (kFp8A) {
+      if (tid < kBM) psa = p.lhs_scale + source_row(m0 + tid, &live_sa) * scale_row;
     }
     const uint8_t* pb = rhs + (n0 + r0) * p.k * kElem + 16 * c;
     const int64_t live_b = p.n - n0 - r0;   // weight row j valid: j·step < live_b
@@ -239,11 +269,11 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
         const int64_t k0 = int64_t(ks) * Geo::kStepK;
 #pragma unroll
         for (int h = 0; h < Geo::kSubTiles; ++h) {
-          const bool k_ok = k0 + 64 * h + 8 * c < p.k;
+          const bool k_ok = k0 + 64 * h + kChunkK * c < p.k;
 #pragma unroll
           for (int j = 0; j < kRowsA; ++j) {
             const bool ok = k_ok && live_a[j];
-            const __nv_bfloat16* src = pa[j] + k0 + 64 * h;
+            const uint8_t* src = pa[j] + (k0 + 64 * h) * kElemA;
             cp_async16_zfill(a + h * Geo::kSubA + swz(r0 + j * kRowStep, c), ok ? src : lhs, ok);
           }
         }
@@ -254,10 +284,15 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
           const uint8_t* src = pb + int64_t(j) * kRowStep * p.k * kElem + k0 * kElem;
           cp_async16_zfill(b + swz(r0 + j * kRowStep, c), ok ? src : rhs, ok);
         }
-        if constexpr (kFp8) {   // K % 128 == 0: a stage's four scale bytes are whole and aligned
+        if constexpr (kFp8B) {  // K % 128 == 0: a stage's four scale bytes are whole and aligned
           const bool ok = tid < live_b + r0;   // weight row n0 + tid < N
           const uint8_t* src = scales + (n0 + tid) * scale_row + k0 / 32;
           cp_async4_zfill(b + Geo::kStageB + 4 * tid, ok ? src : scales, ok);
+        }
+        if constexpr (kFp8A) {
+          if (tid < kBM)
+            cp_async4_zfill(b + Geo::kStageB + 4 * kBN + 4 * tid, live_sa ? psa + k0 / 32 : psa,
+                            live_sa);
         }
       }
       commit();
@@ -271,10 +306,12 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
       load(ks + kStages - 1);
       const uint8_t* a = smem + (ks % kStages) * Geo::kStage;
       const uint8_t* b = a + Geo::kStageA;
-#pragma unroll
-      for (int kk = 0; kk < Geo::kStepK / 16; ++kk) {
+      // A k-step kk covers 32 bytes of every row (16 bf16 k, or 32 fp8 k: one MXFP8 block).
+      // (fp8 lhs: two at a time, one with 64-row tiles; unrolled further, ptxas spills.)
+#pragma unroll(kFp8A ? (kMTiles == 1 ? 2 : 1) : 4 * Geo::kSubTiles)
+      for (int kk = 0; kk < 4 * Geo::kSubTiles; ++kk) {
         uint32_t bf[4][2];
-        if constexpr (kFp8) {
+        if constexpr (kF == Fmt::kFp8W) {
           // Thread (g, t) of n8 tile nt holds rows nt·8 + g, k = 16·kk + 2t (+1) and + 8.
 #pragma unroll
           for (int nt = 0; nt < 4; ++nt) {
@@ -285,6 +322,7 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
             bf[nt][1] = dequant_fp8x2(*reinterpret_cast<const uint16_t*>(q + 8), s);
           }
         } else {
+          // bf16 (16 k) or fp8 (32 k) fragments: the same bytes of the same rows either way
 #pragma unroll
           for (int h = 0; h < 2; ++h) {   // n8 tiles 2h, 2h + 1 of this warp's 32 columns
             const int r = wn * 32 + h * 16 + (lane & 7) + ((lane >> 4) << 3);
@@ -295,13 +333,42 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
           }
         }
         const uint8_t* a_sub = a + (kk >> 2) * Geo::kSubA;
+        if constexpr (kFp8A) {
+          // One MXFP8 block: each product tile from a fresh accumulator, then added to the
+          // running sum times 2^(e_lhs − 127) · 2^(e_w − 127) (SPEC §9.2).
+          const uint8_t* sb = b + Geo::kStageB;
+          const uint8_t* sa = sb + 4 * kBN;
+          uint32_t af[kMTiles][4];
+          float fa[kMTiles][2];
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          uint32_t af[4];
-          const int r = mt * 16 + (lane & 15);
-          ldmatrix_x4(af, a_sub + swz(r, 2 * (kk & 3) + (lane >> 4)));
+          for (int mt = 0; mt < kMTiles; ++mt) {
+            ldmatrix_x4(af[mt], a_sub + swz(mt * 16 + (lane & 15), 2 * (kk & 3) + (lane >> 4)));
+            fa[mt][0] = e8m0_float(sa[4 * (mt * 16 + (lane >> 2)) + kk]);
+            fa[mt][1] = e8m0_float(sa[4 * (mt * 16 + (lane >> 2) + 8) + kk]);
+          }
 #pragma unroll
-          for (int nt = 0; nt < 4; ++nt) mma(acc[mt][nt], af, bf[nt][0], bf[nt][1]);
+          for (int nt = 0; nt < 4; ++nt) {
+            const int col = wn * 32 + nt * 8 + 2 * (lane & 3);
+            const float fw0 = e8m0_float(sb[4 * col + kk]), fw1 = e8m0_float(sb[4 * col + 4 + kk]);
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+              float d[4];
+              mma_fp8(d, af[mt], bf[nt][0], bf[nt][1]);
+              acc[mt][nt][0] = fmaf(d[0], fa[mt][0] * fw0, acc[mt][nt][0]);
+              acc[mt][nt][1] = fmaf(d[1], fa[mt][0] * fw1, acc[mt][nt][1]);
+              acc[mt][nt][2] = fmaf(d[2], fa[mt][1] * fw0, acc[mt][nt][2]);
+              acc[mt][nt][3] = fmaf(d[3], fa[mt][1] * fw1, acc[mt][nt][3]);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int mt = 0; mt < kMTiles; ++mt) {
+            uint32_t af[4];
+            const int r = mt * 16 + (lane & 15);
+            ldmatrix_x4(af, a_sub + swz(r, 2 * (kk & 3) + (lane >> 4)));
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) mma(acc[mt][nt], af, bf[nt][0], bf[nt][1]);
+          }
         }
       }
     }
@@ -341,10 +408,16 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
   }
 }
 
-template <bool kFp8, int kMTiles, int kWarpsN, int kStages>
-__global__ void __launch_bounds__(32 * kWarpsN, kMTiles == 1 ? 4 : 2)
+// CTAs per SM the registers must allow: 4 for 16-row tiles (an fp8 lhs with 128 columns: 3,
+// which spills nothing), 2 for 64-row tiles. (3 CTAs of 3 stages for bf16 64-row tiles: gate_up
+// 1-2 % faster, down 17-21 % slower at 2048 tokens on an H100; BENCHMARKS.md §1.)
+template <Fmt kF, int kMTiles, int kWarpsN>
+constexpr int kMinBlocks = kMTiles == 1 ? (kF == Fmt::kW8A8 && kWarpsN == 4 ? 3 : 4) : 2;
+
+template <Fmt kF, int kMTiles, int kWarpsN, int kStages>
+__global__ void __launch_bounds__(32 * kWarpsN, (kMinBlocks<kF, kMTiles, kWarpsN>))
 grouped_matmul_kernel(GroupedMatmulParams p, bool split) {
-  using Geo = Geometry<kFp8, kMTiles, kWarpsN>;
+  using Geo = Geometry<kF, kMTiles, kWarpsN>;
   constexpr int kThreads = Geo::kThreads, kBN = Geo::kBN, kBM = Geo::kBM;
   extern __shared__ __align__(128) uint8_t smem[];
 
@@ -365,14 +438,14 @@ grouped_matmul_kernel(GroupedMatmulParams p, bool split) {
         else static_cast<float*>(p.out)[i * p.n + n] = 0.0f;
     return;
   }
-  gemm_rows<kFp8, kMTiles, kWarpsN, kStages>(p, g, start, end, n0, smem);
+  gemm_rows<kF, kMTiles, kWarpsN, kStages>(p, g, start, end, n0, smem);
 }
 
-template <bool kFp8, int kMTiles, int kWarpsN, int kStages>
+template <Fmt kF, int kMTiles, int kWarpsN, int kStages>
 cudaError_t launch(const GroupedMatmulParams& p, bool split, cudaStream_t stream) {
-  using Geo = Geometry<kFp8, kMTiles, kWarpsN>;
+  using Geo = Geometry<kF, kMTiles, kWarpsN>;
   constexpr size_t kSmem = size_t(kStages) * Geo::kStage;
-  auto kernel = grouped_matmul_kernel<kFp8, kMTiles, kWarpsN, kStages>;
+  auto kernel = grouped_matmul_kernel<kF, kMTiles, kWarpsN, kStages>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        int(kSmem));
   if (e != cudaSuccess) return e;
@@ -393,24 +466,25 @@ bool big_tile(const GroupedMatmulParams& p) {
   return 128 * p.k * (p.rhs_scale ? 1 : 2) > (256 << 10);
 }
 
-// The tile's launch for bf16 (kFp8 false) or MXFP8 weights. Stages: a ring of about 64-84 KB
-// for 16-row tiles (4 CTAs per SM: the copies in flight cover the latency), 2 CTAs per SM for
-// 64-row tiles. 64-row tiles of big column tiles take one CTA row per (group, 64-row tile):
-// a group's tiles run side by side and share its weights through L2, where one CTA walking
-// them in turn read the weights from HBM once per tile (L2 holds far less than the weights the
-// resident CTAs stream). Small column tiles (down's K 384) keep one CTA row per group: the
-// second pass hits L2, and twice the CTAs would each pay the prologue. (Tests force either with
-// p.block_n = 1: per tile, 2: per group.)
-template <bool kFp8>
+// The tile's launch for each format. Stages: a ring of about 64-84 KB for 16-row tiles (4 CTAs
+// per SM: the copies in flight cover the latency), 2 CTAs per SM for 64-row tiles (4 stages;
+// 3 with fp8 weights and a bf16 lhs). 64-row tiles of big column tiles take one CTA row per
+// (group, 64-row tile): a group's tiles run side by side and share its weights through L2,
+// where one CTA walking them in turn read the weights from HBM once per tile (L2 holds far less
+// than the weights the resident CTAs stream). Small column tiles (down's K 384) keep one CTA
+// row per group: the second pass hits L2, and twice the CTAs would each pay the prologue.
+// (Tests force either with p.block_n = 1: per tile, 2: per group.)
+template <Fmt kF>
 cudaError_t launch_tile(const GroupedMatmulParams& p, const GroupedMatmulTile& t,
                         cudaStream_t stream) {
+  constexpr bool kFp8B = kF != Fmt::kBf16;
   if (t.block_m == 64) {
     const bool split = p.block_n == 1 || (p.block_n != 2 && big_tile(p));
-    return launch<kFp8, 4, 4, kFp8 ? 3 : 4>(p, split, stream);
+    return launch<kF, 4, 4, kF == Fmt::kFp8W ? 3 : 4>(p, split, stream);
   }
-  if (t.block_n == 32) return launch<kFp8, 1, 1, kFp8 ? 6 : 8>(p, false, stream);
-  if (t.block_n == 64) return launch<kFp8, 1, 2, kFp8 ? 5 : 6>(p, false, stream);
-  return launch<kFp8, 1, 4, 4>(p, false, stream);
+  if (t.block_n == 32) return launch<kF, 1, 1, kFp8B ? 6 : 8>(p, false, stream);
+  if (t.block_n == 64) return launch<kF, 1, 2, kFp8B ? 5 : 6>(p, false, stream);
+  return launch<kF, 1, 4, 4>(p, false, stream);
 }
 
 // CTAs of a launch with column tiles of bn, if every possible group is non-empty.
@@ -437,6 +511,11 @@ GroupedMatmulTile grouped_matmul_tile(const GroupedMatmulParams& p) {
   return t;
 }
 
+const char* grouped_matmul_w8a8_unsupported(int64_t k) {
+  return k % 128 == 0 ? "" : "the CUDA grouped_matmul kernel needs K % 128 == 0 for MXFP8 lhs "
+                             "and weights (whole stages of 128 k and 4-byte scale rows)";
+}
+
 const char* grouped_matmul_unsupported(int64_t k, bool mxfp8) {
   if (mxfp8)
     return k % 128 == 0 ? "" : "the CUDA grouped_matmul kernel needs K % 128 == 0 for MXFP8 "
@@ -445,13 +524,15 @@ const char* grouped_matmul_unsupported(int64_t k, bool mxfp8) {
 }
 
 cudaError_t launch_grouped_matmul(const GroupedMatmulParams& p, cudaStream_t stream) {
-  const bool mxfp8 = p.rhs_scale != nullptr;
-  if (grouped_matmul_unsupported(p.k, mxfp8)[0] != '\0' || p.m < 0 || p.n < 1 ||
+  const bool mxfp8 = p.rhs_scale != nullptr, w8a8 = p.lhs_scale != nullptr;
+  if ((w8a8 && (!mxfp8 || grouped_matmul_w8a8_unsupported(p.k)[0] != '\0')) ||
+      grouped_matmul_unsupported(p.k, mxfp8)[0] != '\0' || p.m < 0 || p.n < 1 ||
       p.num_groups < 0 || p.num_groups > 65534)
     return cudaErrorInvalidValue;
   if (p.m == 0) return cudaSuccess;
   const GroupedMatmulTile t = grouped_matmul_tile(p);
-  return mxfp8 ? launch_tile<true>(p, t, stream) : launch_tile<false>(p, t, stream);
+  if (w8a8) return launch_tile<Fmt::kW8A8>(p, t, stream);
+  return mxfp8 ? launch_tile<Fmt::kFp8W>(p, t, stream) : launch_tile<Fmt::kBf16>(p, t, stream);
 }
 
 }  // namespace cuda

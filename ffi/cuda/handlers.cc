@@ -249,10 +249,10 @@ ffi::Error SelectBlocks(cudaStream_t stream, ffi::AnyBuffer idx_q, ffi::AnyBuffe
   return cuda_error(launch_select_blocks(p, stream), "select_blocks launch");
 }
 
-ffi::Error GroupedMatmul(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::AnyBuffer rhs,
+ffi::Error GroupedMatmul(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                          ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::U8> rhs_scale,
-                         ffi::Buffer<ffi::S32> lhs_rows, ffi::Result<ffi::AnyBuffer> out,
-                         int64_t gather) {
+                         ffi::Buffer<ffi::S32> lhs_rows, ffi::Buffer<ffi::U8> lhs_scale,
+                         ffi::Result<ffi::AnyBuffer> out, int64_t gather) {
   auto ld = lhs.dimensions(), rd = rhs.dimensions(), gd = group_sizes.dimensions();
   auto id = lhs_rows.dimensions();
   if (id.size() != 1 || (!gather && id[0] != 0))
@@ -273,13 +273,23 @@ ffi::Error GroupedMatmul(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs, ffi::A
   const bool out_bf16 = out->element_type() == ffi::BF16;
   if (!out_bf16 && out->element_type() != ffi::F32)
     return invalid("grouped_matmul: out must be float32 or bfloat16");
-  const char* why = grouped_matmul_unsupported(ld[1], mxfp8);
+  const bool w8a8 = lhs.element_type() == ffi::F8E4M3FN;
+  if (!w8a8 && lhs.element_type() != ffi::BF16)
+    return invalid("grouped_matmul: lhs must be bf16 or float8_e4m3fn (MXFP8)");
+  if (w8a8 && !mxfp8) return invalid("grouped_matmul: an MXFP8 lhs needs MXFP8 rhs");
+  auto ad = lhs_scale.dimensions();
+  if (ad.size() != 2 || ad[0] != ld[0] || ad[1] != (w8a8 ? ld[1] / 32 : 0))
+    return invalid("grouped_matmul: lhs_scale must be [rows of lhs, K / 32] for an MXFP8 lhs, "
+                   "[rows of lhs, 0] for bf16");
+  const char* why = w8a8 ? grouped_matmul_w8a8_unsupported(ld[1])
+                         : grouped_matmul_unsupported(ld[1], mxfp8);
   if (why[0] != '\0') return invalid(why);
   if (rd[0] > 65534) return invalid("grouped_matmul: G must be below 65535");
   GroupedMatmulParams p = {};
-  p.lhs = reinterpret_cast<const __nv_bfloat16*>(lhs.typed_data());
+  p.lhs = lhs.untyped_data();
   p.rhs = rhs.untyped_data();
   p.rhs_scale = mxfp8 ? rhs_scale.typed_data() : nullptr;
+  p.lhs_scale = w8a8 ? lhs_scale.typed_data() : nullptr;
   p.group_sizes = group_sizes.typed_data();
   p.out = out->untyped_data();
   p.out_bf16 = out_bf16;
@@ -456,11 +466,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_select_blocks_cuda, m3sparse::cuda::Selec
 XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_grouped_matmul_cuda, m3sparse::cuda::GroupedMatmul,
                               xffi::Ffi::Bind()
                                   .Ctx<xffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xffi::Buffer<xffi::BF16>>()      // lhs
+                                  .Arg<xffi::AnyBuffer>()               // lhs (bf16 / fp8)
                                   .Arg<xffi::AnyBuffer>()               // rhs (bf16 / fp8)
                                   .Arg<xffi::Buffer<xffi::S32>>()       // group_sizes
                                   .Arg<xffi::Buffer<xffi::U8>>()        // rhs_scale
                                   .Arg<xffi::Buffer<xffi::S32>>()       // lhs_rows
+                                  .Arg<xffi::Buffer<xffi::U8>>()        // lhs_scale
                                   .Ret<xffi::AnyBuffer>()               // out (f32 / bf16)
                                   .Attr<int64_t>("gather"),
                               {xffi::Traits::kCmdBufferCompatible});

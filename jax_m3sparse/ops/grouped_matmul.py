@@ -10,7 +10,7 @@ from jax_m3sparse import _checks, reference
 from jax_m3sparse._primitives import define_primitive, i64
 
 
-def _abstract_eval(lhs, rhs, group_sizes, rhs_scale, lhs_rows, *, gather, out_dtype):
+def _abstract_eval(lhs, rhs, group_sizes, rhs_scale, lhs_rows, lhs_scale, *, gather, out_dtype):
     return ShapedArray(((lhs_rows if gather else lhs).shape[0], rhs.shape[1]), out_dtype)
 
 
@@ -18,7 +18,7 @@ def _platform_reason(platform, lhs, rhs, *_, **__):
     """Why ``platform``'s kernel cannot serve these shapes (raised when lowering), or None."""
     if platform == "cuda" and rhs.dtype == jnp.float8_e4m3fn and lhs.shape[1] % 128:
         return (f"the CUDA grouped_matmul kernel needs K (lhs.shape[1]) % 128 == 0 for MXFP8 "
-                f"weights (stages of 128 k, 4-byte scale rows); got K = {lhs.shape[1]}")
+                f"operands (stages of 128 k, 4-byte scale rows); got K = {lhs.shape[1]}")
     if platform == "cuda" and lhs.shape[1] % 8:
         return (f"the CUDA grouped_matmul kernel needs K (lhs.shape[1]) % 8 == 0 (16-byte rows); "
                 f"got K = {lhs.shape[1]}")
@@ -36,7 +36,7 @@ grouped_matmul_p = define_primitive(
 )
 
 
-def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None,
+def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_scale=None,
                    out_dtype=jnp.float32):
     """``out[i] = lhs[i] · rhs[g]ᵀ`` for the rows i of group g, in fp32 (SPEC §9).
 
@@ -51,13 +51,21 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None,
     (half the bytes of bf16) and widens them in registers; the result equals the bf16 call on
     ``mxfp8_dequantize(rhs, rhs_scale)`` bit for bit, on every backend.
 
+    The rows may be MXFP8 too (SPEC §9.2; ``lhs`` fp8 e4m3 with ``lhs_scale``, as
+    :func:`jax_m3sparse.mxfp8_quantize` makes them from bf16 activations), with MXFP8 weights
+    only: the CUDA kernel then multiplies fp8 by fp8 on the tensor cores and scales each
+    32-k block's fp32 sum by its two exponents — no widening of the weights, and half the
+    activation bytes. The products are those of the bf16 call on the two dequantized operands;
+    only the summation order differs (fp32 rounding).
+
     With ``lhs_rows`` the rows are gathered as they are read (SPEC §9 item 4): row i of the
     product is ``lhs[lhs_rows[i]]``, the same bits as passing ``lhs[lhs_rows]`` without the
     sorted copy (a mixture of experts passes its tokens once and each pair's token id).
 
     Args:
       lhs: ``bfloat16[M, K]``, the rows sorted by group; with ``lhs_rows``, any ``bfloat16[T,
-        K]`` (the tokens, unsorted).
+        K]`` (the tokens, unsorted). Or ``float8_e4m3fn`` (MXFP8, with ``lhs_scale`` and fp8
+        ``rhs``).
       rhs: ``bfloat16[G, N, K]`` or ``float8_e4m3fn[G, N, K]`` (MXFP8), one ``[N, K]`` matrix
         per group.
       group_sizes: ``int32[G]`` rows per group. Data, not static: a negative size counts as 0,
@@ -66,6 +74,8 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None,
         ``weight_scale_inv``); 255 reads as NaN.
       lhs_rows: optional ``int32[M]`` (data): the ``lhs`` row each product row reads, ``lhs``
         then being any ``[T, K]``; an index outside ``[0, T)`` reads a zero row.
+      lhs_scale: ``uint8[M (or T with lhs_rows), K/32]`` E8M0 exponents of an fp8 ``lhs``;
+        255 reads as NaN.
       out_dtype: ``float32`` (default) or ``bfloat16``: each fp32 result rounded to nearest
         even as it is stored (SPEC §9 item 5): half the bytes written, and read by the sum.
 
@@ -77,14 +87,15 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None,
 
     Raises:
       ValueError / TypeError at trace time for wrong ranks, dtypes or mismatched K / G, an fp8
-      ``rhs`` without ``rhs_scale`` (or a scale with bf16 ``rhs``), K % 32 != 0 with MXFP8; on
-      CUDA when K % 8 != 0 (MXFP8: K % 128 != 0).
+      ``rhs`` without ``rhs_scale`` (or a scale with bf16 ``rhs``), the same for ``lhs`` and
+      ``lhs_scale``, an fp8 ``lhs`` with bf16 ``rhs``, K % 32 != 0 with MXFP8; on CUDA when
+      K % 8 != 0 (MXFP8: K % 128 != 0).
     """
     lhs, rhs, group_sizes = map(jnp.asarray, (lhs, rhs, group_sizes))
     _checks.rank(lhs, "lhs", 2, "[M, K]")
     _checks.rank(rhs, "rhs", 3, "[G, N, K]")
     _checks.rank(group_sizes, "group_sizes", 1, "[G]")
-    _checks.dtype(lhs, "lhs", (jnp.bfloat16,))
+    _checks.dtype(lhs, "lhs", (jnp.bfloat16, jnp.float8_e4m3fn))
     _checks.dtype(rhs, "rhs", (jnp.bfloat16, jnp.float8_e4m3fn))
     _checks.dtype(group_sizes, "group_sizes", (jnp.int32,))
     if lhs.shape[1] != rhs.shape[2]:
@@ -109,6 +120,24 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None,
         if rhs_scale.shape != (G, N, K // 32):
             raise ValueError(f"MXFP8 rhs_scale must be [G, N, K/32] = {(G, N, K // 32)}, got "
                              f"rhs_scale.shape {rhs_scale.shape}")
+    if lhs.dtype == jnp.bfloat16:
+        if lhs_scale is not None:
+            raise ValueError("lhs_scale is for MXFP8 rows (lhs float8_e4m3fn); lhs is "
+                             "bfloat16: pass lhs_scale=None")
+        lhs_scale = jnp.zeros((lhs.shape[0], 0), jnp.uint8)
+    else:
+        if rhs.dtype != jnp.float8_e4m3fn:
+            raise ValueError("an MXFP8 lhs (float8_e4m3fn) needs MXFP8 rhs (float8_e4m3fn with "
+                             "rhs_scale): SPEC §9.2 multiplies fp8 by fp8")
+        if lhs_scale is None:
+            raise ValueError("lhs is float8_e4m3fn (MXFP8): pass lhs_scale, uint8[M, K/32] "
+                             "E8M0 exponents (jax_m3sparse.mxfp8_quantize makes both)")
+        lhs_scale = jnp.asarray(lhs_scale)
+        _checks.dtype(lhs_scale, "lhs_scale", (jnp.uint8,))
+        if lhs_scale.shape != (lhs.shape[0], K // 32):
+            raise ValueError(f"MXFP8 lhs_scale must be [{'T' if lhs_rows is not None else 'M'}"
+                             f", K/32] = {(lhs.shape[0], K // 32)}, got lhs_scale.shape "
+                             f"{lhs_scale.shape}")
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
@@ -119,5 +148,5 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None,
         _checks.dtype(lhs_rows, "lhs_rows", (jnp.int32,))
     else:
         lhs_rows = jnp.zeros((0,), jnp.int32)
-    return grouped_matmul_p.bind(lhs, rhs, group_sizes, rhs_scale, lhs_rows, gather=gather,
-                                 out_dtype=out_dtype)
+    return grouped_matmul_p.bind(lhs, rhs, group_sizes, rhs_scale, lhs_rows, lhs_scale,
+                                 gather=gather, out_dtype=out_dtype)

@@ -1,13 +1,14 @@
 // Standalone harness of the CUDA grouped_matmul kernel (SPEC §9; no JAX needed): the kernel
 // against a float64 host loop over the groups, the size rules (empty, negative, past M,
 // uncovered rows), bit-identity across tile heights and batches, then timings at one TP-8 rank
-// of MiniMax M3's routed experts (E 128, k 4, H 6144, I 384), with bf16 and with MXFP8 weights,
+// of MiniMax M3's routed experts (E 128, k 4, H 6144, I 384), with bf16 and with MXFP8 weights
+// (and MXFP8 lhs: w8a8),
 // beside the floor = (bytes of the experts the batch routes to + activations) / 4.25 TB/s, or
 // the FLOPs / 790 TFLOP/s. (MXFP8 values: tests/cuda/test_gpu.py, through the public API.)
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda \
 //        tests/cuda/grouped_harness.cu ffi/cuda/grouped_matmul.cu -o grouped_harness
-//   ./grouped_harness [--no-bench | --bench-only] [--prefill-only] [--tiles bm:bn,...]
+//   ./grouped_harness [--no-bench | --bench-only] [--prefill-only] [--no-w8a8] [--tiles bm:bn,...]
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -190,8 +191,89 @@ static void mxfp8_tests(std::mt19937& rng) {
   }
 }
 
+// MXFP8 lhs and weights (SPEC §9.2): random codes, exponents 118..129; p.lhs and p.rhs get
+// their exact values (bf16 holds them), so the float64 oracle applies (each 32-k block's sum is
+// the tensor core's fp32 one, scaled by a power of two). Every tile must give the same bits,
+// a gathered launch (lhs_rows) the bits of the sorted copy, and a row alone its bits in the
+// batch.
+static void w8a8_tests(std::mt19937& rng) {
+  struct Shape { int64_t M, N, K; int G; std::vector<int32_t> sizes; const char* what; };
+  const std::vector<Shape> shapes = {
+      {37, 40, 128, 5, {9, 0, 20, 3, 5}, "MXFP8 lhs: covers M; an empty group; N < 32"},
+      {50, 200, 384, 4, {7, -4, 100, 9}, "MXFP8 lhs: K 384 (down_proj's)"},
+      {300, 264, 1024, 3, {40, 250, 10}, "MXFP8 lhs: several 64-row tiles per group"},
+  };
+  auto codes_of = [&](std::vector<uint16_t>* vals, std::vector<uint8_t>* codes,
+                      std::vector<uint8_t>* exps) {
+    codes->resize(vals->size());
+    exps->resize(vals->size() / 32);
+    for (auto& e : *exps) e = uint8_t(118 + rng() % 12);
+    for (size_t i = 0; i < codes->size(); ++i) {
+      uint8_t b = uint8_t(rng());
+      if ((b & 0x7F) == 0x7F) b ^= 1;
+      (*codes)[i] = b;
+      (*vals)[i] = float_to_bf16(float(e4m3_value(b) * std::ldexp(1.0, (*exps)[i / 32] - 127)));
+    }
+  };
+  for (const Shape& s : shapes) {
+    Problem p = random_problem(rng, s.M, s.N, s.K, s.G);
+    p.sizes = s.sizes;
+    std::vector<uint8_t> a8, ae, w8, we;
+    codes_of(&p.lhs, &a8, &ae);
+    codes_of(&p.rhs, &w8, &we);
+    Device d(p);
+    void *da8, *dae, *dw8, *dwe, *rows;
+    for (auto [ptr, v] : {std::pair{&da8, &a8}, {&dae, &ae}, {&dw8, &w8}, {&dwe, &we}}) {
+      CK(cudaMalloc(ptr, std::max<size_t>(1, v->size())));
+      CK(cudaMemcpy(*ptr, v->data(), v->size(), cudaMemcpyHostToDevice));
+    }
+    CK(cudaMemcpy(d.sizes, p.sizes.data(), p.sizes.size() * 4, cudaMemcpyHostToDevice));
+    // lhs_rows: the rows reversed, read from a copy of the lhs stored in reverse order
+    std::vector<int32_t> rev(p.M);
+    for (int64_t i = 0; i < p.M; ++i) rev[i] = int32_t(p.M - 1 - i);
+    std::vector<uint8_t> a8r(a8.size()), aer(ae.size());
+    const int64_t sr = p.K / 32;
+    for (int64_t i = 0; i < p.M; ++i) {
+      std::copy_n(a8.begin() + i * p.K, p.K, a8r.begin() + (p.M - 1 - i) * p.K);
+      std::copy_n(ae.begin() + i * sr, sr, aer.begin() + (p.M - 1 - i) * sr);
+    }
+    void *da8r, *daer;
+    CK(cudaMalloc(&da8r, a8r.size()));
+    CK(cudaMalloc(&daer, aer.size()));
+    CK(cudaMalloc(&rows, rev.size() * 4));
+    CK(cudaMemcpy(da8r, a8r.data(), a8r.size(), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(daer, aer.data(), aer.size(), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(rows, rev.data(), rev.size() * 4, cudaMemcpyHostToDevice));
+    auto run = [&](int bm, int bn, bool gather) {
+      GroupedMatmulParams q = d.params(p, bm, bn);
+      q.lhs = gather ? da8r : da8;
+      q.lhs_scale = static_cast<const uint8_t*>(gather ? daer : dae);
+      q.rhs = dw8;
+      q.rhs_scale = static_cast<const uint8_t*>(dwe);
+      if (gather) q.lhs_rows = static_cast<const int32_t*>(rows), q.lhs_count = p.M;
+      CK(cudaMemset(d.out, 0xFF, p.M * p.N * 4));
+      CK(launch_grouped_matmul(q, nullptr));
+      CK(cudaDeviceSynchronize());
+      std::vector<float> h(p.M * p.N);
+      CK(cudaMemcpy(h.data(), d.out, h.size() * 4, cudaMemcpyDeviceToHost));
+      return h;
+    };
+    const auto a = run(16, 128, false);
+    check(std::string(s.what) + " (against float64)", p, a);
+    bool same = true, gathered = true;
+    for (auto [bm, bn] : kTileList) {
+      same = same && memcmp(a.data(), run(bm, bn, false).data(), a.size() * 4) == 0;
+      gathered = gathered && memcmp(a.data(), run(bm, bn, true).data(), a.size() * 4) == 0;
+    }
+    report(same, std::string(s.what) + ": " + kTileNames + " bit-identical");
+    report(gathered, std::string(s.what) + ": lhs_rows gives the sorted copy's bits");
+    for (void* x : {da8, dae, dw8, dwe, rows, da8r, daer}) CK(cudaFree(x));
+  }
+}
+
 static void tests(std::mt19937& rng) {
   mxfp8_tests(rng);
+  w8a8_tests(rng);
   struct Shape { int64_t M, N, K; int G; std::vector<int32_t> sizes; const char* what; };
   const std::vector<Shape> shapes = {
       {37, 40, 72, 5, {9, 0, 20, 3, 5}, "covers M; an empty group; K % 64 != 0; N < 128"},
@@ -291,6 +373,8 @@ static std::vector<int32_t> route(std::mt19937& rng, int T, int E, int k) {
   return sizes;
 }
 
+static bool g_w8a8 = true;   // time MXFP8 lhs + weights too
+
 static void bench(bool prefill_only) {
   const double copy = copy_bandwidth();
   printf("\ndevice-to-device copy: %.2f TB/s (floor below: 4.25 TB/s, 790 TFLOP/s)\n", copy);
@@ -303,8 +387,10 @@ static void bench(bool prefill_only) {
   std::mt19937 rng(99);
   const int E = 128, k = 4;
   struct Proj { const char* name; int64_t N, K; };
-  for (const bool fp8 : {false, true})
+  for (const int mode : {0, 1, 2})   // bf16; MXFP8 weights; MXFP8 weights and lhs (w8a8)
   for (const Proj pr : {Proj{"gate_up", 768, 6144}, Proj{"down", 6144, 384}}) {
+    if (mode == 2 && !g_w8a8) continue;
+    const bool fp8 = mode >= 1, w8a8 = mode == 2;
     // Every expert's weights once on the device (a cheap pattern: the values do not matter);
     // MXFP8: fp8 bytes and E8M0 scales 127 (2^0).
     const size_t elems = size_t(E) * pr.N * pr.K, wbytes = fp8 ? elems : elems * 2;
@@ -339,6 +425,14 @@ static void bench(bool prefill_only) {
       Problem q{M, pr.N, pr.K, E, std::vector<uint16_t>(M * pr.K, float_to_bf16(0.5f)), {},
                 std::vector<int32_t>(E, 0)};
       Device d(q);
+      void* lhs8 = nullptr;             // w8a8: codes 0x38 (1.0) with exponents 127
+      uint8_t* lhs_scale = nullptr;
+      if (w8a8) {
+        CK(cudaMalloc(&lhs8, M * pr.K));
+        CK(cudaMemset(lhs8, 0x38, M * pr.K));
+        CK(cudaMalloc(&lhs_scale, M * pr.K / 32));
+        CK(cudaMemset(lhs_scale, 127, M * pr.K / 32));
+      }
       std::vector<int32_t*> dsizes(kVariants);
       for (int v = 0; v < kVariants; ++v) {
         CK(cudaMalloc(&dsizes[v], E * 4));
@@ -351,23 +445,29 @@ static void bench(bool prefill_only) {
           GroupedMatmulParams gp = d.params(q, g_bench_tiles[b].bm, g_bench_tiles[b].bn);
           gp.rhs = rhs;
           gp.rhs_scale = scale;
+          if (w8a8) gp.lhs = lhs8, gp.lhs_scale = lhs_scale;
           gp.group_sizes = dsizes[v];
           CK(launch_grouped_matmul(gp, s));
         }, kVariants);
       }
       const double bytes = touched * pr.N * pr.K * (fp8 ? 1 + 1.0 / 32 : 2) +
-                           double(M) * pr.K * 2 + double(M) * pr.N * 4;
+                           double(M) * pr.K * (w8a8 ? 1 + 1.0 / 32 : 2) + double(M) * pr.N * 4;
       const double floor_us = std::max(bytes / 4.25e12, 2.0 * M * pr.N * pr.K / 790e12) * 1e6;
       GroupedMatmulParams auto_p = d.params(q, 0);
       auto_p.rhs_scale = scale;
       const GroupedMatmulTile tile = grouped_matmul_tile(auto_p);
       const double best = us[tiles - 1];
-      printf("%-6s %-8s %6d %4.0f %4.0f", fp8 ? "mxfp8" : "bf16", pr.name, T, touched, biggest);
+      printf("%-6s %-8s %6d %4.0f %4.0f", w8a8 ? "w8a8" : fp8 ? "mxfp8" : "bf16", pr.name, T,
+             touched, biggest);
       for (int b = 0; b < tiles; ++b) printf(" %8.1f", us[b]);
       printf(" %8.1f %6.2f %6.0f %3dx%d\n", floor_us, best / floor_us,
              bytes / (best * 1e-6) / 1e9, tile.block_m, tile.block_n);
       fflush(stdout);
       for (auto* x : dsizes) CK(cudaFree(x));
+      if (w8a8) {
+        CK(cudaFree(lhs8));
+        CK(cudaFree(lhs_scale));
+      }
     }
     CK(cudaFree(rhs));
     if (scale) CK(cudaFree(scale));
@@ -380,6 +480,7 @@ int main(int argc, char** argv) {
     if (!strcmp(argv[i], "--no-bench")) run_bench = false;
     if (!strcmp(argv[i], "--bench-only")) run_tests = false;
     if (!strcmp(argv[i], "--prefill-only")) prefill_only = true;  // tokens 256..2048 only
+    if (!strcmp(argv[i], "--no-w8a8")) g_w8a8 = false;            // (an older kernel has none)
     if (!strcmp(argv[i], "--tiles") && i + 1 < argc) {            // bm:bn,... then auto
       g_bench_tiles.clear();
       for (char* t = strtok(argv[++i], ","); t; t = strtok(nullptr, ",")) {

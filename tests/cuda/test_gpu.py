@@ -610,6 +610,50 @@ def test_grouped_matmul_mxfp8_rows_batch_invariant(rng):
     np.testing.assert_array_equal(alone, full[rows])
 
 
+@pytest.mark.parametrize("M,K,G,N,sizes", [
+    (37, 128, 5, 40, [9, 0, 20, 3, 5]),
+    (50, 384, 4, 200, [7, -4, 100, 9]),
+    (300, 1024, 3, 264, [40, 250, 10]),          # 64-row tiles
+    (24, 6144, 128, 768, None),                  # one TP-8 rank's gate_up, 6 tokens × k 4
+])
+def test_grouped_matmul_w8a8_matches_oracle(rng, M, K, G, N, sizes):
+    """SPEC §9.2: MXFP8 rows × MXFP8 weights on the tensor cores equal the float64 products of
+    the two dequantized operands within fp32 rounding, through jit."""
+    x = rng.normal(size=(M, K // 32, 32)) * 2.0 ** rng.integers(-3, 4, (M, K // 32, 1))
+    a8, ae = (_gpu(v) for v in m3.mxfp8_quantize(jnp.asarray(x.reshape(M, K), jnp.float32)))
+    data, scale = _mxfp8_weights(rng, G, N, K)
+    if sizes is None:
+        sizes = np.bincount(rng.integers(0, G, M), minlength=G)
+    f = jax.jit(lambda a, d, n, s, e: m3.grouped_matmul(a, d, n, s, lhs_scale=e))
+    got = np.asarray(f(a8, data, _gpu(jnp.asarray(sizes, jnp.int32)), scale, ae))
+    want = oracle.grouped_matmul(a8, data, sizes, rhs_scale=scale, lhs_scale=ae)
+    mag = oracle.grouped_matmul(np.abs(oracle.mxfp8_weights(a8, ae)), np.abs(
+        oracle.mxfp8_weights(data, scale)), sizes)
+    assert np.all(np.abs(got - want) <= 1e-5 * mag + 1e-30), np.max(np.abs(got - want) / (mag + 1e-30))
+
+
+def test_grouped_matmul_w8a8_rows_batch_invariant_and_gathered(rng):
+    """An MXFP8 row's bits do not depend on the other rows (16- and 64-row tiles), and the
+    gathered launch (lhs_rows) gives the sorted copy's bits."""
+    M, K, G, N = 512, 256, 16, 384
+    a8, ae = (_gpu(v) for v in m3.mxfp8_quantize(jnp.asarray(rng.normal(size=(M, K)),
+                                                             jnp.float32)))
+    data, scale = _mxfp8_weights(rng, G, N, K)
+    f = jax.jit(lambda a, n, e, r=None: m3.grouped_matmul(a, data, n, scale, lhs_scale=e,
+                                                          lhs_rows=r))
+    full = np.asarray(f(a8, _gpu(jnp.full((G,), M // G, jnp.int32)), ae))
+    few = np.zeros(G, np.int32)
+    few[5] = 3
+    rows = slice(5 * (M // G), 5 * (M // G) + 3)
+    np.testing.assert_array_equal(np.asarray(f(a8[rows], _gpu(jnp.asarray(few)), ae[rows])),
+                                  full[rows])
+    perm = rng.permutation(M).astype(np.int32)
+    inv = np.argsort(perm).astype(np.int32)
+    gathered = np.asarray(f(a8[perm], _gpu(jnp.full((G,), M // G, jnp.int32)), ae[perm],
+                            _gpu(jnp.asarray(inv))))
+    np.testing.assert_array_equal(gathered, full)
+
+
 # ----------------------------------------------------------------------------- full_attention
 def _full_problem(rng, Hkv, G, seq_lens, chunk, dtype):
     """Prefill chunks (chunk[r] last tokens of request r) and 3 padding rows, at contexts of

@@ -221,3 +221,79 @@ def test_mxfp8_argument_errors(rng):
         m3.grouped_matmul(lhs, data, sizes, scale[:, :, :1])
     with pytest.raises(TypeError, match="rhs_scale must be uint8"):
         m3.grouped_matmul(lhs, data, sizes, scale.astype(jnp.int32))
+
+
+# --------------------------------------------------- MXFP8 rows and weights (SPEC §9.2, W8A8)
+def w8a8_operands(rng, M, K, G, N):
+    """MXFP8 rows (each 32-block at its own scale, as mxfp8_quantize makes activations) and
+    MXFP8 weights."""
+    x = rng.normal(size=(M, K // 32, 32)) * 2.0 ** rng.integers(-3, 4, (M, K // 32, 1))
+    a8, ae = m3.mxfp8_quantize(jnp.asarray(x.reshape(M, K), jnp.float32))
+    _, data, scale = mxfp8_operands(rng, M, K, G, N)
+    return a8, ae, data, scale
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 5, 2], [2, -3, 20, 1], [0, 0, 0, 0]])
+def test_mxfp8_rows_match_oracle(rng, sizes):
+    a8, ae, data, scale = w8a8_operands(rng, 10, 64, 4, 16)
+    got = np.asarray(jax.jit(lambda *a: m3.grouped_matmul(*a[:4], lhs_scale=a[4]))(
+        a8, data, jnp.asarray(sizes, jnp.int32), scale, ae))
+    want = oracle.grouped_matmul(a8, data, sizes, rhs_scale=scale, lhs_scale=ae)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * max(np.abs(want).max(), 1))
+    assert not np.any(got[np.all(want == 0, axis=1)])
+
+
+def test_mxfp8_rows_are_the_dequantized_products(rng):
+    """SPEC §9.2: the products of the bf16 call on both dequantized operands (on the CPU, whose
+    lowering dequantizes, bit for bit; the CUDA kernel sums the 32-blocks in another order)."""
+    a8, ae, data, scale = w8a8_operands(rng, 16, 96, 3, 24)
+    sizes = jnp.asarray([6, 0, 10], jnp.int32)
+    np.testing.assert_array_equal(
+        np.asarray(m3.grouped_matmul(a8, data, sizes, scale, lhs_scale=ae)),
+        np.asarray(m3.grouped_matmul(m3.mxfp8_dequantize(a8, ae), data, sizes, scale)))
+
+
+def test_mxfp8_rows_gathered(rng):
+    """lhs_rows with an MXFP8 lhs: the rows and their exponents gathered together (the scale
+    is [T, K/32], one row per token)."""
+    a8, ae, data, scale = w8a8_operands(rng, 6, 64, 2, 8)
+    rows = jnp.asarray([5, 0, 7, 2, 2, -1, 3, 1], jnp.int32)     # 7 and -1: zero rows
+    sizes = jnp.asarray([3, 5], jnp.int32)
+    got = np.asarray(m3.grouped_matmul(a8, data, sizes, scale, lhs_rows=rows, lhs_scale=ae))
+    want = oracle.grouped_matmul(a8, data, sizes, rhs_scale=scale, lhs_rows=np.asarray(rows),
+                                 lhs_scale=ae)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
+    assert not np.any(got[[2, 5]])
+
+
+def test_mxfp8_rows_vmap_and_cuda_lowering(rng):
+    a8, ae, data, scale = w8a8_operands(rng, 8, 128, 2, 8)
+    sizes = jnp.asarray([[3, 5], [8, 0]], jnp.int32)
+    f = lambda a, s, n: m3.grouped_matmul(a, data, n, scale, lhs_scale=s)    # noqa: E731
+    got = jax.vmap(f, in_axes=(None, None, 0))(a8, ae, sizes)
+    for b in range(2):
+        np.testing.assert_allclose(np.asarray(got[b]), oracle.grouped_matmul(
+            a8, data, sizes[b], rhs_scale=scale, lhs_scale=ae), rtol=1e-5, atol=1e-3)
+    exp = jax.export.export(jax.jit(f), platforms=["cuda"],
+                            disabled_checks=m3.export_disabled_checks())(a8, ae, sizes[0])
+    text = exp.mlir_module()
+    assert "m3sparse_grouped_matmul_cuda" in text and "tensor<8x128xf8E4M3FN>" in text
+    a8, ae, data, scale = w8a8_operands(rng, 8, 96, 2, 8)
+    with pytest.raises(ValueError, match=r"% 128 == 0 for MXFP8"):
+        jax.jit(lambda a, s: m3.grouped_matmul(a, data, sizes[0], scale, lhs_scale=s)).trace(
+            a8, ae).lower(lowering_platforms=("cuda",))
+
+
+def test_mxfp8_rows_argument_errors(rng):
+    a8, ae, data, scale = w8a8_operands(rng, 8, 64, 2, 8)
+    sizes = jnp.asarray([3, 5], jnp.int32)
+    with pytest.raises(ValueError, match="pass lhs_scale"):
+        m3.grouped_matmul(a8, data, sizes, scale)
+    with pytest.raises(ValueError, match="needs MXFP8 rhs"):
+        m3.grouped_matmul(a8, m3.mxfp8_dequantize(data, scale), sizes, lhs_scale=ae)
+    with pytest.raises(ValueError, match="lhs_scale=None"):
+        m3.grouped_matmul(m3.mxfp8_dequantize(a8, ae), data, sizes, scale, lhs_scale=ae)
+    with pytest.raises(ValueError, match=r"lhs_scale must be \[M, K/32\]"):
+        m3.grouped_matmul(a8, data, sizes, scale, lhs_scale=ae[:, :1])
+    with pytest.raises(TypeError, match="lhs_scale must be uint8"):
+        m3.grouped_matmul(a8, data, sizes, scale, lhs_scale=ae.astype(jnp.int32))

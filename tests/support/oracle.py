@@ -189,11 +189,12 @@ def mxfp8_weights(data, scales):
         return np.asarray(w.astype(ml_dtypes.bfloat16), np.float64)
 
 
-def grouped_matmul(lhs, rhs, sizes, rhs_scale=None, lhs_rows=None):
+def grouped_matmul(lhs, rhs, sizes, rhs_scale=None, lhs_rows=None, lhs_scale=None):
     """grouped_matmul (SPEC §9) in float64, per group; negative sizes count 0, rows past M
-    dropped, uncovered rows 0; MXFP8 rhs (with rhs_scale) decoded by mxfp8_weights;
-    ``lhs_rows``: row i is lhs row lhs_rows[i], a zero row for ids outside [0, T)."""
-    a = np.asarray(lhs, np.float64)
+    dropped, uncovered rows 0; MXFP8 rhs (with rhs_scale) and lhs (with lhs_scale, §9.2)
+    decoded by mxfp8_weights; ``lhs_rows``: row i is lhs row lhs_rows[i], a zero row for ids
+    outside [0, T)."""
+    a = np.asarray(lhs, np.float64) if lhs_scale is None else mxfp8_weights(lhs, lhs_scale)
     if lhs_rows is not None:
         ids = np.asarray(lhs_rows)
         a = np.array([a[i] if 0 <= i < len(a) else np.zeros(a.shape[1]) for i in ids]
