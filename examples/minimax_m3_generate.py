@@ -96,9 +96,10 @@ def parse_args(argv=None):
                            "weight and index-cache format (default 141: an H200, the GPU "
                            "the real-size bench ran on; e.g. 192 for an AMD MI300X; 0: no check)")
     plan.add_argument("--mem-fraction", type=float, default=None,
-                      help="the share of each device JAX takes for its pool (default: "
-                           "$XLA_PYTHON_CLIENT_MEM_FRACTION, else JAX's 0.75); the plan fits "
-                           "--device-memory-gb × this")
+                      help="the plan only: the share of each device JAX's pool will take "
+                           "(unset: $XLA_PYTHON_CLIENT_MEM_FRACTION, else JAX's 0.75); the "
+                           "plan fits --device-memory-gb × this. A run takes its pool from "
+                           "XLA_PYTHON_CLIENT_MEM_FRACTION")
     plan.add_argument("--reserve-gb", type=float, default=8.0,
                       help="per-device memory the plan keeps free for activations and workspace")
     eng = p.add_argument_group("engine")

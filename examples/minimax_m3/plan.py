@@ -47,8 +47,15 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
       ValueError when ``tp`` does not divide the model's sizes, or ``mem_fraction`` is not in
       (0, 1].
     """
+    source = "--mem-fraction"
     if mem_fraction is None:
-        mem_fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_MEM_FRACTION))
+        source = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+        raw = os.environ.get(source, str(JAX_MEM_FRACTION))
+        try:
+            mem_fraction = float(raw)
+        except ValueError:
+            raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION must be a number in (0, 1], got "
+                             f"{raw!r}") from None
     if not 0 < mem_fraction <= 1:
         raise ValueError(f"mem_fraction (XLA_PYTHON_CLIENT_MEM_FRACTION) must be in (0, 1], "
                          f"got {mem_fraction}")
@@ -75,6 +82,7 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
     if device_memory_gb:
         out["device_memory_bytes"] = int(device_memory_gb * 1e9)
         out["mem_fraction"] = mem_fraction
+        out["mem_fraction_source"] = source
         out["pool_bytes"] = int(device_memory_gb * 1e9 * mem_fraction)
         out["reserve_bytes"] = int(reserve_gb * 1e9)
         out["fits"] = out["total_bytes_per_device"] + out["reserve_bytes"] <= out["pool_bytes"]
@@ -207,7 +215,10 @@ def format_plan(p: dict) -> str:
            f"JAX's pool): {'fits' if p['fits'] else 'does NOT fit'} "
            f"with {gb(p['reserve_bytes'])} kept for activations" if "fits" in p else ""),
         "  (the served stream alone, as with --no-compare; activations and XLA workspace not "
-        "counted; JAX's pool is XLA_PYTHON_CLIENT_MEM_FRACTION of a GPU, 75 % unless set)"]
+        + ("counted; JAX's pool is XLA_PYTHON_CLIENT_MEM_FRACTION of a GPU, 75 % unless set)"
+           if p.get("mem_fraction_source") != "--mem-fraction" else
+           "counted; the pool as --mem-fraction says: set XLA_PYTHON_CLIENT_MEM_FRACTION to "
+           "that for the run)")]
     if "formats" in p:
         lines.append(f"  each format in that pool less {gb(p['reserve_bytes'])} (weights + caches "
                      f"of {p['batch']} requests; requests of {p['context_len']} tokens that fit):")

@@ -409,7 +409,8 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
 }
 
 // CTAs per SM the registers must allow: 4 for 16-row tiles (an fp8 lhs with 128 columns: 3,
-// which spills nothing), 2 for 64-row tiles. (3 CTAs of 3 stages for bf16 64-row tiles: gate_up
+// 168 registers and a 4-byte spill, as measured; at 2 it takes 214 registers), 2 for 64-row
+// tiles. (3 CTAs of 3 stages for bf16 64-row tiles: gate_up
 // 1-2 % faster, down 17-21 % slower at 2048 tokens on an H100; BENCHMARKS.md §1.)
 template <Fmt kF, int kMTiles, int kWarpsN>
 constexpr int kMinBlocks = kMTiles == 1 ? (kF == Fmt::kW8A8 && kWarpsN == 4 ? 3 : 4) : 2;

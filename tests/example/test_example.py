@@ -419,8 +419,12 @@ def test_dry_run_plans_the_real_model(capsys, monkeypatch):
     assert r["pool_bytes"] == int(141e9 * 0.75) and r["mem_fraction"] == 0.75
     r = cli.main(["--config", cfg_path, "--dry-run", "--tp", "8", "--mem-fraction", "1"])
     assert r["pool_bytes"] == int(141e9) and r["fits"]
+    assert "set XLA_PYTHON_CLIENT_MEM_FRACTION to that for the run" in capsys.readouterr().out
     with pytest.raises(ValueError, match="mem_fraction"):
         cli.main(["--config", cfg_path, "--dry-run", "--tp", "8", "--mem-fraction", "1.5"])
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "abc")
+    with pytest.raises(ValueError, match="XLA_PYTHON_CLIENT_MEM_FRACTION must be a number"):
+        cli.main(["--config", cfg_path, "--dry-run", "--tp", "8"])
 
 
 def test_fp8_index_cache_selects_like_bf16():
