@@ -98,15 +98,19 @@ struct Device {
     q.block_n = block_n;
     return q;
   }
-  // Runs with p.sizes; out pre-filled with NaN (every element must be written).
-  std::vector<float> run(const Problem& p, int block_m, int block_n = 0) {
-    CK(cudaMemcpy(sizes, p.sizes.data(), p.sizes.size() * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemset(out, 0xFF, p.M * p.N * 4));
-    CK(launch_grouped_matmul(params(p, block_m, block_n), nullptr));
+  // Launches q with out pre-filled with NaN (every element must be written); its result.
+  std::vector<float> launch(const GroupedMatmulParams& q) {
+    CK(cudaMemset(out, 0xFF, q.m * q.n * 4));
+    CK(launch_grouped_matmul(q, nullptr));
     CK(cudaDeviceSynchronize());
-    std::vector<float> h(p.M * p.N);
+    std::vector<float> h(q.m * q.n);
     CK(cudaMemcpy(h.data(), out, h.size() * 4, cudaMemcpyDeviceToHost));
     return h;
+  }
+  // Runs with p.sizes.
+  std::vector<float> run(const Problem& p, int block_m, int block_n = 0) {
+    CK(cudaMemcpy(sizes, p.sizes.data(), p.sizes.size() * 4, cudaMemcpyHostToDevice));
+    return launch(params(p, block_m, block_n));
   }
 };
 
@@ -134,6 +138,22 @@ static double e4m3_value(uint8_t b) {
   return (b & 0x80) ? -mag : mag;
 }
 
+// Random MXFP8 codes for the values in *vals (not NaN codes) and exponents 118..129, or 0..12
+// with `tiny`; *vals gets their exact bf16 values (products below 2^-126 flushed to ±0).
+static void random_mxfp8(std::mt19937& rng, bool tiny, std::vector<uint16_t>* vals,
+                         std::vector<uint8_t>* codes, std::vector<uint8_t>* exps) {
+  codes->resize(vals->size());
+  exps->resize(vals->size() / 32);
+  for (auto& e : *exps) e = uint8_t(tiny ? rng() % 13 : 118 + rng() % 12);
+  for (size_t i = 0; i < codes->size(); ++i) {
+    uint8_t b = uint8_t(rng());
+    if ((b & 0x7F) == 0x7F) b ^= 1;
+    (*codes)[i] = b;
+    const double w = e4m3_value(b) * std::ldexp(1.0, (*exps)[i / 32] - 127);
+    (*vals)[i] = float_to_bf16(float(std::fabs(w) < std::ldexp(1.0, -126) ? 0.0 * w : w));
+  }
+}
+
 // MXFP8 weights (SPEC §9.1): random codes and exponents 118..129 (or 0..12: the two-factor,
 // flushing widening); p.rhs gets their exact bf16 values, so the bf16 oracle applies. Every
 // tile (16 × 32, 16 × 64, 16 × 128, 64 × 128, the launch's choice) must give the bits of the
@@ -149,16 +169,8 @@ static void mxfp8_tests(std::mt19937& rng) {
   for (const Shape& s : shapes) {
     Problem p = random_problem(rng, s.M, s.N, s.K, s.G);
     p.sizes = s.sizes;
-    std::vector<uint8_t> codes(p.rhs.size()), exps(p.rhs.size() / 32);
-    const bool tiny = s.K == 256;
-    for (auto& e : exps) e = uint8_t(tiny ? rng() % 13 : 118 + rng() % 12);
-    for (size_t i = 0; i < codes.size(); ++i) {
-      uint8_t b = uint8_t(rng());
-      if ((b & 0x7F) == 0x7F) b ^= 1;
-      codes[i] = b;
-      const double w = e4m3_value(b) * std::ldexp(1.0, exps[i / 32] - 127);
-      p.rhs[i] = float_to_bf16(float(std::fabs(w) < std::ldexp(1.0, -126) ? 0.0 * w : w));
-    }
+    std::vector<uint8_t> codes, exps;
+    random_mxfp8(rng, s.K == 256, &p.rhs, &codes, &exps);
     Device d(p);
     void *w8, *sc;
     CK(cudaMalloc(&w8, codes.size()));
@@ -170,12 +182,7 @@ static void mxfp8_tests(std::mt19937& rng) {
       GroupedMatmulParams q = d.params(p, bm, bn);
       q.rhs = w8;
       q.rhs_scale = static_cast<const uint8_t*>(sc);
-      CK(cudaMemset(d.out, 0xFF, p.M * p.N * 4));
-      CK(launch_grouped_matmul(q, nullptr));
-      CK(cudaDeviceSynchronize());
-      std::vector<float> h(p.M * p.N);
-      CK(cudaMemcpy(h.data(), d.out, h.size() * 4, cudaMemcpyDeviceToHost));
-      return h;
+      return d.launch(q);
     };
     const auto a = d.run(p, 16, 128);   // the bf16 kernel on the exact values
     check(std::string(s.what) + " (bf16 kernel on the values)", p, a);
@@ -194,8 +201,8 @@ static void mxfp8_tests(std::mt19937& rng) {
 // MXFP8 lhs and weights (SPEC §9.2): random codes, exponents 118..129; p.lhs and p.rhs get
 // their exact values (bf16 holds them), so the float64 oracle applies (each 32-k block's sum is
 // the tensor core's fp32 one, scaled by a power of two). Every tile must give the same bits,
-// a gathered launch (lhs_rows) the bits of the sorted copy, and a row alone its bits in the
-// batch.
+// and a gathered launch (lhs_rows) the bits of the sorted copy. (A row alone against its batch:
+// tests/cuda/test_gpu.py.)
 static void w8a8_tests(std::mt19937& rng) {
   struct Shape { int64_t M, N, K; int G; std::vector<int32_t> sizes; const char* what; };
   const std::vector<Shape> shapes = {
@@ -203,24 +210,12 @@ static void w8a8_tests(std::mt19937& rng) {
       {50, 200, 384, 4, {7, -4, 100, 9}, "MXFP8 lhs: K 384 (down_proj's)"},
       {300, 264, 1024, 3, {40, 250, 10}, "MXFP8 lhs: several 64-row tiles per group"},
   };
-  auto codes_of = [&](std::vector<uint16_t>* vals, std::vector<uint8_t>* codes,
-                      std::vector<uint8_t>* exps) {
-    codes->resize(vals->size());
-    exps->resize(vals->size() / 32);
-    for (auto& e : *exps) e = uint8_t(118 + rng() % 12);
-    for (size_t i = 0; i < codes->size(); ++i) {
-      uint8_t b = uint8_t(rng());
-      if ((b & 0x7F) == 0x7F) b ^= 1;
-      (*codes)[i] = b;
-      (*vals)[i] = float_to_bf16(float(e4m3_value(b) * std::ldexp(1.0, (*exps)[i / 32] - 127)));
-    }
-  };
   for (const Shape& s : shapes) {
     Problem p = random_problem(rng, s.M, s.N, s.K, s.G);
     p.sizes = s.sizes;
     std::vector<uint8_t> a8, ae, w8, we;
-    codes_of(&p.lhs, &a8, &ae);
-    codes_of(&p.rhs, &w8, &we);
+    random_mxfp8(rng, false, &p.lhs, &a8, &ae);
+    random_mxfp8(rng, false, &p.rhs, &w8, &we);
     Device d(p);
     void *da8, *dae, *dw8, *dwe, *rows;
     for (auto [ptr, v] : {std::pair{&da8, &a8}, {&dae, &ae}, {&dw8, &w8}, {&dwe, &we}}) {
@@ -251,12 +246,7 @@ static void w8a8_tests(std::mt19937& rng) {
       q.rhs = dw8;
       q.rhs_scale = static_cast<const uint8_t*>(dwe);
       if (gather) q.lhs_rows = static_cast<const int32_t*>(rows), q.lhs_count = p.M;
-      CK(cudaMemset(d.out, 0xFF, p.M * p.N * 4));
-      CK(launch_grouped_matmul(q, nullptr));
-      CK(cudaDeviceSynchronize());
-      std::vector<float> h(p.M * p.N);
-      CK(cudaMemcpy(h.data(), d.out, h.size() * 4, cudaMemcpyDeviceToHost));
-      return h;
+      return d.launch(q);
     };
     const auto a = run(16, 128, false);
     check(std::string(s.what) + " (against float64)", p, a);
