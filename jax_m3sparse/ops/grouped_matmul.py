@@ -36,6 +36,30 @@ grouped_matmul_p = define_primitive(
 )
 
 
+def _exponents(x, scale, name, what, labels):
+    """``scale`` checked as the E8M0 exponents of ``x [*lead, K]`` (``labels`` names the lead
+    dims): ``uint8[*lead, K/32]`` for an fp8 ``x`` (MXFP8), none (``[*lead, 0]``) for bf16."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    dims = ", ".join(labels)
+    if x.dtype == jnp.bfloat16:
+        if scale is not None:
+            raise ValueError(f"{name}_scale is for MXFP8 {what} ({name} float8_e4m3fn); {name} "
+                             f"is bfloat16: pass {name}_scale=None")
+        return jnp.zeros((*lead, 0), jnp.uint8)
+    if scale is None:
+        raise ValueError(f"{name} is float8_e4m3fn (MXFP8): pass {name}_scale, uint8[{dims}, "
+                         f"K/32] E8M0 exponents (jax_m3sparse.mxfp8_quantize makes both)")
+    scale = jnp.asarray(scale)
+    _checks.dtype(scale, f"{name}_scale", (jnp.uint8,))
+    if K % 32:
+        raise ValueError(f"MXFP8 {name} [{dims}, K] needs K % 32 == 0 (one exponent per 32 "
+                         f"k): {name}.shape {x.shape}")
+    if scale.shape != (*lead, K // 32):
+        raise ValueError(f"MXFP8 {name}_scale must be [{dims}, K/32] = {(*lead, K // 32)}, got "
+                         f"{name}_scale.shape {scale.shape}")
+    return scale
+
+
 def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_scale=None,
                    out_dtype=jnp.float32):
     """``out[i] = lhs[i] · rhs[g]ᵀ`` for the rows i of group g, in fp32 (SPEC §9).
@@ -102,42 +126,11 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
         raise ValueError(f"lhs [M, K] and rhs [G, N, K] must share K: lhs.shape {lhs.shape}, "
                          f"rhs.shape {rhs.shape}")
     _checks.dim("group_sizes", "length (G of rhs)", rhs.shape[0], group_sizes.shape[0])
-    G, N, K = rhs.shape
-    if rhs.dtype == jnp.bfloat16:
-        if rhs_scale is not None:
-            raise ValueError("rhs_scale is for MXFP8 weights (rhs float8_e4m3fn); rhs is "
-                             "bfloat16: pass rhs_scale=None")
-        rhs_scale = jnp.zeros((G, N, 0), jnp.uint8)
-    else:
-        if rhs_scale is None:
-            raise ValueError("rhs is float8_e4m3fn (MXFP8): pass rhs_scale, uint8[G, N, K/32] "
-                             "E8M0 exponents (jax_m3sparse.mxfp8_quantize makes both)")
-        rhs_scale = jnp.asarray(rhs_scale)
-        _checks.dtype(rhs_scale, "rhs_scale", (jnp.uint8,))
-        if K % 32:
-            raise ValueError(f"MXFP8 rhs [G, N, K] needs K % 32 == 0 (one exponent per 32 "
-                             f"k): rhs.shape {rhs.shape}")
-        if rhs_scale.shape != (G, N, K // 32):
-            raise ValueError(f"MXFP8 rhs_scale must be [G, N, K/32] = {(G, N, K // 32)}, got "
-                             f"rhs_scale.shape {rhs_scale.shape}")
-    if lhs.dtype == jnp.bfloat16:
-        if lhs_scale is not None:
-            raise ValueError("lhs_scale is for MXFP8 rows (lhs float8_e4m3fn); lhs is "
-                             "bfloat16: pass lhs_scale=None")
-        lhs_scale = jnp.zeros((lhs.shape[0], 0), jnp.uint8)
-    else:
-        if rhs.dtype != jnp.float8_e4m3fn:
-            raise ValueError("an MXFP8 lhs (float8_e4m3fn) needs MXFP8 rhs (float8_e4m3fn with "
-                             "rhs_scale): SPEC §9.2 multiplies fp8 by fp8")
-        if lhs_scale is None:
-            raise ValueError("lhs is float8_e4m3fn (MXFP8): pass lhs_scale, uint8[M, K/32] "
-                             "E8M0 exponents (jax_m3sparse.mxfp8_quantize makes both)")
-        lhs_scale = jnp.asarray(lhs_scale)
-        _checks.dtype(lhs_scale, "lhs_scale", (jnp.uint8,))
-        if lhs_scale.shape != (lhs.shape[0], K // 32):
-            raise ValueError(f"MXFP8 lhs_scale must be [{'T' if lhs_rows is not None else 'M'}"
-                             f", K/32] = {(lhs.shape[0], K // 32)}, got lhs_scale.shape "
-                             f"{lhs_scale.shape}")
+    rhs_scale = _exponents(rhs, rhs_scale, "rhs", "weights", ("G", "N"))
+    if lhs.dtype == jnp.float8_e4m3fn and rhs.dtype != jnp.float8_e4m3fn:
+        raise ValueError("an MXFP8 lhs (float8_e4m3fn) needs MXFP8 rhs (float8_e4m3fn with "
+                         "rhs_scale): SPEC §9.2 multiplies fp8 by fp8")
+    lhs_scale = _exponents(lhs, lhs_scale, "lhs", "rows", ("T" if lhs_rows is not None else "M",))
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
