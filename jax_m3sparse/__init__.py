@@ -11,7 +11,8 @@ Public API (SPEC.md sections in each docstring):
   :func:`full_attention` (every key up to the position: M3's full layers, SPEC §5.7)
 * MiniMax M3's indexer: :func:`write_index_keys` (SPEC §8.1), :func:`select_blocks` (SPEC §8)
 * the routed experts' matmuls: :func:`grouped_matmul` (SPEC §9), bf16 or MXFP8 weights
-  (:func:`mxfp8_quantize`, :func:`mxfp8_dequantize`, SPEC §9.1)
+  (:func:`mxfp8_quantize`, :func:`mxfp8_dequantize`, SPEC §9.1), MXFP4 or NVFP4 weights
+  (:func:`mxfp4_quantize`, :func:`nvfp4_quantize`, :func:`fp4_dequantize`, SPEC §9.3)
 * a decode step's dense projections: :func:`dense_matmul` (SPEC §11)
 * geometry and faults: :func:`unsupported_reason` (SPEC §1), :func:`check_inputs` (SPEC §7)
 * :func:`export_disabled_checks` for ``jax.export`` of functions that call these ops
@@ -29,6 +30,7 @@ from jax_m3sparse._ffi import (NativeModuleWarning, cpu_attention_paths, export_
                                native_module, native_platforms)
 from jax_m3sparse.faults import check_inputs
 from jax_m3sparse.metadata import SparseAttentionMetadata, build_attention_metadata
+from jax_m3sparse.mxfp4 import fp4_dequantize, mxfp4_quantize
 from jax_m3sparse.mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from jax_m3sparse.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 from jax_m3sparse.ops.attention import sparse_attention
@@ -47,12 +49,11 @@ from jax_m3sparse.spec import KVCacheSpec, allocate_kv_cache, unsupported_reason
 __version__ = "0.1.0"
 
 __all__ = [
-    "ExpertRouting", "KVCacheSpec", "NativeModuleWarning", "SparseAttentionMetadata", "allocate_kv_cache",
-    "build_attention_metadata", "check_inputs", "cpu_attention_paths", "export_disabled_checks",
-    "dense_matmul", "full_attention", "grouped_matmul", "mxfp8_dequantize", "mxfp8_quantize", "native_module",
-    "native_platforms", "nvfp4_dequantize",
-    "nvfp4_quantize",
-    "pack_kv_pages", "query_token_positions", "reference", "route_experts", "select_blocks", "sharding",
-    "sparse_attention", "sparse_decode", "sparse_prefill", "unpack_kv_pages", "unsupported_reason",
-    "write_index_keys",
+    "ExpertRouting", "KVCacheSpec", "NativeModuleWarning", "SparseAttentionMetadata",
+    "allocate_kv_cache", "build_attention_metadata", "check_inputs", "cpu_attention_paths",
+    "dense_matmul", "export_disabled_checks", "fp4_dequantize", "full_attention", "grouped_matmul",
+    "mxfp4_quantize", "mxfp8_dequantize", "mxfp8_quantize", "native_module", "native_platforms",
+    "nvfp4_dequantize", "nvfp4_quantize", "pack_kv_pages", "query_token_positions", "reference",
+    "route_experts", "select_blocks", "sharding", "sparse_attention", "sparse_decode",
+    "sparse_prefill", "unpack_kv_pages", "unsupported_reason", "write_index_keys",
 ]

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_m3sparse import nvfp4
+from jax_m3sparse.mxfp4 import fp4_dequantize, mxfp4_quantize  # noqa: F401  (re-exported)
 from jax_m3sparse.mxfp8 import mxfp8_dequantize, mxfp8_quantize  # noqa: F401  (re-exported)
 from jax_m3sparse.nvfp4 import nvfp4_dequantize, nvfp4_quantize  # noqa: F401  (re-exported)
 from jax_m3sparse.spec import layout_code
@@ -427,7 +428,7 @@ def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale, lhs_rows=None, lhs_sca
     """Primitive-level reference of grouped_matmul (SPEC §9): per group, every row multiplied
     by the group's matrix and *selected* for the group's rows (sizes made valid: negative
     counts as 0, rows past M dropped), rows no group covers 0; MXFP8 weights (``rhs`` fp8,
-    ``rhs_scale`` [G, N, K/32]) dequantized to bf16 first (§9.1). A select, not XLA's
+    ``rhs_scale`` [G, N, K/32]) and FP4 ones (uint8 ``rhs``, §9.3) dequantized to bf16 first. A select, not XLA's
     ``ragged_dot``: on the CPU that is a masked product over every group, where a NaN or inf in
     one group's weights (an unrouted expert's included) reached every row (0 · NaN).
     ``gather``: the product's rows are ``lhs[lhs_rows]``, zero rows for ids outside ``[0, T)``
@@ -443,6 +444,8 @@ def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale, lhs_rows=None, lhs_sca
                if T else jnp.zeros((lhs_rows.shape[0], lhs.shape[1]), lhs.dtype))
     if rhs.dtype == jnp.float8_e4m3fn:
         rhs = mxfp8_dequantize(rhs, rhs_scale)
+    elif rhs.dtype == jnp.uint8:
+        rhs = fp4_dequantize(rhs, rhs_scale)
     M, N = lhs.shape[0], rhs.shape[1]
     ends = jnp.minimum(jnp.cumsum(jnp.clip(group_sizes, 0, M)), M)   # no overflow: G·M < 2^31
     starts = ends - jnp.diff(ends, prepend=0)

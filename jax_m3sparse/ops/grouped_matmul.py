@@ -8,6 +8,7 @@ from jax.core import ShapedArray
 
 from jax_m3sparse import _checks, reference
 from jax_m3sparse._primitives import define_primitive, i64
+from jax_m3sparse.mxfp4 import fp4_block
 
 
 def _abstract_eval(lhs, rhs, group_sizes, rhs_scale, lhs_rows, lhs_scale, *, gather, out_dtype):
@@ -16,9 +17,10 @@ def _abstract_eval(lhs, rhs, group_sizes, rhs_scale, lhs_rows, lhs_scale, *, gat
 
 def _platform_reason(platform, lhs, rhs, *_, **__):
     """Why ``platform``'s kernel cannot serve these shapes (raised when lowering), or None."""
-    if platform == "cuda" and rhs.dtype == jnp.float8_e4m3fn and lhs.shape[1] % 128:
-        return (f"the CUDA grouped_matmul kernel needs K (lhs.shape[1]) % 128 == 0 for MXFP8 "
-                f"operands (stages of 128 k, 4-byte scale rows); got K = {lhs.shape[1]}")
+    if platform == "cuda" and rhs.dtype != jnp.bfloat16 and lhs.shape[1] % 128:
+        what = "MXFP8" if rhs.dtype == jnp.float8_e4m3fn else "FP4"
+        return (f"the CUDA grouped_matmul kernel needs K (lhs.shape[1]) % 128 == 0 for {what} "
+                f"weights (stages of 128 k, whole scale rows); got K = {lhs.shape[1]}")
     if platform == "cuda" and lhs.shape[1] % 8:
         return (f"the CUDA grouped_matmul kernel needs K (lhs.shape[1]) % 8 == 0 (16-byte rows); "
                 f"got K = {lhs.shape[1]}")
@@ -75,6 +77,13 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
     (half the bytes of bf16) and widens them in registers; the result equals the bf16 call on
     ``mxfp8_dequantize(rhs, rhs_scale)`` bit for bit, on every backend.
 
+    The weights may be FP4 (SPEC §9.3; :mod:`jax_m3sparse.mxfp4`): ``rhs`` uint8 ``[G, N, K/2]``,
+    two E2M1 codes per byte as the checkpoints store them, with ``rhs_scale`` uint8 E8M0
+    exponents per 32 k (MXFP4) or float8_e4m3fn scales per 16 k (NVFP4). The result is the
+    bf16 call on ``fp4_dequantize(rhs, rhs_scale)``; the CUDA kernel reads a quarter of bf16's
+    bytes. NVFP4's per-tensor ``weight_scale_2`` is not an operand: multiply group g's rows of
+    the result by it (a mixture of experts folds it into the SwiGLU and combine weights).
+
     The rows may be MXFP8 too (SPEC §9.2; ``lhs`` fp8 e4m3 with ``lhs_scale``, as
     :func:`jax_m3sparse.mxfp8_quantize` makes them from bf16 activations), with MXFP8 weights
     only: the CUDA kernel then multiplies fp8 by fp8 on the tensor cores and scales each
@@ -90,12 +99,13 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
       lhs: ``bfloat16[M, K]``, the rows sorted by group; with ``lhs_rows``, any ``bfloat16[T,
         K]`` (the tokens, unsorted). Or ``float8_e4m3fn`` (MXFP8, with ``lhs_scale`` and fp8
         ``rhs``).
-      rhs: ``bfloat16[G, N, K]`` or ``float8_e4m3fn[G, N, K]`` (MXFP8), one ``[N, K]`` matrix
-        per group.
+      rhs: ``bfloat16[G, N, K]``, ``float8_e4m3fn[G, N, K]`` (MXFP8) or ``uint8[G, N, K/2]``
+        (packed FP4), one ``[N, K]`` matrix per group.
       group_sizes: ``int32[G]`` rows per group. Data, not static: a negative size counts as 0,
         rows past M are dropped, and rows after the last group are 0 in the result.
-      rhs_scale: ``uint8[G, N, K/32]`` E8M0 exponents, with fp8 ``rhs`` only (the checkpoints'
-        ``weight_scale_inv``); 255 reads as NaN.
+      rhs_scale: ``uint8[G, N, K/32]`` E8M0 exponents, with fp8 ``rhs`` (the checkpoints'
+        ``weight_scale_inv``) or FP4 ``rhs`` (MXFP4), 255 reading as NaN; or
+        ``float8_e4m3fn[G, N, K/16]`` with FP4 ``rhs`` (NVFP4's ``weight_scale``).
       lhs_rows: optional ``int32[M]`` (data): the ``lhs`` row each product row reads, ``lhs``
         then being any ``[T, K]``; an index outside ``[0, T)`` reads a zero row.
       lhs_scale: ``uint8[M (or T with lhs_rows), K/32]`` E8M0 exponents of an fp8 ``lhs``;
@@ -112,21 +122,30 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
     Raises:
       ValueError / TypeError at trace time for wrong ranks, dtypes or mismatched K / G, an fp8
       ``rhs`` without ``rhs_scale`` (or a scale with bf16 ``rhs``), the same for ``lhs`` and
-      ``lhs_scale``, an fp8 ``lhs`` with bf16 ``rhs``, K % 32 != 0 with MXFP8; on CUDA when
-      K % 8 != 0 (MXFP8: K % 128 != 0).
+      ``lhs_scale``, an fp8 ``lhs`` with bf16 or FP4 ``rhs``, K % 32 != 0 with MXFP8, FP4
+      scales of another dtype or shape; on CUDA when K % 8 != 0 (MXFP8, FP4: K % 128 != 0).
     """
     lhs, rhs, group_sizes = map(jnp.asarray, (lhs, rhs, group_sizes))
     _checks.rank(lhs, "lhs", 2, "[M, K]")
     _checks.rank(rhs, "rhs", 3, "[G, N, K]")
     _checks.rank(group_sizes, "group_sizes", 1, "[G]")
     _checks.dtype(lhs, "lhs", (jnp.bfloat16, jnp.float8_e4m3fn))
-    _checks.dtype(rhs, "rhs", (jnp.bfloat16, jnp.float8_e4m3fn))
+    _checks.dtype(rhs, "rhs", (jnp.bfloat16, jnp.float8_e4m3fn, jnp.uint8))
     _checks.dtype(group_sizes, "group_sizes", (jnp.int32,))
-    if lhs.shape[1] != rhs.shape[2]:
-        raise ValueError(f"lhs [M, K] and rhs [G, N, K] must share K: lhs.shape {lhs.shape}, "
+    fp4 = rhs.dtype == jnp.uint8                       # two E2M1 codes per byte (SPEC §9.3)
+    if lhs.shape[1] != rhs.shape[2] * (2 if fp4 else 1):
+        shape = "rhs [G, N, K/2] (packed FP4)" if fp4 else "rhs [G, N, K]"
+        raise ValueError(f"lhs [M, K] and {shape} must share K: lhs.shape {lhs.shape}, "
                          f"rhs.shape {rhs.shape}")
     _checks.dim("group_sizes", "length (G of rhs)", rhs.shape[0], group_sizes.shape[0])
-    rhs_scale = _exponents(rhs, rhs_scale, "rhs", "weights", ("G", "N"))
+    if fp4:
+        if rhs_scale is None:
+            raise ValueError("rhs is uint8 (packed FP4): pass rhs_scale, uint8[G, N, K/32] E8M0 "
+                             "exponents (MXFP4) or float8_e4m3fn[G, N, K/16] scales (NVFP4)")
+        rhs_scale = jnp.asarray(rhs_scale)
+        fp4_block(rhs, rhs_scale)
+    else:
+        rhs_scale = _exponents(rhs, rhs_scale, "rhs", "weights", ("G", "N"))
     if lhs.dtype == jnp.float8_e4m3fn and rhs.dtype != jnp.float8_e4m3fn:
         raise ValueError("an MXFP8 lhs (float8_e4m3fn) needs MXFP8 rhs (float8_e4m3fn with "
                          "rhs_scale): SPEC §9.2 multiplies fp8 by fp8")

@@ -297,3 +297,118 @@ def test_mxfp8_rows_argument_errors(rng):
         m3.grouped_matmul(a8, data, sizes, scale, lhs_scale=ae[:, :1])
     with pytest.raises(TypeError, match="lhs_scale must be uint8"):
         m3.grouped_matmul(a8, data, sizes, scale, lhs_scale=ae.astype(jnp.int32))
+
+
+# ----------------------------------------------------- FP4 weights: MXFP4, NVFP4 (SPEC §9.3)
+def fp4_operands(rng, M, K, G, N, fmt):
+    """bf16 rows and packed FP4 weights: random bytes (every code, both nibbles) with MXFP4
+    exponents around 127 or NVFP4 E4M3 scales of random finite values."""
+    lhs = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    data = jnp.asarray(rng.integers(0, 256, (G, N, K // 2)), jnp.uint8)
+    if fmt == "mxfp4":
+        scale = jnp.asarray(rng.integers(120, 135, (G, N, K // 32)), jnp.uint8)
+    else:
+        scale = jnp.asarray(rng.uniform(2.0 ** -9, 448, (G, N, K // 16)), jnp.float8_e4m3fn)
+    return lhs, data, scale
+
+
+def test_fp4_dequantize_is_the_spec_value(rng):
+    """fp4_dequantize against the oracle's own bit decoding, at the edges: every code in both
+    nibbles, E8M0 0 (products below 2^-126: ±0), 1, 254 (past bf16: inf) and 255 (NaN); E4M3
+    scales from the smallest subnormal to 448 and NaN."""
+    data = jnp.asarray(np.arange(256, dtype=np.uint8).reshape(2, 128), jnp.uint8)
+    e = jnp.asarray([[0, 1, 2, 127, 130, 200, 254, 255]], jnp.uint8).repeat(2, 0)
+    got = np.asarray(m3.fp4_dequantize(data, e), np.float64)
+    np.testing.assert_array_equal(got, oracle.fp4_weights(data, e))
+    mag = np.abs(np.asarray(m3.fp4_dequantize(data, jnp.full_like(e, 127)), np.float64))
+    assert np.all((got[:, :32] == 0) == (mag[:, :32] < 2))     # 2^-127 · {.5, 1, 1.5} < 2^-126
+    assert np.isnan(got[:, -32:]).all() and np.isinf(got[:, 192:224]).sum() > 0
+    s = jnp.asarray(np.arange(0, 256, 16, dtype=np.uint8).reshape(1, 16).repeat(2, 0))
+    s = jax.lax.bitcast_convert_type(s.at[:, 7].set(0x7F), jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(m3.fp4_dequantize(data, s), np.float64),
+                                  oracle.fp4_weights(data, s))
+
+
+def test_mxfp4_quantize(rng):
+    """The exponent rule (smallest e with max|x| / 2^(e−127) ≤ 6: nothing clips), E2M1 round to
+    nearest even, an exact round trip for values on the grid, and non-finite blocks."""
+    x = rng.normal(size=(4, 64)) * 2.0 ** rng.integers(-20, 20, (4, 1))
+    data, e = m3.mxfp4_quantize(jnp.asarray(x, jnp.float32))
+    amax = np.abs(x.reshape(4, 2, 32)).max(-1)
+    want_e = np.ceil(np.log2(amax.astype(np.float32) / np.float32(6))) + 127
+    np.testing.assert_array_equal(np.asarray(e), want_e)
+    back = np.asarray(m3.fp4_dequantize(data, e), np.float64)
+    step = np.repeat(2.0 ** (want_e - 127), 32, axis=-1)
+    assert np.all(np.abs(back - x) <= step * 1.0 + 1e-30)   # half the widest E2M1 gap (2)
+    grid = np.asarray(oracle.fp4_weights(data, e))
+    np.testing.assert_array_equal(np.asarray(m3.fp4_dequantize(*m3.mxfp4_quantize(
+        jnp.asarray(grid, jnp.float32))), np.float64), grid)
+    bad = jnp.zeros((2, 32)).at[0, 3].set(jnp.nan).at[1, 5].set(jnp.inf).at[1, 6].set(3.0)
+    d, e = m3.mxfp4_quantize(bad)
+    assert list(np.asarray(e)[:, 0]) == [255, 127]
+    got = np.asarray(m3.fp4_dequantize(d, e), np.float64)
+    assert np.isnan(got[0]).all() and got[1, 5] == 6 and got[1, 6] == 3
+    with pytest.raises(ValueError, match="multiple of 32"):
+        m3.mxfp4_quantize(jnp.zeros((2, 48)))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("sizes", [[3, 0, 5, 2], [2, -3, 20, 1]])
+def test_fp4_matches_oracle(rng, fmt, sizes):
+    lhs, data, scale = fp4_operands(rng, 10, 64, 4, 16, fmt)
+    got = np.asarray(jax.jit(m3.grouped_matmul)(lhs, data, jnp.asarray(sizes, jnp.int32), scale))
+    want = oracle.grouped_matmul(lhs, data, sizes, rhs_scale=scale)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
+    assert not np.any(got[np.all(want == 0, axis=1)])
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fp4_is_the_bf16_call_on_dequantized_weights(rng, fmt):
+    """SPEC §9.3: the FP4 call is the bf16 call on fp4_dequantize(rhs, scale), bit for bit (CPU
+    lowering here; the CUDA kernel in tests/cuda), with gathered rows and a bf16 output too."""
+    lhs, data, scale = fp4_operands(rng, 16, 96, 3, 24, fmt)
+    sizes = jnp.asarray([6, 0, 10], jnp.int32)
+    w = m3.fp4_dequantize(data, scale)
+    rows = jnp.asarray(rng.integers(-2, 18, 16), jnp.int32)
+    for kw in ({}, {"lhs_rows": rows}, {"out_dtype": jnp.bfloat16}):
+        np.testing.assert_array_equal(np.asarray(m3.grouped_matmul(lhs, data, sizes, scale, **kw)),
+                                      np.asarray(m3.grouped_matmul(lhs, w, sizes, **kw)))
+
+
+def test_fp4_vmap_and_cuda_lowering(rng):
+    lhs, data, scale = fp4_operands(rng, 8, 128, 2, 8, "nvfp4")
+    sizes = jnp.asarray([[3, 5], [8, 0]], jnp.int32)
+    got = jax.vmap(m3.grouped_matmul, in_axes=(None, None, 0, None))(lhs, data, sizes, scale)
+    for b in range(2):
+        np.testing.assert_allclose(np.asarray(got[b]), oracle.grouped_matmul(
+            lhs, data, sizes[b], rhs_scale=scale), rtol=1e-5, atol=1e-3)
+    for fmt, scale_type in (("nvfp4", "tensor<2x8x8xf8E4M3FN>"), ("mxfp4", "tensor<2x8x4xui8>")):
+        args = fp4_operands(rng, 8, 128, 2, 8, fmt)
+        exp = jax.export.export(jax.jit(m3.grouped_matmul), platforms=["cuda"],
+                                disabled_checks=m3.export_disabled_checks())(
+            args[0], args[1], sizes[0], args[2])
+        text = exp.mlir_module()
+        assert "m3sparse_grouped_matmul_cuda" in text and "tensor<2x8x64xui8>" in text
+        assert scale_type in text
+    with pytest.raises(ValueError, match=r"% 128 == 0 for FP4"):
+        jax.jit(m3.grouped_matmul).trace(*fp4_operands(rng, 8, 96, 2, 8, "mxfp4")[:2], sizes[0],
+                                         fp4_operands(rng, 8, 96, 2, 8, "mxfp4")[2]).lower(
+            lowering_platforms=("cuda",))
+
+
+def test_fp4_argument_errors(rng):
+    lhs, data, scale = fp4_operands(rng, 8, 64, 2, 8, "mxfp4")
+    sizes = jnp.asarray([3, 5], jnp.int32)
+    with pytest.raises(ValueError, match="pass rhs_scale"):
+        m3.grouped_matmul(lhs, data, sizes)
+    with pytest.raises(ValueError, match="must share K"):
+        m3.grouped_matmul(lhs[:, :32], data, sizes, scale)
+    with pytest.raises(ValueError, match="disagree"):
+        m3.grouped_matmul(lhs, data, sizes, scale[:, :, :1])
+    with pytest.raises(ValueError, match="disagree"):         # NVFP4 needs K/16 scales
+        m3.grouped_matmul(lhs, data, sizes, scale.astype(jnp.float8_e4m3fn))
+    with pytest.raises(TypeError, match="uint8 \\(E8M0, MXFP4\\) or float8_e4m3fn"):
+        m3.grouped_matmul(lhs, data, sizes, scale.astype(jnp.int32))
+    a8, ae = m3.mxfp8_quantize(lhs.astype(jnp.float32))
+    with pytest.raises(ValueError, match="needs MXFP8 rhs"):
+        m3.grouped_matmul(a8, data, sizes, scale, lhs_scale=ae)

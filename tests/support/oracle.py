@@ -173,33 +173,67 @@ def metrics(out, ref):
     return cos, float(np.linalg.norm(a - b) / nb) if nb else float(np.linalg.norm(a))
 
 
-def mxfp8_weights(data, scales):
-    """MXFP8 (SPEC §9.1) in float64: the fp8 byte's value (its bits decoded here, not by a
-    dtype conversion) · 2^(e − 127), e = 255 NaN, values below 2^-126 in magnitude ±0, then
-    rounded to bf16 (every normal product has 4 significant bits: exact)."""
+def e4m3_values(data):
+    """float8_e4m3fn values in float64, decoded from their bits (not by a dtype conversion)."""
     bits = np.asarray(data).view(np.uint8).astype(np.int64)
     sign = np.where(bits & 0x80, -1.0, 1.0)
     exp, man = (bits >> 3) & 15, bits & 7
     mag = np.where(exp == 0, man / 8.0 * 2.0 ** -6, (1 + man / 8.0) * 2.0 ** (exp - 7.0))
-    mag = np.where((exp == 15) & (man == 7), np.nan, mag)
+    return sign * np.where((exp == 15) & (man == 7), np.nan, mag)
+
+
+def mxfp8_weights(data, scales):
+    """MXFP8 (SPEC §9.1) in float64: the fp8 byte's value (its bits decoded here, not by a
+    dtype conversion) · 2^(e − 127), e = 255 NaN, values below 2^-126 in magnitude ±0, then
+    rounded to bf16 (every normal product has 4 significant bits: exact)."""
+    v = e4m3_values(data)
+    sign = np.where(np.signbit(v), -1.0, 1.0)
     e = np.repeat(np.asarray(scales).astype(np.int64), 32, axis=-1)
-    w = sign * mag * np.where(e == 255, np.nan, 2.0 ** (e - 127.0))
+    w = v * np.where(e == 255, np.nan, 2.0 ** (e - 127.0))
     w = np.where(np.abs(w) < 2.0 ** -126, 0.0 * sign, w)
     with np.errstate(over="ignore"):   # beyond bf16's range: inf, as the kernels round
         return np.asarray(w.astype(ml_dtypes.bfloat16), np.float64)
 
 
+def fp4_weights(data, scales):
+    """Packed FP4 weights (SPEC §9.3) in float64: each byte's low nibble then high nibble
+    decoded from its bits (sign bit 3; exponent bits 2-1, a subnormal 0.5 · mantissa when 0;
+    mantissa bit 0), times 2^(e − 127) per 32 (uint8 E8M0 scales: MXFP4; e = 255 NaN; values
+    below 2^-126 ±0) or the E4M3 scale's value per 16 (NVFP4; scale bytes decoded as
+    mxfp8_weights decodes fp8), then rounded to bf16."""
+    b = np.asarray(data).astype(np.int64)
+    codes = np.stack([b & 15, b >> 4], -1).reshape(*b.shape[:-1], 2 * b.shape[-1])
+    sign = np.where(codes & 8, -1.0, 1.0)
+    exp, man = (codes >> 1) & 3, codes & 1
+    mag = np.where(exp == 0, 0.5 * man, (1 + 0.5 * man) * 2.0 ** (exp - 1.0))
+    scales = np.asarray(scales)
+    if scales.dtype == np.uint8:          # MXFP4
+        e = np.repeat(scales.astype(np.int64), 32, axis=-1)
+        w = sign * mag * np.where(e == 255, np.nan, 2.0 ** (e - 127.0))
+        w = np.where(np.abs(w) < 2.0 ** -126, 0.0 * sign, w)
+    else:                                 # NVFP4: the E4M3 scale, one per 16
+        w = sign * mag * np.repeat(e4m3_values(scales), 16, axis=-1)
+    with np.errstate(over="ignore"):
+        return np.asarray(w.astype(ml_dtypes.bfloat16), np.float64)
+
+
+def _weights(rhs, rhs_scale):
+    if rhs_scale is None:
+        return np.asarray(rhs, np.float64)
+    return (fp4_weights if np.asarray(rhs).dtype == np.uint8 else mxfp8_weights)(rhs, rhs_scale)
+
+
 def grouped_matmul(lhs, rhs, sizes, rhs_scale=None, lhs_rows=None, lhs_scale=None):
     """grouped_matmul (SPEC §9) in float64, per group; negative sizes count 0, rows past M
     dropped, uncovered rows 0; MXFP8 rhs (with rhs_scale) and lhs (with lhs_scale, §9.2)
-    decoded by mxfp8_weights; ``lhs_rows``: row i is lhs row lhs_rows[i], a zero row for ids
+    decoded by mxfp8_weights, packed FP4 rhs (uint8, §9.3) by fp4_weights; ``lhs_rows``: row i is lhs row lhs_rows[i], a zero row for ids
     outside [0, T)."""
     a = np.asarray(lhs, np.float64) if lhs_scale is None else mxfp8_weights(lhs, lhs_scale)
     if lhs_rows is not None:
         ids = np.asarray(lhs_rows)
         a = np.array([a[i] if 0 <= i < len(a) else np.zeros(a.shape[1]) for i in ids]
                      ).reshape(len(ids), a.shape[1])
-    w = np.asarray(rhs, np.float64) if rhs_scale is None else mxfp8_weights(rhs, rhs_scale)
+    w = _weights(rhs, rhs_scale)
     out = np.zeros((a.shape[0], w.shape[1]))
     start = 0
     for g, s in enumerate(np.asarray(sizes)):
