@@ -1,6 +1,8 @@
 // grouped_matmul for sm_90 (SPEC §9): out[i] = lhs[i] · rhs[g(i)]ᵀ in fp32, the rows of lhs
 // grouped by consecutive group_sizes — the routed experts of a mixture of experts, read once each.
-// rhs is bf16, or MXFP8 (fp8 e4m3 with an E8M0 exponent per 32 k: weight-only, half the bytes).
+// rhs is bf16, MXFP8 (fp8 e4m3 with an E8M0 exponent per 32 k: weight-only, half the bytes), or
+// packed FP4 (E2M1 two per byte; MXFP4: an E8M0 exponent per 32 k, NVFP4: an E4M3 scale per 16:
+// a quarter of the bytes).
 //
 //   1. Grid (column tiles of BN) × (min(G, M) + 1). CTA row y finds the y-th non-empty group
 //      (sizes clamped at 0, the running end clamped at M; one warp scans them) and its rows
@@ -14,18 +16,20 @@
 //      ring of shared-memory stages (16-byte cp.async; rows past the group, columns past N and
 //      k past K are zero-filled, so nothing outside the operands is read). A stage holds 64 k
 //      of bf16 weights, or 128 k of fp8 weights (the same 128 bytes per row) with their four
-//      scale bytes per row; lhs rows in [BM][64] sub-tiles. Chunk c of row r sits at chunk
-//      c ^ (r & 7) of the row: ldmatrix, and the fp8 fragments' 2-byte loads, read 8 rows
+//      scale bytes per row, or 128 k of FP4 weights (64 bytes per row, two rows per 128-byte
+//      line) with four (MXFP4) or eight (NVFP4) scale bytes; lhs rows in [BM][64] sub-tiles.
+//      Chunk c of row r sits at chunk c ^ (r & 7) of the row (FP4: of its half line, c ^ (line
+//      & 3)): ldmatrix, and the quantized fragments' 2-byte and 1-byte loads, read 8 rows
 //      without bank conflicts.
 //   3. Each warp owns 32 columns (four n8 tiles) and the BM rows; BN = 32, 64 or 128 (1, 2 or 4
 //      warps: narrower tiles give a decode batch's few groups more CTAs). bf16 weight fragments
-//      come from ldmatrix; fp8 ones are loaded per thread and widened in registers to exactly
-//      the bf16 value bf16(float(w) · 2^(e − 127)) — the fragment a bf16 launch on the
+//      come from ldmatrix; fp8 and FP4 ones are loaded per thread and widened in registers to
+//      exactly the bf16 value of SPEC §9.1 / §9.3 — the fragment a bf16 launch on the
 //      dequantized weights would load. Every output element is one chain of m16n8k16 bf16 mma
 //      in k order with an fp32 accumulator: a row's bits depend on its own lhs row and its
 //      group's weights only, never on the other rows, the group sizes or the tile shape
-//      (batch-invariant; tests/cuda checks it), and an MXFP8 launch equals the bf16 launch on
-//      the dequantized weights bit for bit.
+//      (batch-invariant; tests/cuda checks it), and an MXFP8 or FP4 launch equals the bf16
+//      launch on the dequantized weights bit for bit.
 //   4. The accumulators are stored (fp32, or rounded to bf16 when out_bf16) for the tile's rows
 //      inside the group and columns < N.
 // With lhs_rows (SPEC §9 item 4) step 2 reads row i's lhs from lhs_rows[i]: the sorted copy of the
@@ -55,6 +59,11 @@ __device__ __forceinline__ void cp_async4_zfill(void* smem_dst, const void* gmem
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
   const int n = valid ? 4 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(gmem_src), "r"(n));
+}
+__device__ __forceinline__ void cp_async8_zfill(void* smem_dst, const void* gmem_src, bool valid) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  const int n = valid ? 8 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(d), "l"(gmem_src), "r"(n));
 }
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
@@ -102,8 +111,43 @@ __device__ __forceinline__ uint32_t dequant_fp8x2(uint16_t q, float2 s) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
+__device__ __forceinline__ float mul_rn(float a, float b) {   // IEEE: subnormals kept
+  float d;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+// E2M1 code (bit 3 the sign) -> its value exactly: the code's exponent and mantissa bits placed
+// at fp32's exponent LSB and first mantissa bit make 2^-126 times the value (code 1, 0.5, a
+// subnormal), which one IEEE multiply by 2^126 restores.
+__device__ __forceinline__ float e2m1_value(uint32_t code) {
+  return mul_rn(__uint_as_float(((code & 8u) << 28) | ((code & 7u) << 22)), 0x1p126f);
+}
+
+// One byte of packed FP4 (the lower k in the low nibble) as a packed bf16 pair, SPEC §9.3:
+// MXFP4 e2m1 · 2^(e − 127) with the scale's two factors s (products below 2^-126 flushed to ±0,
+// as MXFP8); NVFP4 e2m1 · scale with s.x the E4M3 scale's value and s.y = 0 (exact).
+template <bool kNv>
+__device__ __forceinline__ uint32_t dequant_fp4x2(uint32_t byte, float2 s) {
+  const float lo = e2m1_value(byte & 15u), hi = e2m1_value(byte >> 4);
+  const __nv_bfloat162 b =
+      kNv ? __floats2bfloat162_rn(lo * s.x, hi * s.x)
+          : __floats2bfloat162_rn(mul_ftz(mul_ftz(lo, s.x), s.y), mul_ftz(mul_ftz(hi, s.x), s.y));
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// E4M3 byte -> its fp32 value (NaN codes: NaN), via the exact fp8 -> f16 conversion.
+__device__ __forceinline__ float e4m3_float(uint8_t q) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(q, __NV_E4M3);
+  return __half2float(*reinterpret_cast<const __half*>(&h));
+}
+
 // Byte offset of 16-byte chunk c of row r in a [rows][128 B] stage (swizzled, step 2).
 __device__ __forceinline__ int swz(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
+// The same for FP4 weight rows of 64 bytes, two per 128-byte line: chunk c (0..3) of row r.
+__device__ __forceinline__ int swz4(int r, int c) {
+  return (r >> 1) * 128 + ((4 * (r & 1) + (c ^ ((r >> 1) & 3))) << 4);
+}
 
 // Step 1: the rows [start, end) of the y-th non-empty group (sizes clamped at 0, the running end
 // at M; *g = its index); or, with kTileRows > 0 and split, of the y-th tile of kTileRows rows
@@ -181,21 +225,25 @@ __device__ void find_group(const int32_t* sizes, int G, int64_t M, int64_t y, bo
 }
 
 // The operands' formats: bf16 lhs and weights; bf16 lhs and MXFP8 weights widened to bf16
-// (SPEC §9.1); MXFP8 lhs and weights multiplied as fp8 (SPEC §9.2).
-enum class Fmt { kBf16, kFp8W, kW8A8 };
+// (SPEC §9.1); MXFP8 lhs and weights multiplied as fp8 (SPEC §9.2); bf16 lhs and FP4 weights
+// widened to bf16, MXFP4 or NVFP4 (SPEC §9.3).
+enum class Fmt { kBf16, kFp8W, kW8A8, kFp4Mx, kFp4Nv };
 
-// Stage geometry of a launch: fp8 weights take 128 k per stage (the same 128 bytes per row),
-// with a bf16 lhs in two [BM][64] sub-tiles, an fp8 lhs in one [BM][128]; four E8M0 bytes per
-// fp8 row and stage (weights, then the lhs rows).
+// Stage geometry of a launch: quantized weights take 128 k per stage (fp8: the same 128 bytes
+// per row; FP4: 64), with a bf16 lhs in two [BM][64] sub-tiles, an fp8 lhs in one [BM][128];
+// four E8M0 bytes per fp8 or MXFP4 row and stage, eight E4M3 per NVFP4 row (weights, then the
+// lhs rows).
 template <Fmt kF, int kMTiles, int kWarpsN>
 struct Geometry {
-  static constexpr bool kFp8B = kF != Fmt::kBf16, kFp8A = kF == Fmt::kW8A8;
+  static constexpr bool kFp4 = kF == Fmt::kFp4Mx || kF == Fmt::kFp4Nv;
+  static constexpr bool kFp8B = kF != Fmt::kBf16, kFp8A = kF == Fmt::kW8A8;  // kFp8B: quantized
   static constexpr int kThreads = 32 * kWarpsN, kBN = 32 * kWarpsN, kBM = 16 * kMTiles;
-  static constexpr int kSubTiles = kF == Fmt::kFp8W ? 2 : 1;   // [BM][128 B] lhs sub-tiles
+  static constexpr int kSubTiles = kF == Fmt::kFp8W || kFp4 ? 2 : 1;   // [BM][128 B] lhs sub-tiles
   static constexpr int kStepK = kFp8B ? 128 : 64;              // k per stage
+  static constexpr int kScaleB = kF == Fmt::kFp4Nv ? 8 : kFp8B ? 4 : 0;   // per weight row
   static constexpr int kSubA = kBM * kRowBytes;
-  static constexpr int kStageA = kSubA * kSubTiles, kStageB = kBN * kRowBytes;
-  static constexpr int kStageS = (kFp8B ? kBN * 4 : 0) + (kFp8A ? kBM * 4 : 0);
+  static constexpr int kStageA = kSubA * kSubTiles, kStageB = kBN * (kFp4 ? 64 : kRowBytes);
+  static constexpr int kStageS = kBN * kScaleB + (kFp8A ? kBM * 4 : 0);
   static constexpr int kStage = kStageA + kStageB + kStageS;
 };
 
@@ -219,15 +267,18 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
   using Geo = Geometry<kF, kMTiles, kWarpsN>;
   constexpr bool kFp8B = Geo::kFp8B, kFp8A = Geo::kFp8A;
   constexpr int kThreads = Geo::kThreads, kBN = Geo::kBN, kBM = Geo::kBM;
-  constexpr int kElem = kFp8B ? 1 : 2;                   // weight bytes per element
+  constexpr bool kFp4 = Geo::kFp4;
+  constexpr int kElem = kFp8B ? 1 : 2;                   // weight bytes per element (not FP4)
   constexpr int kElemA = kFp8A ? 1 : 2;                  // lhs bytes per element
   constexpr int kChunkK = 16 / kElemA;                   // lhs k per 16-byte chunk
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wn = warp;
   const uint8_t* lhs = static_cast<const uint8_t*>(p.lhs);
-  const uint8_t* rhs = static_cast<const uint8_t*>(p.rhs) + int64_t(g) * p.n * p.k * kElem;
+  const int64_t wrow = kFp4 ? p.k / 2 : p.k * kElem;    // weight bytes per row
+  const uint8_t* rhs = static_cast<const uint8_t*>(p.rhs) + int64_t(g) * p.n * wrow;
   const int64_t scale_row = p.k / 32;                    // E8M0 bytes per fp8 row
-  const uint8_t* scales = kFp8B ? p.rhs_scale + int64_t(g) * p.n * scale_row : nullptr;
+  const int64_t wscale_row = p.k / 32 * (Geo::kScaleB / 4);   // scale bytes per weight row
+  const uint8_t* scales = kFp8B ? p.rhs_scale + int64_t(g) * p.n * wscale_row : nullptr;
   const int ksteps = int((p.k + Geo::kStepK - 1) / Geo::kStepK);
 
   for (int64_t m0 = start; m0 < end; m0 += kBM) {
@@ -260,8 +311,10 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
     if constexpr (kFp8A) {
       if (tid < kBM) psa = p.lhs_scale + source_row(m0 + tid, &live_sa) * scale_row;
     }
-    const uint8_t* pb = rhs + (n0 + r0) * p.k * kElem + 16 * c;
-    const int64_t live_b = p.n - n0 - r0;   // weight row j valid: j·step < live_b
+    // FP4: thread tid copies chunk c & 3 of row 2 · (tid / 8) + c / 4 (+ 2 · j · kRowStep)
+    const int rb = kFp4 ? 2 * r0 + (c >> 2) : r0;
+    const uint8_t* pb = rhs + (n0 + rb) * wrow + 16 * (kFp4 ? c & 3 : c);
+    const int64_t live_b = p.n - n0 - rb;   // weight row j valid: j·step < live_b
     auto load = [&](int ks) {
       if (ks < ksteps) {
         uint8_t* a = smem + (ks % kStages) * Geo::kStage;
@@ -277,17 +330,31 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
             cp_async16_zfill(a + h * Geo::kSubA + swz(r0 + j * kRowStep, c), ok ? src : lhs, ok);
           }
         }
-        const bool kb_ok = (k0 * kElem + 16 * c) < p.k * kElem;
+        if constexpr (kFp4) {   // K % 128 == 0: a stage's 64 bytes per row are whole
 #pragma unroll
-        for (int j = 0; j < kRowsB; ++j) {
-          const bool ok = kb_ok && j * kRowStep < live_b;
-          const uint8_t* src = pb + int64_t(j) * kRowStep * p.k * kElem + k0 * kElem;
-          cp_async16_zfill(b + swz(r0 + j * kRowStep, c), ok ? src : rhs, ok);
+          for (int j = 0; j < kRowsB / 2; ++j) {
+            const bool ok = 2 * j * kRowStep < live_b;
+            const uint8_t* src = pb + int64_t(2 * j * kRowStep) * wrow + k0 / 2;
+            cp_async16_zfill(b + swz4(rb + 2 * j * kRowStep, c & 3), ok ? src : rhs, ok);
+          }
+        } else {
+          const bool kb_ok = (k0 * kElem + 16 * c) < p.k * kElem;
+#pragma unroll
+          for (int j = 0; j < kRowsB; ++j) {
+            const bool ok = kb_ok && j * kRowStep < live_b;
+            const uint8_t* src = pb + int64_t(j) * kRowStep * wrow + k0 * kElem;
+            cp_async16_zfill(b + swz(r0 + j * kRowStep, c), ok ? src : rhs, ok);
+          }
         }
-        if constexpr (kFp8B) {  // K % 128 == 0: a stage's four scale bytes are whole and aligned
-          const bool ok = tid < live_b + r0;   // weight row n0 + tid < N
-          const uint8_t* src = scales + (n0 + tid) * scale_row + k0 / 32;
-          cp_async4_zfill(b + Geo::kStageB + 4 * tid, ok ? src : scales, ok);
+        if constexpr (kFp8B) {  // K % 128 == 0: a stage's scale bytes are whole and aligned
+          const bool ok = tid < p.n - n0;      // weight row n0 + tid < N
+          if constexpr (Geo::kScaleB == 8) {
+            const uint8_t* src = scales + (n0 + tid) * wscale_row + k0 / 16;
+            cp_async8_zfill(b + Geo::kStageB + 8 * tid, ok ? src : scales, ok);
+          } else {
+            const uint8_t* src = scales + (n0 + tid) * wscale_row + k0 / 32;
+            cp_async4_zfill(b + Geo::kStageB + 4 * tid, ok ? src : scales, ok);
+          }
         }
         if constexpr (kFp8A) {
           if (tid < kBM)
@@ -320,6 +387,19 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
             const float2 s = e8m0_factors(b[Geo::kStageB + 4 * r + (kk >> 1)]);
             bf[nt][0] = dequant_fp8x2(*reinterpret_cast<const uint16_t*>(q), s);
             bf[nt][1] = dequant_fp8x2(*reinterpret_cast<const uint16_t*>(q + 8), s);
+          }
+        } else if constexpr (kFp4) {
+          // Byte t (k 2t, 2t + 1) and byte 4 + t (k 2t + 8, 2t + 9) of the row's 8 bytes of
+          // this k16 step: the fragment the bf16 path's ldmatrix would give.
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            const int r = wn * 32 + nt * 8 + (lane >> 2);
+            const uint8_t* q = b + swz4(r, kk >> 1) + 8 * (kk & 1) + (lane & 3);
+            const uint8_t* sr = b + Geo::kStageB + Geo::kScaleB * r;
+            const float2 s = kF == Fmt::kFp4Nv ? make_float2(e4m3_float(sr[kk]), 0.0f)
+                                               : e8m0_factors(sr[kk >> 1]);
+            bf[nt][0] = dequant_fp4x2<kF == Fmt::kFp4Nv>(q[0], s);
+            bf[nt][1] = dequant_fp4x2<kF == Fmt::kFp4Nv>(q[4], s);
           }
         } else {
           // bf16 (16 k) or fp8 (32 k) fragments: the same bytes of the same rows either way
@@ -464,7 +544,7 @@ cudaError_t launch(const GroupedMatmulParams& p, bool split, cudaStream_t stream
 // Whether a column tile's weights (128 × K) outgrow what L2 serves again cheaply (H200, one
 // TP-8 rank of M3: gate_up's K 6144 does, down's K 384 does not; BENCHMARKS.md).
 bool big_tile(const GroupedMatmulParams& p) {
-  return 128 * p.k * (p.rhs_scale ? 1 : 2) > (256 << 10);
+  return 128 * (p.fp4 ? p.k / 2 : p.rhs_scale ? p.k : 2 * p.k) > (256 << 10);
 }
 
 // The tile's launch for each format. Stages: a ring of about 64-84 KB for 16-row tiles (4 CTAs
@@ -475,17 +555,18 @@ bool big_tile(const GroupedMatmulParams& p) {
 // than the weights the resident CTAs stream). Small column tiles (down's K 384) keep one CTA
 // row per group: the second pass hits L2, and twice the CTAs would each pay the prologue.
 // (Tests force either with p.block_n = 1: per tile, 2: per group.)
+// FP4 stages hold half the weight bytes of fp8 ones: more of them keep as many in flight.
 template <Fmt kF>
 cudaError_t launch_tile(const GroupedMatmulParams& p, const GroupedMatmulTile& t,
                         cudaStream_t stream) {
-  constexpr bool kFp8B = kF != Fmt::kBf16;
+  constexpr bool kFp8B = kF != Fmt::kBf16, kFp4 = kF == Fmt::kFp4Mx || kF == Fmt::kFp4Nv;
   if (t.block_m == 64) {
     const bool split = p.block_n == 1 || (p.block_n != 2 && big_tile(p));
     return launch<kF, 4, 4, kF == Fmt::kFp8W ? 3 : 4>(p, split, stream);
   }
-  if (t.block_n == 32) return launch<kF, 1, 1, kFp8B ? 6 : 8>(p, false, stream);
-  if (t.block_n == 64) return launch<kF, 1, 2, kFp8B ? 5 : 6>(p, false, stream);
-  return launch<kF, 1, 4, 4>(p, false, stream);
+  if (t.block_n == 32) return launch<kF, 1, 1, kFp8B ? (kFp4 ? 8 : 6) : 8>(p, false, stream);
+  if (t.block_n == 64) return launch<kF, 1, 2, kFp8B ? (kFp4 ? 7 : 5) : 6>(p, false, stream);
+  return launch<kF, 1, 4, kFp4 ? 6 : 4>(p, false, stream);
 }
 
 // CTAs of a launch with column tiles of bn, if every possible group is non-empty.
@@ -517,22 +598,26 @@ const char* grouped_matmul_w8a8_unsupported(int64_t k) {
                              "and weights (whole stages of 128 k and 4-byte scale rows)";
 }
 
-const char* grouped_matmul_unsupported(int64_t k, bool mxfp8) {
-  if (mxfp8)
+const char* grouped_matmul_unsupported(int64_t k, bool quantized) {
+  if (quantized)
     return k % 128 == 0 ? "" : "the CUDA grouped_matmul kernel needs K % 128 == 0 for MXFP8 "
-                               "weights (whole stages of 128 k and 4-byte scale rows)";
+                               "or FP4 weights (whole stages of 128 k and whole scale rows)";
   return k % 8 == 0 ? "" : "the CUDA grouped_matmul kernel needs K (the contracted dim) % 8 == 0";
 }
 
 cudaError_t launch_grouped_matmul(const GroupedMatmulParams& p, cudaStream_t stream) {
-  const bool mxfp8 = p.rhs_scale != nullptr, w8a8 = p.lhs_scale != nullptr;
+  const bool quantized = p.rhs_scale != nullptr, w8a8 = p.lhs_scale != nullptr;
+  const bool mxfp8 = quantized && p.fp4 == 0;
   if ((w8a8 && (!mxfp8 || grouped_matmul_w8a8_unsupported(p.k)[0] != '\0')) ||
-      grouped_matmul_unsupported(p.k, mxfp8)[0] != '\0' || p.m < 0 || p.n < 1 ||
-      p.num_groups < 0 || p.num_groups > 65534)
+      grouped_matmul_unsupported(p.k, quantized)[0] != '\0' || p.m < 0 || p.n < 1 ||
+      p.num_groups < 0 || p.num_groups > 65534 || p.fp4 < 0 || p.fp4 > 2 ||
+      (p.fp4 != 0 && !quantized))
     return cudaErrorInvalidValue;
   if (p.m == 0) return cudaSuccess;
   const GroupedMatmulTile t = grouped_matmul_tile(p);
   if (w8a8) return launch_tile<Fmt::kW8A8>(p, t, stream);
+  if (p.fp4 == 1) return launch_tile<Fmt::kFp4Mx>(p, t, stream);
+  if (p.fp4 == 2) return launch_tile<Fmt::kFp4Nv>(p, t, stream);
   return mxfp8 ? launch_tile<Fmt::kFp8W>(p, t, stream) : launch_tile<Fmt::kBf16>(p, t, stream);
 }
 

@@ -250,7 +250,7 @@ ffi::Error SelectBlocks(cudaStream_t stream, ffi::AnyBuffer idx_q, ffi::AnyBuffe
 }
 
 ffi::Error GroupedMatmul(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                         ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::U8> rhs_scale,
+                         ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer rhs_scale,
                          ffi::Buffer<ffi::S32> lhs_rows, ffi::Buffer<ffi::U8> lhs_scale,
                          ffi::Result<ffi::AnyBuffer> out, int64_t gather) {
   auto ld = lhs.dimensions(), rd = rhs.dimensions(), gd = group_sizes.dimensions();
@@ -259,14 +259,21 @@ ffi::Error GroupedMatmul(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer
     return invalid("grouped_matmul: lhs_rows must be [M] (gather) or [0]");
   const int64_t m = gather ? id[0] : ld[0];
   auto sd = rhs_scale.dimensions();
-  if (ld.size() != 2 || rd.size() != 3 || gd.size() != 1 || gd[0] != rd[0] || rd[2] != ld[1])
-    return invalid("grouped_matmul: lhs [M, K], rhs [G, N, K], group_sizes [G]");
-  const bool mxfp8 = rhs.element_type() == ffi::F8E4M3FN;
-  if (!mxfp8 && rhs.element_type() != ffi::BF16)
-    return invalid("grouped_matmul: rhs must be bf16 or float8_e4m3fn (MXFP8)");
-  if (sd.size() != 3 || sd[0] != rd[0] || sd[1] != rd[1] || sd[2] != (mxfp8 ? rd[2] / 32 : 0))
-    return invalid("grouped_matmul: rhs_scale must be [G, N, K / 32] for MXFP8 rhs, "
-                   "[G, N, 0] for bf16");
+  const bool mxfp8 = rhs.element_type() == ffi::F8E4M3FN, fp4 = rhs.element_type() == ffi::U8;
+  if (!mxfp8 && !fp4 && rhs.element_type() != ffi::BF16)
+    return invalid("grouped_matmul: rhs must be bf16, float8_e4m3fn (MXFP8) or uint8 (FP4)");
+  if (ld.size() != 2 || rd.size() != 3 || gd.size() != 1 || gd[0] != rd[0] ||
+      (fp4 ? 2 * rd[2] : rd[2]) != ld[1])
+    return invalid("grouped_matmul: lhs [M, K], rhs [G, N, K] (FP4: [G, N, K / 2]), "
+                   "group_sizes [G]");
+  // FP4 scales: E8M0 bytes per 32 k (MXFP4) or E4M3 per 16 (NVFP4), told apart by their dtype
+  const bool nv = fp4 && rhs_scale.element_type() == ffi::F8E4M3FN;
+  if (rhs_scale.element_type() != ffi::U8 && !nv)
+    return invalid("grouped_matmul: rhs_scale must be uint8 (E8M0), or float8_e4m3fn with FP4 rhs");
+  if (sd.size() != 3 || sd[0] != rd[0] || sd[1] != rd[1] ||
+      sd[2] != (nv ? ld[1] / 16 : mxfp8 || fp4 ? ld[1] / 32 : 0))
+    return invalid("grouped_matmul: rhs_scale must be [G, N, K / 32] for MXFP8 or MXFP4 rhs, "
+                   "[G, N, K / 16] for NVFP4, [G, N, 0] for bf16");
   auto od = out->dimensions();
   if (od.size() != 2 || od[0] != m || od[1] != rd[1])
     return invalid("grouped_matmul: out must be [M, N]");
@@ -282,13 +289,14 @@ ffi::Error GroupedMatmul(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer
     return invalid("grouped_matmul: lhs_scale must be [rows of lhs, K / 32] for an MXFP8 lhs, "
                    "[rows of lhs, 0] for bf16");
   const char* why = w8a8 ? grouped_matmul_w8a8_unsupported(ld[1])
-                         : grouped_matmul_unsupported(ld[1], mxfp8);
+                         : grouped_matmul_unsupported(ld[1], mxfp8 || fp4);
   if (why[0] != '\0') return invalid(why);
   if (rd[0] > 65534) return invalid("grouped_matmul: G must be below 65535");
   GroupedMatmulParams p = {};
   p.lhs = lhs.untyped_data();
   p.rhs = rhs.untyped_data();
-  p.rhs_scale = mxfp8 ? rhs_scale.typed_data() : nullptr;
+  p.rhs_scale = mxfp8 || fp4 ? static_cast<const uint8_t*>(rhs_scale.untyped_data()) : nullptr;
+  p.fp4 = fp4 ? (nv ? 2 : 1) : 0;
   p.lhs_scale = w8a8 ? lhs_scale.typed_data() : nullptr;
   p.group_sizes = group_sizes.typed_data();
   p.out = out->untyped_data();
@@ -467,9 +475,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_grouped_matmul_cuda, m3sparse::cuda::Grou
                               xffi::Ffi::Bind()
                                   .Ctx<xffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xffi::AnyBuffer>()               // lhs (bf16 / fp8)
-                                  .Arg<xffi::AnyBuffer>()               // rhs (bf16 / fp8)
+                                  .Arg<xffi::AnyBuffer>()               // rhs (bf16 / fp8 / u8 FP4)
                                   .Arg<xffi::Buffer<xffi::S32>>()       // group_sizes
-                                  .Arg<xffi::Buffer<xffi::U8>>()        // rhs_scale
+                                  .Arg<xffi::AnyBuffer>()               // rhs_scale (u8 / e4m3)
                                   .Arg<xffi::Buffer<xffi::S32>>()       // lhs_rows
                                   .Arg<xffi::Buffer<xffi::U8>>()        // lhs_scale
                                   .Ret<xffi::AnyBuffer>()               // out (f32 / bf16)

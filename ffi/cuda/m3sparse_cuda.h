@@ -111,12 +111,15 @@ const char* select_unsupported(int64_t head_dim, int64_t block_size, int64_t max
 cudaError_t launch_select_blocks(const SelectParams& p, cudaStream_t stream);
 
 // grouped_matmul (SPEC §9; ffi/cuda/grouped_matmul.cu): out[M, N] fp32 = lhs[M, K] · rhs[g]ᵀ per
-// group of consecutive rows. lhs bf16, or MXFP8 with MXFP8 rhs (SPEC §9.2); rhs bf16, or MXFP8
-// (fp8 e4m3 + E8M0 per 32 k).
+// group of consecutive rows. lhs bf16, or MXFP8 with MXFP8 rhs (SPEC §9.2); rhs bf16, MXFP8
+// (fp8 e4m3 + E8M0 per 32 k), or packed FP4 (MXFP4, NVFP4: SPEC §9.3).
 struct GroupedMatmulParams {
   const void* lhs;                // [M, K] bf16, or fp8 e4m3 when lhs_scale is set
   const void* rhs;                // [G, N, K] bf16, or fp8 e4m3 when rhs_scale is set
-  const uint8_t* rhs_scale;       // [G, N, K / 32] E8M0 (MXFP8), or nullptr (bf16 rhs)
+  const uint8_t* rhs_scale;       // [G, N, K / 32] E8M0 (MXFP8, MXFP4), [G, N, K / 16] E4M3
+                                  // (NVFP4), or nullptr (bf16 rhs)
+  int32_t fp4;                    // rhs packed FP4 [G, N, K / 2] (SPEC §9.3): 1 = MXFP4,
+                                  // 2 = NVFP4; 0: bf16 or MXFP8 rhs
   const uint8_t* lhs_scale;       // [M (or lhs_count), K / 32] E8M0 (MXFP8 lhs, needs MXFP8
                                   // rhs), or nullptr (bf16 lhs)
   const int32_t* group_sizes;     // [G] (negative counts as 0; rows past M are dropped)
@@ -137,8 +140,8 @@ struct GroupedMatmulTile {
   int block_m, block_n;
 };
 
-// "" or one sentence naming the unmet requirement (K % 8 == 0; MXFP8: K % 128 == 0).
-const char* grouped_matmul_unsupported(int64_t k, bool mxfp8);
+// "" or one sentence naming the unmet requirement (K % 8 == 0; MXFP8 or FP4: K % 128 == 0).
+const char* grouped_matmul_unsupported(int64_t k, bool quantized);
 // The same for MXFP8 lhs and rhs (SPEC §9.2): "" when K % 128 == 0.
 const char* grouped_matmul_w8a8_unsupported(int64_t k);
 // The tile a launch of p takes.

@@ -2,13 +2,14 @@
 // against a float64 host loop over the groups, the size rules (empty, negative, past M,
 // uncovered rows), bit-identity across tile heights and batches, then timings at one TP-8 rank
 // of MiniMax M3's routed experts (E 128, k 4, H 6144, I 384), with bf16 and with MXFP8 weights
-// (and MXFP8 lhs: w8a8),
+// (and MXFP8 lhs: w8a8), and with MXFP4 and NVFP4 weights,
 // beside the floor = (bytes of the experts the batch routes to + activations) / 4.25 TB/s, or
 // the FLOPs / 790 TFLOP/s. (MXFP8 values: tests/cuda/test_gpu.py, through the public API.)
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda \
 //        tests/cuda/grouped_harness.cu ffi/cuda/grouped_matmul.cu -o grouped_harness
-//   ./grouped_harness [--no-bench | --bench-only] [--prefill-only] [--no-w8a8] [--tiles bm:bn,...]
+//   ./grouped_harness [--no-bench | --bench-only] [--prefill-only] [--no-w8a8] [--no-fp4]
+//                     [--tiles bm:bn,...]
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -261,9 +262,69 @@ static void w8a8_tests(std::mt19937& rng) {
   }
 }
 
+// Packed FP4 weights (SPEC §9.3), MXFP4 (fp4 1) or NVFP4 (2): random bytes (every code in
+// both nibbles) with E8M0 exponents 118..129 (or 0..12: products flushed below 2^-126) or
+// random finite E4M3 scales; p.rhs gets their exact bf16 values. Every tile must give the bits
+// of the bf16 kernel on those values.
+static void fp4_tests(std::mt19937& rng) {
+  static const double kE2m1[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  struct Shape { int64_t M, N, K; int G; std::vector<int32_t> sizes; const char* what; };
+  const std::vector<Shape> shapes = {
+      {37, 40, 128, 5, {9, 0, 20, 3, 5}, "covers M; an empty group; N < 32"},
+      {50, 200, 384, 4, {7, -4, 100, 9}, "K 384 (down_proj's)"},
+      {300, 264, 1024, 3, {40, 250, 10}, "several 64-row tiles per group"},
+      {37, 40, 256, 5, {9, 0, 20, 3, 5}, "MXFP4 exponents 0..12 (products flushed below 2^-126)"},
+  };
+  for (const int fmt : {1, 2})
+  for (const Shape& s : shapes) {
+    const bool tiny = s.K == 256, nv = fmt == 2;
+    if (tiny && nv) continue;
+    const std::string what = std::string(nv ? "NVFP4: " : "MXFP4: ") + s.what;
+    Problem p = random_problem(rng, s.M, s.N, s.K, s.G);
+    p.sizes = s.sizes;
+    const int block = nv ? 16 : 32;
+    std::vector<uint8_t> codes(p.rhs.size() / 2), scales(p.rhs.size() / block);
+    for (auto& x : scales) {
+      if (nv) do x = uint8_t(rng()); while ((x & 0x7F) == 0x7F);   // finite E4M3 (signed)
+      else x = uint8_t(tiny ? rng() % 13 : 118 + rng() % 12);
+    }
+    for (auto& x : codes) x = uint8_t(rng());
+    for (size_t i = 0; i < p.rhs.size(); ++i) {
+      const int c = (codes[i / 2] >> (4 * (i & 1))) & 15;
+      const double v = (c & 8 ? -1 : 1) * kE2m1[c & 7];
+      const uint8_t sc = scales[i / block];
+      double w = v * (nv ? e4m3_value(sc) : std::ldexp(1.0, sc - 127));
+      if (!nv && std::fabs(w) < std::ldexp(1.0, -126)) w = 0.0 * w;
+      p.rhs[i] = float_to_bf16(float(w));
+    }
+    Device d(p);
+    void *w4, *sc;
+    CK(cudaMalloc(&w4, codes.size()));
+    CK(cudaMalloc(&sc, scales.size()));
+    CK(cudaMemcpy(w4, codes.data(), codes.size(), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(sc, scales.data(), scales.size(), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d.sizes, p.sizes.data(), p.sizes.size() * 4, cudaMemcpyHostToDevice));
+    const auto a = d.run(p, 16, 128);   // the bf16 kernel on the exact values
+    check(what + " (bf16 kernel on the values)", p, a);
+    bool same = true;
+    for (auto [bm, bn] : kTileList) {
+      GroupedMatmulParams q = d.params(p, bm, bn);
+      q.rhs = w4;
+      q.rhs_scale = static_cast<const uint8_t*>(sc);
+      q.fp4 = fmt;
+      same = same && memcmp(a.data(), d.launch(q).data(), a.size() * 4) == 0;
+    }
+    report(same, what + ": " + kTileNames + " bit-identical to the bf16 kernel on the "
+                 "dequantized values");
+    CK(cudaFree(w4));
+    CK(cudaFree(sc));
+  }
+}
+
 static void tests(std::mt19937& rng) {
   mxfp8_tests(rng);
   w8a8_tests(rng);
+  fp4_tests(rng);
   struct Shape { int64_t M, N, K; int G; std::vector<int32_t> sizes; const char* what; };
   const std::vector<Shape> shapes = {
       {37, 40, 72, 5, {9, 0, 20, 3, 5}, "covers M; an empty group; K % 64 != 0; N < 128"},
@@ -364,6 +425,7 @@ static std::vector<int32_t> route(std::mt19937& rng, int T, int E, int k) {
 }
 
 static bool g_w8a8 = true;   // time MXFP8 lhs + weights too
+static bool g_fp4 = true;    // time MXFP4 and NVFP4 weights too
 
 static void bench(bool prefill_only) {
   const double copy = copy_bandwidth();
@@ -377,13 +439,17 @@ static void bench(bool prefill_only) {
   std::mt19937 rng(99);
   const int E = 128, k = 4;
   struct Proj { const char* name; int64_t N, K; };
-  for (const int mode : {0, 1, 2})   // bf16; MXFP8 weights; MXFP8 weights and lhs (w8a8)
+  // bf16; MXFP8 weights; MXFP8 weights and lhs (w8a8); MXFP4 weights; NVFP4 weights
+  static const char* const kModes[] = {"bf16", "mxfp8", "w8a8", "mxfp4", "nvfp4"};
+  for (const int mode : {0, 1, 2, 3, 4})
   for (const Proj pr : {Proj{"gate_up", 768, 6144}, Proj{"down", 6144, 384}}) {
-    if (mode == 2 && !g_w8a8) continue;
-    const bool fp8 = mode >= 1, w8a8 = mode == 2;
+    if ((mode == 2 && !g_w8a8) || (mode >= 3 && !g_fp4)) continue;
+    const bool fp8 = mode == 1 || mode == 2, w8a8 = mode == 2, fp4 = mode >= 3;
+    const int fp4_kind = mode - 2, block = mode == 4 ? 16 : 32;   // (fp4 only)
     // Every expert's weights once on the device (a cheap pattern: the values do not matter);
-    // MXFP8: fp8 bytes and E8M0 scales 127 (2^0).
-    const size_t elems = size_t(E) * pr.N * pr.K, wbytes = fp8 ? elems : elems * 2;
+    // MXFP8: fp8 bytes and E8M0 scales 127 (2^0); FP4: codes with scales 1.0.
+    const size_t elems = size_t(E) * pr.N * pr.K;
+    const size_t wbytes = fp4 ? elems / 2 : fp8 ? elems : elems * 2;
     std::vector<uint16_t> w(elems);
     for (size_t i = 0; i < w.size(); ++i) w[i] = float_to_bf16(float(int(i * 2654435761u >> 24) - 128) / 4096.0f);
     if (fp8) {  // the same pattern's low bytes as e4m3 codes (never 0x7F / 0xFF: NaN)
@@ -394,9 +460,10 @@ static void bench(bool prefill_only) {
     uint8_t* scale = nullptr;
     CK(cudaMalloc(&rhs, wbytes));
     CK(cudaMemcpy(rhs, w.data(), wbytes, cudaMemcpyHostToDevice));
-    if (fp8) {
-      CK(cudaMalloc(&scale, elems / 32));
-      CK(cudaMemset(scale, 127, elems / 32));
+    if (fp8 || fp4) {
+      const size_t n = elems / (fp4 ? block : 32);
+      CK(cudaMalloc(&scale, n));
+      CK(cudaMemset(scale, mode == 4 ? 0x38 : 127, n));   // E4M3 1.0, E8M0 2^0
     }
     std::vector<uint16_t>().swap(w);
     const std::vector<int> all = {1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, -2048};
@@ -435,19 +502,22 @@ static void bench(bool prefill_only) {
           GroupedMatmulParams gp = d.params(q, g_bench_tiles[b].bm, g_bench_tiles[b].bn);
           gp.rhs = rhs;
           gp.rhs_scale = scale;
+          gp.fp4 = fp4 ? fp4_kind : 0;
           if (w8a8) gp.lhs = lhs8, gp.lhs_scale = lhs_scale;
           gp.group_sizes = dsizes[v];
           CK(launch_grouped_matmul(gp, s));
         }, kVariants);
       }
-      const double bytes = touched * pr.N * pr.K * (fp8 ? 1 + 1.0 / 32 : 2) +
+      const double per_weight = fp4 ? 0.5 + 1.0 / block : fp8 ? 1 + 1.0 / 32 : 2;
+      const double bytes = touched * pr.N * pr.K * per_weight +
                            double(M) * pr.K * (w8a8 ? 1 + 1.0 / 32 : 2) + double(M) * pr.N * 4;
       const double floor_us = std::max(bytes / 4.25e12, 2.0 * M * pr.N * pr.K / 790e12) * 1e6;
       GroupedMatmulParams auto_p = d.params(q, 0);
       auto_p.rhs_scale = scale;
+      auto_p.fp4 = fp4 ? fp4_kind : 0;
       const GroupedMatmulTile tile = grouped_matmul_tile(auto_p);
       const double best = us[tiles - 1];
-      printf("%-6s %-8s %6d %4.0f %4.0f", w8a8 ? "w8a8" : fp8 ? "mxfp8" : "bf16", pr.name, T,
+      printf("%-6s %-8s %6d %4.0f %4.0f", kModes[mode], pr.name, T,
              touched, biggest);
       for (int b = 0; b < tiles; ++b) printf(" %8.1f", us[b]);
       printf(" %8.1f %6.2f %6.0f %3dx%d\n", floor_us, best / floor_us,
@@ -471,6 +541,7 @@ int main(int argc, char** argv) {
     if (!strcmp(argv[i], "--bench-only")) run_tests = false;
     if (!strcmp(argv[i], "--prefill-only")) prefill_only = true;  // tokens 256..2048 only
     if (!strcmp(argv[i], "--no-w8a8")) g_w8a8 = false;            // (an older kernel has none)
+    if (!strcmp(argv[i], "--no-fp4")) g_fp4 = false;              // (nor this)
     if (!strcmp(argv[i], "--tiles") && i + 1 < argc) {            // bm:bn,... then auto
       g_bench_tiles.clear();
       for (char* t = strtok(argv[++i], ","); t; t = strtok(nullptr, ",")) {

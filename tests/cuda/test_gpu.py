@@ -654,6 +654,58 @@ def test_grouped_matmul_w8a8_rows_batch_invariant_and_gathered(rng):
     np.testing.assert_array_equal(gathered, full)
 
 
+def _fp4_weights(rng, G, N, K, fmt):
+    """Packed FP4 weights as the quantizers make them (MXFP4: mxfp4_quantize; NVFP4:
+    nvfp4_quantize at global scale 1) of blocks whose scales differ by up to 2^±6."""
+    w = rng.normal(size=(G, N, K // 32, 32)) * 2.0 ** rng.integers(-6, 7, (G, N, K // 32, 1))
+    w = jnp.asarray(w.reshape(G, N, K), jnp.float32)
+    data, scale = m3.mxfp4_quantize(w) if fmt == "mxfp4" else m3.nvfp4_quantize(w, 1.0)
+    return _gpu(data), _gpu(scale)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("M,K,G,N,sizes", [
+    (37, 128, 5, 40, [9, 0, 20, 3, 5]),
+    (300, 256, 4, 200, [70, -4, 200, 9]),         # 64-row tiles
+    (24, 384, 128, 768, None),                    # one TP-8 rank: down_proj K, 6 tokens × k 4
+    (16, 6144, 128, 768, None),                   # gate_up_proj K 6144, 4 tokens × k 4
+])
+def test_grouped_matmul_fp4_equals_bf16_on_dequantized(rng, fmt, M, K, G, N, sizes):
+    """SPEC §9.3: the kernel on packed FP4 weights equals the kernel on fp4_dequantize's bf16
+    weights bit for bit, and the float64 oracle within rounding; with gathered rows too."""
+    lhs, _ = _grouped_operands(rng, M, K, 1, 1)
+    data, scale = _fp4_weights(rng, G, N, K, fmt)
+    if sizes is None:
+        sizes = np.bincount(rng.integers(0, G, M), minlength=G)
+    sizes = _gpu(jnp.asarray(sizes, jnp.int32))
+    got = np.asarray(jax.jit(m3.grouped_matmul)(lhs, data, sizes, scale))
+    bf16 = np.asarray(jax.jit(lambda a, d, s, n: m3.grouped_matmul(
+        a, m3.fp4_dequantize(d, s), n))(lhs, data, scale, sizes))
+    np.testing.assert_array_equal(got, bf16)
+    want = oracle.grouped_matmul(lhs, data, sizes, rhs_scale=scale)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
+    perm = rng.permutation(M).astype(np.int32)
+    gathered = np.asarray(jax.jit(lambda a, r: m3.grouped_matmul(a, data, sizes, scale,
+                                                                 lhs_rows=r))(
+        lhs[perm], _gpu(jnp.asarray(np.argsort(perm).astype(np.int32)))))
+    np.testing.assert_array_equal(gathered, got)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_grouped_matmul_fp4_rows_batch_invariant(rng, fmt):
+    """An FP4-weight row's bits do not depend on the other rows (16- and 64-row tiles)."""
+    M, K, G, N = 512, 256, 16, 384
+    lhs, _ = _grouped_operands(rng, M, K, 1, 1)
+    data, scale = _fp4_weights(rng, G, N, K, fmt)
+    full = np.asarray(jax.jit(m3.grouped_matmul)(lhs, data, _gpu(jnp.full((G,), M // G,
+                                                                          jnp.int32)), scale))
+    few = np.zeros(G, np.int32)
+    few[5] = 3
+    rows = slice(5 * (M // G), 5 * (M // G) + 3)
+    alone = np.asarray(jax.jit(m3.grouped_matmul)(lhs[rows], data, _gpu(jnp.asarray(few)), scale))
+    np.testing.assert_array_equal(alone, full[rows])
+
+
 # ----------------------------------------------------------------------------- full_attention
 def _full_problem(rng, Hkv, G, seq_lens, chunk, dtype):
     """Prefill chunks (chunk[r] last tokens of request r) and 3 padding rows, at contexts of
