@@ -23,7 +23,7 @@ import sys
 import time
 
 from minimax_m3 import runtime, text
-from minimax_m3.config import ModelConfig
+from minimax_m3.config import EXPERT_FORMATS, EXPERT_LABELS, ModelConfig
 from minimax_m3.engine import Engine, EngineConfig
 from minimax_m3.sampling import SamplingParams
 
@@ -77,12 +77,15 @@ def parse_args(argv=None):
                                 "tokamax"),
                        help="the routed experts' formulation (minimax_m3/moe.py; auto: dense "
                             "on the CPU, grouped on GPUs)")
-    model.add_argument("--expert-format", default="bf16", choices=("bf16", "mxfp8", "mxfp8_w8a8"),
+    model.add_argument("--expert-format", default="bf16",
+                       choices=EXPERT_FORMATS,
                        help="the routed experts' weights on the device: mxfp8 keeps fp8 with an "
                             "exponent per 32 inputs (half the bytes; lossless from an MXFP8 "
                             "checkpoint, quantized on the device from others); mxfp8_w8a8 also "
                             "quantizes the experts' inputs per 32 (dynamic, as the MXFP8 "
-                            "checkpoint's activation_scheme) and multiplies fp8 by fp8")
+                            "checkpoint's activation_scheme) and multiplies fp8 by fp8; mxfp4 / "
+                            "nvfp4 keep packed E2M1 with a scale per 32 / 16 inputs (a quarter "
+                            "of the bytes; quantized on the device)"),
     plan = p.add_argument_group("dry run (no weights)")
     plan.add_argument("--config", metavar="PATH", help="a config.json (or its directory): the "
                       "model's shapes (with random weights unless --dry-run)")
@@ -174,8 +177,8 @@ def main(argv=None):
 
 
 def load_model(args, cfg, mesh):
-    """The checkpoint's params placed on ``mesh``, or random weights; MXFP8 experts
-    (``--expert-format mxfp8``) are made on the device from the loaded bf16 ones."""
+    """The checkpoint's params placed on ``mesh``, or random weights; quantized experts
+    (``--expert-format``) are made on the device from the loaded bf16 ones."""
     from tqdm import tqdm  # noqa: PLC0415
     from minimax_m3 import checkpoint, model, moe, parallel  # noqa: PLC0415
     shardings = parallel.param_shardings(model.param_shapes(cfg), cfg, mesh)
@@ -186,7 +189,9 @@ def load_model(args, cfg, mesh):
         params = checkpoint.load_params(
             args.checkpoint, bf16, parallel.param_shardings(model.param_shapes(bf16), bf16, mesh),
             dtype=args.dtype, progress=bar.update)
-    return params if cfg.expert_format == "bf16" else moe.quantize_experts(params, shardings)
+    if cfg.expert_format == "bf16":
+        return params
+    return moe.quantize_experts(params, shardings, cfg.expert_format)
 
 
 def sampling_note(args, stops) -> str:
@@ -227,7 +232,7 @@ def serve(args, cfg):
     print(f"backend {jax.default_backend()}, tp {args.tp} of {jax.device_count()} devices; "
           f"MiniMax M3: {cfg.num_layers} layers ({len(cfg.sparse_layers)} sparse attention, "
           f"{moe_layers} MoE of {cfg.num_local_experts} "
-          f"{'MXFP8 ' if cfg.mxfp8_experts else ''}{'(W8A8) ' if cfg.expert_format == 'mxfp8_w8a8' else ''}experts "
+          f"{EXPERT_LABELS[cfg.expert_format]}experts "
           f"top-{cfg.num_experts_per_tok} + shared), hidden {cfg.hidden_size}, Hq {cfg.num_attention_heads}, Hkv "
           f"{cfg.num_key_value_heads}, D {cfg.head_dim}, top-{cfg.index_topk_blocks} of "
           f"{cfg.block_size}-token blocks; weights: "

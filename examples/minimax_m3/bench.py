@@ -59,10 +59,12 @@ def parse_args(argv=None):
     ap.add_argument("--reserve-gb", type=float, default=10.0,
                     help="device memory kept for activations and workspace when fitting layers")
     ap.add_argument("--moe-impl", default="auto", help="the step's moe_impl (moe.IMPLS)")
-    ap.add_argument("--expert-format", default="bf16", choices=("bf16", "mxfp8", "mxfp8_w8a8"),
+    ap.add_argument("--expert-format", default="bf16",   # config.EXPERT_FORMATS (no jax yet)
+                    choices=("bf16", "mxfp8", "mxfp8_w8a8", "mxfp4", "nvfp4"),
                     help="the routed experts' weights on the device (mxfp8: fp8 + an E8M0 "
                          "exponent per 32 inputs, through grouped_matmul; mxfp8_w8a8: their "
-                         "inputs too, fp8 × fp8)")
+                         "inputs too, fp8 × fp8; mxfp4 / nvfp4: packed E2M1 with an E8M0 "
+                         "exponent per 32 / an E4M3 scale per 16 inputs, SPEC §9.3)")
     ap.add_argument("--index-cache-dtype", default=None, choices=("bfloat16", "float8_e4m3fn"),
                     help="the index keys' cache (default: the config's, bfloat16)")
     ap.add_argument("--moe-impls", default=None,
@@ -191,15 +193,20 @@ def rank_config(full, tp: int, layers: int, moe_impl: str):
 
 
 def layer_bytes(cfg, attn, mlp, dtype_bytes=2) -> int:
-    """One layer's weight bytes: ``dtype_bytes`` per element, MXFP8 experts 1 (+ exponents)."""
+    """One layer's weight bytes: ``dtype_bytes`` per element, quantized experts as stored
+    (their leaves' own dtypes: model.param_dtypes)."""
     from . import model  # noqa: PLC0415
+    from .moe import expert_leaves  # noqa: PLC0415
     from .parallel import is_shape  # noqa: PLC0415
     import jax  # noqa: PLC0415
 
     def nbytes(path, shape):
         names = [getattr(k, "key", None) for k in path]
-        mx = cfg.mxfp8_experts and "experts" in names
-        return (1 if mx else dtype_bytes) * math.prod(shape)
+        if cfg.quantized_experts and "experts" in names:
+            base = names[-1].split("_scale")[0]
+            leaf = expert_leaves(cfg.expert_format, base, (1,) * 4 + (32,))[names[-1]]
+            return leaf[1].itemsize * math.prod(shape)
+        return dtype_bytes * math.prod(shape)
     return sum(jax.tree_util.tree_leaves(jax.tree_util.tree_map_with_path(
         nbytes, model.layer_shapes(cfg, attn, mlp), is_leaf=is_shape)))
 
@@ -736,7 +743,8 @@ class Parts:
 
         if is_moe:
             I, E, k = cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok
-            per_expert = 3 * I * H * (1 + 1 / 32 if cfg.mxfp8_experts else 2)
+            per_expert = 3 * I * H * {"bf16": 2, "mxfp4": 0.5 + 1 / 32, "nvfp4": 0.5 + 1 / 16}.get(
+                cfg.expert_format, 1 + 1 / 32)
             shared = 3 * cfg.shared_intermediate_size * H * 2
             nbytes = routed * per_expert + shared + E * H * 2
             flops = 2 * T * (k * 3 * I * H + 3 * cfg.shared_intermediate_size * H + E * H)

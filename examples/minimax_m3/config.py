@@ -23,7 +23,9 @@ import jax_m3sparse as m3
 
 FULL, SPARSE = "full_attention", "minimax_m3_sparse"     # layer_types
 DENSE_MLP, MOE = "dense", "sparse"                       # mlp_layer_types
-EXPERT_FORMATS = ("bf16", "mxfp8", "mxfp8_w8a8")         # expert_format (model.expert_format)
+EXPERT_FORMATS = ("bf16", "mxfp8", "mxfp8_w8a8", "mxfp4", "nvfp4")   # expert_format
+EXPERT_LABELS = {"bf16": "", "mxfp8": "MXFP8 ", "mxfp8_w8a8": "MXFP8 (W8A8) ",   # for reports
+                 "mxfp4": "MXFP4 ", "nvfp4": "NVFP4 "}
 
 _LEGACY_INDEX = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
                  "index_block_size": "sparse_block_size",
@@ -74,7 +76,8 @@ class ModelConfig:
     moe_impl: str = "auto"                     # routed experts: moe.IMPLS ("auto", "dense", ...)
     index_cache_dtype: str = "bfloat16"        # the index keys' cache: or "float8_e4m3fn"
     expert_format: str = "bf16"                # routed experts on the device: or "mxfp8"
-                                               # (weights), "mxfp8_w8a8" (weights and inputs)
+                                               # (weights), "mxfp8_w8a8" (weights and inputs),
+                                               # "mxfp4", "nvfp4" (FP4 weights; moe.py)
     dense_matmul_rows: int = 16                # GPUs: bf16 projections of <= this many rows and
                                                # an input width % 64 == 0 through
                                                # jax_m3sparse.dense_matmul (0: never; layers.linear)
@@ -109,10 +112,10 @@ class ModelConfig:
         if self.expert_format not in EXPERT_FORMATS:
             raise ValueError(f"expert_format {self.expert_format!r}: one of {EXPERT_FORMATS} "
                              f"(the routed experts' weights as the device holds them)")
-        if self.mxfp8_experts and (self.hidden_size % 32 or self.intermediate_size % 32):
+        if self.quantized_experts and (self.hidden_size % 32 or self.intermediate_size % 32):
             raise ValueError(f"expert_format {self.expert_format!r} needs hidden_size ({self.hidden_size}) and "
                              f"intermediate_size ({self.intermediate_size}) multiples of 32 "
-                             f"(one E8M0 exponent per 32 inputs)")
+                             f"(one scale per 32 or 16 inputs)")
         if self.dense_matmul_rows < 0:
             raise ValueError(f"dense_matmul_rows ({self.dense_matmul_rows}) must be >= 0 (0: "
                              f"XLA's dot for every projection)")
@@ -135,10 +138,23 @@ class ModelConfig:
 
     # names the engine and the library use
     @property
+    def quantized_experts(self) -> bool:
+        """The routed experts' weights are quantized on the device (any expert_format but
+        "bf16"): packed data beside ``*_scale`` leaves (model.layer_shapes)."""
+        return self.expert_format != "bf16"
+
+    @property
     def mxfp8_experts(self) -> bool:
         """The routed experts' weights are MXFP8 on the device (expert_format "mxfp8" or
         "mxfp8_w8a8"; the latter quantizes their inputs too: moe.experts_sorted)."""
-        return self.expert_format != "bf16"
+        return self.expert_format in ("mxfp8", "mxfp8_w8a8")
+
+    @property
+    def fp4_experts(self) -> bool:
+        """The routed experts' weights are packed FP4 (expert_format "mxfp4" or "nvfp4",
+        SPEC §9.3): two E2M1 codes per byte, a scale per 32 (MXFP4) or 16 (NVFP4) inputs, and
+        for NVFP4 a float32 ``*_scale_2`` per expert."""
+        return self.expert_format in ("mxfp4", "nvfp4")
 
     @property
     def num_layers(self) -> int:

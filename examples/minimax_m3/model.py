@@ -65,9 +65,10 @@ def layer_shapes(cfg: ModelConfig, attn: str, mlp: str, fused: bool = True) -> d
 
     if mlp == MOE:
         E, I = cfg.num_local_experts, cfg.intermediate_size
-        experts = dict(gate_up_proj=(E, 2, I, H), down_proj=(E, H, I))
-        if cfg.mxfp8_experts:   # fp8 weights + one E8M0 exponent per 32 inputs
-            experts.update(gate_up_proj_scale=(E, 2, I, H // 32), down_proj_scale=(E, H, I // 32))
+        experts = {}   # bf16, or quantized leaves beside their scales (moe.expert_leaves)
+        for name, shape in (("gate_up_proj", (E, 2, I, H)), ("down_proj", (E, H, I))):
+            experts.update({k: v[0] for k, v in
+                            moe.expert_leaves(cfg.expert_format, name, shape).items()})
         mlp_shapes = dict(gate=(E, H), e_score_correction_bias=(E,), experts=experts,
                           shared_experts=swiglu(cfg.shared_intermediate_size))
     else:
@@ -92,12 +93,14 @@ def param_shapes(cfg: ModelConfig, fused: bool = True) -> dict:
 
 def param_dtypes(cfg: ModelConfig, dtype, fused: bool = True) -> dict:
     """Each leaf's dtype, a pytree like :func:`param_shapes`: ``dtype``, except the routed
-    experts' weights under MXFP8 ``cfg.expert_format`` — ``float8_e4m3fn``, with their
-    ``*_scale`` E8M0 exponents ``uint8`` (jax_m3sparse.grouped_matmul's MXFP8 operands)."""
-    def one(path, _):
+    experts' leaves under a quantized ``cfg.expert_format`` (moe.expert_leaves: MXFP8
+    ``float8_e4m3fn`` + ``uint8`` exponents, packed FP4 ``uint8`` + ``uint8`` / ``float8_e4m3fn``
+    scales, NVFP4's ``float32`` scale_2 — jax_m3sparse.grouped_matmul's operands)."""
+    def one(path, shape):
         names = [getattr(k, "key", None) for k in path]
-        if cfg.mxfp8_experts and "experts" in names:
-            return jnp.dtype(jnp.uint8 if names[-1].endswith("_scale") else jnp.float8_e4m3fn)
+        if cfg.quantized_experts and "experts" in names:
+            base = names[-1].split("_scale")[0]
+            return moe.expert_leaves(cfg.expert_format, base, (1,) * 4 + (32,))[names[-1]][1]
         return jnp.dtype(dtype)
     return jax.tree_util.tree_map_with_path(one, param_shapes(cfg, fused), is_leaf=is_shape)
 
@@ -113,8 +116,8 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None, dtype=None,
     stacked ones one layer at a time into a donated buffer, a key per layer), the small ones as
     slices of one draw. No host copy; the values do not depend on ``shardings``. MXFP8 experts
     (``cfg.expert_format``): the same model's draw, each expert leaf (or layer of one)
-    quantized on its devices as it is made (jax_m3sparse.mxfp8_quantize) — the bf16 random
-    model rounded, never held whole in both forms.
+    quantized on its devices as it is made (moe.quantize_expert) — the bf16 random model
+    rounded, never held whole in both forms.
 
     Args:
       shardings: a matching pytree of ``NamedSharding`` (parallel.param_shardings), else the
@@ -129,7 +132,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None, dtype=None,
     from . import plan  # noqa: PLC0415 (plan imports this module)
     dtype = jnp.dtype(dtype or (jnp.float32 if _cpu() else jnp.bfloat16))
     plan.check_fits(cfg, dtype, shardings, cache_bytes=cache_bytes)
-    mx = cfg.mxfp8_experts
+    mx = cfg.quantized_experts
     base = dataclasses.replace(cfg, expert_format="bf16") if mx else cfg   # what is drawn
     # drawn in the checkpoint's layout (the same values at any tp), fused at the end
     drawn_shardings = checkpoint_shardings(shardings, cfg)
@@ -142,25 +145,29 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None, dtype=None,
               shape, _init_std(path, shape), where.get(jax.tree_util.keystr(path)),
               shape[0] if getattr(path[0], "key", None) == "segments" else None)
              for path, shape in paths]
-    # MXFP8 expert leaves: (the weight's, its exponents') shardings
-    scale_key = lambda p: jax.tree_util.keystr(   # noqa: E731 (its exponents' path)
-        (*p[:-1], jax.tree_util.DictKey(p[-1].key + "_scale")))
-    quant = [(where.get(jax.tree_util.keystr(p)), where.get(scale_key(p)))
-             if mx and _is_expert_weight(p) else None for p, _ in paths]
+    # quantized expert leaves: their leaves' shardings (moe.expert_leaves' order)
+    leaf_key = lambda p, n: jax.tree_util.keystr(   # noqa: E731 (a sibling leaf's path)
+        (*p[:-1], jax.tree_util.DictKey(n)))
+    quant = [tuple(where.get(leaf_key(p, n)) for n in
+                   moe.expert_leaves(cfg.expert_format, p[-1].key, shape))
+             if mx and _is_expert_weight(p) else None for p, shape in paths]
     big = [math.prod(sp[1]) * dtype.itemsize > _ONE_CALL_BYTES for sp in specs]
     small = tuple(sp[1:4] for sp, b in zip(specs, big) if not b)
     drawn = iter(_draw_small(small, dtype)(jax.random.fold_in(root, 0)))
     leaves = []
-    for sp, b, q in zip(specs, big, quant):
+    for (path, _), sp, b, q in zip(paths, specs, big, quant):
         if q is None:
             leaves.append(_big_leaf(*sp, dtype) if b else next(drawn))
         else:
-            leaves.append(_big_mx_leaf(*sp, *q, dtype) if b else _quantize(next(drawn), *q))
+            how = (q, cfg.expert_format, path[-1].key)
+            leaves.append(_big_quantized_leaf(*sp, *how, dtype) if b else _quantize(next(drawn), *how))
     params = treedef.unflatten(leaves)
     for seg in params["segments"] if mx else ():
         ex = seg["mlp"].get("experts", {})
-        for name in [n for n in ex if not n.endswith("_scale")]:
-            ex[name], ex[name + "_scale"] = ex[name]
+        for name in ("gate_up_proj", "down_proj"):
+            if name in ex:
+                ex.update(zip(moe.expert_leaves(cfg.expert_format, name, (1,) * 4 + (32,)),
+                              ex[name]))
     return fuse_projections(params, cfg, shardings)
 
 
@@ -224,38 +231,39 @@ def _is_expert_weight(path) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _quantize_fn(data_sharding, scale_sharding):
-    return jax.jit(m3.mxfp8_quantize, out_shardings=(data_sharding, scale_sharding))
+def _quantize_fn(shardings, fmt, name):
+    return jax.jit(lambda w: moe.quantize_expert(w, fmt, name), out_shardings=shardings)
 
 
-def _quantize(w, data_sharding, scale_sharding):
-    """(fp8, exponents) of a small leaf, on its devices; the bf16 / fp32 draw freed."""
-    out = _quantize_fn(data_sharding, scale_sharding)(w)
+def _quantize(w, shardings, fmt, name):
+    """A small expert leaf's quantized leaves (moe.quantize_expert), on their devices; the
+    bf16 / fp32 draw freed."""
+    out = _quantize_fn(shardings, fmt, name)(w)
     w.delete()
     return out
 
 
-def _big_mx_leaf(key, shape, std, sharding, layers, data_sharding, scale_sharding, dtype):
+def _big_quantized_leaf(key, shape, std, sharding, layers, shardings, fmt, name, dtype):
     """A big expert leaf drawn as :func:`_big_leaf` draws it, quantized as it is made: layer j
-    (or the whole leaf) into donated fp8 / exponent buffers."""
+    (or the whole leaf) into donated buffers of its quantized leaves."""
     if layers is None:
-        return _quantize(_draw_small(((shape, std, sharding),), dtype)(key)[0], data_sharding,
-                         scale_sharding)
-    bufs = (_zeros(shape, jnp.dtype(jnp.float8_e4m3fn), data_sharding),
-            _zeros((*shape[:-1], shape[-1] // 32), jnp.dtype(jnp.uint8), scale_sharding))
-    put = _mx_layer_setter(shape, dtype, std, data_sharding, scale_sharding)
+        return _quantize(_draw_small(((shape, std, sharding),), dtype)(key)[0], shardings, fmt,
+                         name)
+    bufs = tuple(_zeros(s, dt, sh) for (s, dt), sh in
+                 zip(moe.expert_leaves(fmt, name, shape).values(), shardings))
+    put = _quantized_layer_setter(shape, dtype, std, shardings, fmt, name)
     for j in range(layers):
-        bufs = put(*bufs, key, jnp.int32(j))
+        bufs = put(bufs, key, jnp.int32(j))
     return bufs
 
 
 @functools.lru_cache(maxsize=None)
-def _mx_layer_setter(shape, dtype, std, data_sharding, scale_sharding):
-    """jitted ``(data, scale, key, j) -> both with layer j set`` (donated: in place)."""
-    def put(data, scale, key, j):
-        d, s = m3.mxfp8_quantize(_normal(jax.random.fold_in(key, j), shape[1:], dtype, std))
-        return data.at[j].set(d), scale.at[j].set(s)
-    return jax.jit(put, donate_argnums=(0, 1), out_shardings=(data_sharding, scale_sharding))
+def _quantized_layer_setter(shape, dtype, std, shardings, fmt, name):
+    """jitted ``(bufs, key, j) -> bufs with layer j set`` (donated: in place)."""
+    def put(bufs, key, j):
+        w = _normal(jax.random.fold_in(key, j), shape[1:], dtype, std)
+        return tuple(b.at[j].set(q) for b, q in zip(bufs, moe.quantize_expert(w, fmt, name)))
+    return jax.jit(put, donate_argnums=0, out_shardings=shardings)
 
 
 _ONE_CALL_BYTES = 256 << 20   # leaves above this get their own calls (stacked: per layer)

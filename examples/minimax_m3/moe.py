@@ -34,6 +34,11 @@ through "grouped"; every other formulation first widens them to bf16
 (:func:`jax_m3sparse.mxfp8_dequantize`, the same values the kernel multiplies). Under
 ``expert_format`` "mxfp8_w8a8" the experts' inputs are MXFP8 too and every backend takes
 "grouped" (fp8 × fp8 on CUDA, SPEC §9.2; the reference's dequantized products elsewhere).
+FP4 experts (``expert_format`` "mxfp4" / "nvfp4", SPEC §9.3: packed E2M1 bytes beside their
+``*_scale``, and for NVFP4 a float32 ``*_scale_2`` per expert, as the published checkpoints
+store them) run through "grouped" on every backend too: NVFP4's per-expert ``weight_scale_2``
+multiplies the gate/up products and the routing weight (one fp32 multiply per output, never a
+rounding of the weights), which only the sorted rows know per expert.
 
 Tensor parallel (``parallel.py``): every MLP's intermediate axis ``I`` is split over the mesh
 axis "tp" (Megatron style; each device holds ``1/tp`` of every expert, never all of one
@@ -112,17 +117,18 @@ def resolve_impl(impl: str, load: float, backend: str | None = None,
     """The formulation ``impl`` names for a call of ``load = T·k / E`` routed (token, expert)
     pairs per expert on ``backend`` (default: JAX's): ``impl`` itself, or for "auto" the first
     :data:`AUTO` entry whose bound admits ``load`` ("tokamax" entries are skipped when it does
-    not import, "grouped" ones when the weights are neither bfloat16 nor MXFP8's fp8).
+    not import, "grouped" ones when the weights are neither bfloat16, MXFP8's fp8 nor packed
+    FP4's uint8).
 
     Raises:
       ValueError: an unknown ``impl``; "grouped" asked for with float32 / float16 weights.
     """
     if impl not in IMPLS:
         raise ValueError(f"moe_impl {impl!r}: one of {IMPLS}")
-    bf16 = jnp.dtype(weight_dtype) in (jnp.bfloat16, jnp.float8_e4m3fn)
+    bf16 = jnp.dtype(weight_dtype) in (jnp.bfloat16, jnp.float8_e4m3fn, jnp.uint8)
     if impl == "grouped" and not bf16:
-        raise ValueError(f"moe_impl 'grouped' (jax_m3sparse.grouped_matmul) takes bfloat16 "
-                         f"or MXFP8 expert weights, got {jnp.dtype(weight_dtype)}: use --dtype "
+        raise ValueError(f"moe_impl 'grouped' (jax_m3sparse.grouped_matmul) takes bfloat16, "
+                         f"MXFP8 or FP4 expert weights, got {jnp.dtype(weight_dtype)}: use --dtype "
                          f"bfloat16 or moe_impl 'ragged' / 'dense'")
     if impl != "auto":
         return impl
@@ -153,9 +159,10 @@ def experts(p, x, routing, cfg, impl: str | None = None):
     load = T * k / p["gate_up_proj"].shape[0]                             # T·k / E
     impl = resolve_impl(impl or getattr(cfg, "moe_impl", "auto"), load,
                         weight_dtype=p["gate_up_proj"].dtype)
-    if getattr(cfg, "expert_format", "bf16") == "mxfp8_w8a8":
-        # fp8 × fp8 (SPEC §9.2) is grouped_matmul's on every backend (the CPU's reference
-        # multiplies the dequantized values): one formulation, the same numbers everywhere
+    if getattr(cfg, "expert_format", "bf16") in GROUPED_ONLY:
+        # fp8 × fp8 (SPEC §9.2) and FP4 weights (§9.3) are grouped_matmul's on every backend (the
+        # CPU's reference multiplies the dequantized values): one formulation, the same numbers
+        # everywhere
         impl = "grouped"
     if impl == "grouped":
         return experts_sorted(p, x, routing, cfg, jax_m3sparse.grouped_matmul)
@@ -171,12 +178,22 @@ def experts(p, x, routing, cfg, impl: str | None = None):
 
 
 def dequantized(p):
-    """``p`` with MXFP8 expert weights widened to bf16 (``*_scale`` leaves dropped); bf16 ``p``
-    as it is."""
+    """``p`` with quantized expert weights widened to bf16 (``*_scale`` / ``*_scale_2`` leaves
+    dropped; NVFP4's per-expert ``scale_2`` multiplied in, then rounded); bf16 ``p`` as it is."""
     if "gate_up_proj_scale" not in p:
         return p
-    return {name: jax_m3sparse.mxfp8_dequantize(p[name], p[name + "_scale"])
-            for name in ("gate_up_proj", "down_proj")}
+    out = {}
+    for name in ("gate_up_proj", "down_proj"):
+        data, scale = p[name], p[name + "_scale"]
+        if data.dtype == jnp.float8_e4m3fn:
+            out[name] = jax_m3sparse.mxfp8_dequantize(data, scale)
+            continue
+        w = jax_m3sparse.fp4_dequantize(data, scale, jnp.float32)
+        if name + "_scale_2" in p:
+            s2 = p[name + "_scale_2"]
+            w = w * s2.reshape(*s2.shape, *(1,) * (w.ndim - s2.ndim))
+        out[name] = w.astype(jnp.bfloat16)
+    return out
 
 
 def experts_dense(p, x, weights, chosen, cfg, batched_down: bool = False, experts=None):
@@ -251,13 +268,21 @@ def experts_sorted(p, x, routing, cfg, dot):
     ``activation_scheme`` says)."""
     T, k = routing.experts.shape
     w_gu, w_down = p["gate_up_proj"], p["down_proj"]
-    E, _, I, H = w_gu.shape
-    act = jnp.bfloat16 if w_gu.dtype == jnp.float8_e4m3fn else w_gu.dtype   # lhs dtype
+    E, _, I = w_gu.shape[:3]
+    H = x.shape[-1]
+    wide = w_gu.dtype in (jnp.bfloat16, jnp.float32)
+    act = w_gu.dtype if wide else jnp.bfloat16          # lhs dtype (quantized weights: bf16)
     scales = ({} if "gate_up_proj_scale" not in p else
-              dict(gu=(p["gate_up_proj_scale"].reshape(E, 2 * I, H // 32),),
+              dict(gu=(p["gate_up_proj_scale"].reshape(E, 2 * I, -1),),
                    down=(p["down_proj_scale"],)))
     sizes = routing.group_sizes
     w8a8 = getattr(cfg, "expert_format", "bf16") == "mxfp8_w8a8"
+    s_gu = s_down = 1.0
+    if "gate_up_proj_scale_2" in p:   # NVFP4: each sorted row's expert's weight_scale_2
+        expert = jnp.zeros(T * k, jnp.int32).at[routing.inverse.reshape(-1)].set(
+            routing.experts.reshape(-1))
+        s_gu = p["gate_up_proj_scale_2"][expert][:, None, None]
+        s_down = p["down_proj_scale_2"][expert]
 
     def rows(a):     # the product's lhs: bf16, or MXFP8 with its exponents
         if not w8a8:
@@ -267,10 +292,11 @@ def experts_sorted(p, x, routing, cfg, dot):
 
     # the pairs' tokens [T·k, H], gathered as the first product reads them
     a, kw = rows(x)
-    gu = dot(*a, w_gu.reshape(E, 2 * I, H), sizes, *scales.get("gu", ()),
-             lhs_rows=routing.sorted_tokens, **kw).reshape(T * k, 2, I)
+    gu = dot(*a, w_gu.reshape(E, 2 * I, -1), sizes, *scales.get("gu", ()),
+             lhs_rows=routing.sorted_tokens, **kw).reshape(T * k, 2, I) * s_gu
     # The routing weight before down_proj, as dense dispatch applies it (same bf16 rounding).
-    h = swiglu_oai(gu, cfg.swiglu_alpha, cfg.swiglu_limit) * routing.sorted_weights[:, None]
+    h = (swiglu_oai(gu, cfg.swiglu_alpha, cfg.swiglu_limit)
+         * (routing.sorted_weights * s_down)[:, None])
     # Each pair's output in the activations' dtype (bf16 models: rounded once, as transformers'
     # bf16 experts are; half the bytes the GEMM writes and the sum reads), summed in fp32.
     a, kw = rows(h)
@@ -307,16 +333,56 @@ def mlp(p, x, cfg, moe: bool, live=None):
                          check_vma=False)(p, x, live)
 
 
-# ----------------------------------------------------------------------------- MXFP8 experts
-def quantize_experts(params, shardings):
-    """``params`` with every MoE segment's bf16 routed experts made MXFP8 on their devices
-    (``gate_up_proj`` / ``down_proj`` float8_e4m3fn + ``*_scale`` uint8 exponents, by
-    :func:`jax_m3sparse.mxfp8_quantize`), one stacked layer at a time. Lossless for weights
-    read from an MXFP8 checkpoint (their values are fp8 · 2^e: requantized exactly).
+# ----------------------------------------------------------------------------- expert formats
+GROUPED_ONLY = ("mxfp8_w8a8", "mxfp4", "nvfp4")   # formats only "grouped" runs (experts())
+_EXPERT_DIMS = {"gate_up_proj": 3, "down_proj": 2}   # axes after the expert axis ([2, I, H], [H, I])
 
-    ``shardings``: parallel.param_shardings of the MXFP8 config's shapes (scale leaves
-    included). Each bf16 expert leaf is deleted once converted, so the peak holds one leaf in
-    both forms; the caller must not use ``params``' old expert leaves afterwards."""
+
+def expert_leaves(fmt: str, name: str, shape) -> dict:
+    """``{leaf: (shape, dtype)}``: what one bf16 routed-expert weight ``name`` (``gate_up_proj
+    [..., E, 2, I, H]`` or ``down_proj [..., E, H, I]``) is held as under ``fmt`` (dtype None:
+    the model's) — :func:`quantize_expert`'s outputs, in order."""
+    *lead, K = shape
+    f8, u8 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.uint8)
+    if fmt == "bf16":
+        return {name: (tuple(shape), None)}
+    if fmt in ("mxfp8", "mxfp8_w8a8"):              # fp8 + E8M0 per 32 (SPEC §9.1)
+        return {name: (tuple(shape), f8), name + "_scale": ((*lead, K // 32), u8)}
+    if fmt == "mxfp4":                              # packed E2M1 + E8M0 per 32 (§9.3)
+        return {name: ((*lead, K // 2), u8), name + "_scale": ((*lead, K // 32), u8)}
+    experts = tuple(shape[:len(shape) - _EXPERT_DIMS[name]])
+    return {name: ((*lead, K // 2), u8), name + "_scale": ((*lead, K // 16), f8),   # NVFP4
+            name + "_scale_2": (experts, jnp.dtype(jnp.float32))}
+
+
+def quantize_expert(w, fmt: str, name: str) -> tuple:
+    """A bf16 / fp32 routed-expert weight ``w`` (shaped as :func:`expert_leaves` says) in
+    ``fmt``: MXFP8 / MXFP4 by jax_m3sparse's quantizers; NVFP4 with ModelOpt's per-expert
+    ``weight_scale_2`` = max|w| / (6 · 448) over the expert's whole matrix (gate and up
+    together, as the checkpoint shares it), then :func:`jax_m3sparse.nvfp4_quantize`."""
+    if fmt in ("mxfp8", "mxfp8_w8a8"):
+        return jax_m3sparse.mxfp8_quantize(w)
+    if fmt == "mxfp4":
+        return jax_m3sparse.mxfp4_quantize(w)
+    lead = w.shape[:w.ndim - _EXPERT_DIMS[name]]
+    flat = w.reshape(-1, *w.shape[len(lead):])
+    amax = jnp.max(jnp.abs(flat.astype(jnp.float32)), axis=tuple(range(1, flat.ndim)))
+    s2 = jnp.where(amax > 0, amax / jnp.float32(6 * 448), jnp.float32(1))
+    data, scale = jax.vmap(jax_m3sparse.nvfp4_quantize)(flat, s2)
+    return (data.reshape(*lead, *data.shape[1:]), scale.reshape(*lead, *scale.shape[1:]),
+            s2.reshape(lead))
+
+
+def quantize_experts(params, shardings, fmt: str):
+    """``params`` with every MoE segment's bf16 routed experts quantized to ``fmt`` on their
+    devices (:func:`quantize_expert`), one stacked layer at a time. Lossless for weights read
+    from an MXFP8 checkpoint (their values are fp8 · 2^e: requantized exactly) and for MXFP4
+    ones (e2m1 · 2^e, requantized to the same values); NVFP4 ones are requantized with a new
+    scale_2 (the checkpoint's bytes are not kept yet).
+
+    ``shardings``: parallel.param_shardings of ``fmt``'s shapes (scale leaves included). Each
+    bf16 expert leaf is deleted once converted, so the peak holds one leaf in both forms; the
+    caller must not use ``params``' old expert leaves afterwards."""
     segments = []
     for seg, sh in zip(params["segments"], shardings["segments"]):
         ex = seg.get("mlp", {}).get("experts")
@@ -325,29 +391,25 @@ def quantize_experts(params, shardings):
             continue
         new, ex_sh = dict(ex), sh["mlp"]["experts"]
         for name in ("gate_up_proj", "down_proj"):
-            new[name], new[name + "_scale"] = _quantize_stacked(
-                ex[name], ex_sh[name], ex_sh[name + "_scale"])
+            leaves = expert_leaves(fmt, name, ex[name].shape)
+            new.update(zip(leaves, _quantize_stacked(ex[name], fmt, name, leaves,
+                                                     tuple(ex_sh[n] for n in leaves))))
         segments.append({**seg, "mlp": {**seg["mlp"], "experts": new}})
     return {**params, "segments": segments}
 
 
-def _quantize_stacked(w, data_sharding, scale_sharding):
-    """A stacked ``[L, ...]`` bf16 leaf -> (fp8, uint8 exponents), layer by layer into donated
+def _quantize_stacked(w, fmt, name, leaves, out_shardings):
+    """A stacked ``[L, ...]`` bf16 leaf -> its quantized leaves, layer by layer into donated
     buffers; ``w`` deleted."""
-    L, K = w.shape[0], w.shape[-1]
-    data = jax.jit(lambda: jnp.zeros(w.shape, jnp.float8_e4m3fn),
-                   out_shardings=data_sharding)()
-    scale = jax.jit(lambda: jnp.zeros((*w.shape[:-1], K // 32), jnp.uint8),
-                    out_shardings=scale_sharding)()
+    bufs = tuple(jax.jit(functools.partial(jnp.zeros, shape, dt), out_shardings=sh)()
+                 for (shape, dt), sh in zip(leaves.values(), out_shardings))
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1),
-                       out_shardings=(data_sharding, scale_sharding))
-    def put(data, scale, w, j):
-        d, s = jax_m3sparse.mxfp8_quantize(w[j])
-        return data.at[j].set(d), scale.at[j].set(s)
+    @functools.partial(jax.jit, donate_argnums=0, out_shardings=out_shardings)
+    def put(bufs, w, j):
+        return tuple(b.at[j].set(q) for b, q in zip(bufs, quantize_expert(w[j], fmt, name)))
 
-    for j in range(L):
-        data, scale = put(data, scale, w, jnp.int32(j))
-    jax.block_until_ready((data, scale))
+    for j in range(w.shape[0]):
+        bufs = put(bufs, w, jnp.int32(j))
+    jax.block_until_ready(bufs)
     w.delete()
-    return data, scale
+    return bufs

@@ -67,10 +67,11 @@ def check_divisible(cfg, tp: int) -> None:
                  shared_intermediate_size=cfg.shared_intermediate_size,
                  vocab_size=cfg.vocab_size)
     bad = [f"{k} = {v}" for k, v in sizes.items() if v % tp]
-    if not bad and cfg.mxfp8_experts and (cfg.intermediate_size // tp) % 32:
-        raise ValueError(f"--tp {tp} with MXFP8 experts needs intermediate_size / tp = "
-                         f"{cfg.intermediate_size // tp} to be a multiple of 32 (down_proj's "
-                         f"exponents, one per 32 inputs, are split with its inputs)")
+    if not bad and cfg.quantized_experts and (cfg.intermediate_size // tp) % 32:
+        raise ValueError(f"--tp {tp} with {cfg.expert_format} experts needs intermediate_size "
+                         f"/ tp = {cfg.intermediate_size // tp} to be a multiple of 32 "
+                         f"(down_proj's scales, one per 32 or 16 inputs, are split with its "
+                         f"inputs)")
     if bad:
         raise ValueError(f"--tp {tp} must divide " + ", ".join(bad))
 
@@ -82,8 +83,8 @@ def leaf_spec(path, cfg, tp: int) -> P:
     stacked = names[0] == "segments"                  # leading layer axis
     lead = (None,) if stacked else ()
     leaf, parent = names[-1], names[-2] if len(names) > 1 else None
-    if parent == "experts" and leaf.endswith("_scale"):   # MXFP8 exponents: as their weights
-        leaf = leaf[:-len("_scale")]
+    if parent == "experts" and leaf.endswith("_scale"):   # block scales: as their weights
+        leaf = leaf[:-len("_scale")]                      # (NVFP4's per-expert scale_2: P())
     if names == [leaf] and leaf in ("embed_tokens", "lm_head"):    # [V, H], vocab-parallel
         return P(AXIS, None)
     if parent == "self_attn":

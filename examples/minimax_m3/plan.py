@@ -63,18 +63,17 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
     cfg = dataclasses.replace(cfg, kv_replicas=kv_head_replicas(cfg.num_key_value_heads, tp))
     shapes = model.param_shapes(cfg)
     weight_bytes = _weight_bytes(cfg, tp, weight_dtype)
-    # parameters: the checkpoint's elements (the served qkv_proj repeats replicated KV heads;
-    # MXFP8 exponents are part of their weights' format)
-    total_weights = sum(math.prod(s) for s, dt in zip(
-        jax.tree_util.tree_leaves(model.param_shapes(cfg, fused=False), is_leaf=is_shape),
-        jax.tree_util.tree_leaves(model.param_dtypes(cfg, weight_dtype, fused=False)))
-        if dt != jnp.uint8)
+    # parameters: the checkpoint's elements, whatever the experts' format (the served qkv_proj
+    # repeats replicated KV heads; block scales are part of their weights' format)
+    total_weights = sum(math.prod(s) for s in jax.tree_util.tree_leaves(
+        model.param_shapes(dataclasses.replace(cfg, expert_format="bf16"), fused=False),
+        is_leaf=is_shape))
     pages = batch * -(-context_len // cfg.block_size)
     kv_bytes, idx_bytes = _cache_bytes(cfg, tp, pages, cfg.index_cache_dtype)
     traced = _trace(cfg, shapes, weight_dtype, pages)
     out = dict(tp=tp, context_len=context_len, batch=batch, pages=pages,
                parameters=total_weights, weight_dtype=str(jnp.dtype(weight_dtype)) + (
-                   f", routed experts {cfg.expert_format}" if cfg.mxfp8_experts else ""),
+                   f", routed experts {cfg.expert_format}" if cfg.quantized_experts else ""),
                weight_bytes_per_device=weight_bytes, kv_cache_bytes_per_device=kv_bytes,
                index_cache_bytes_per_device=idx_bytes, index_cache_dtype=cfg.index_cache_dtype,
                total_bytes_per_device=weight_bytes + kv_bytes + idx_bytes,
@@ -113,7 +112,7 @@ def _formats(cfg, tp, context_len, batch, weight_dtype, budget) -> list[dict]:
     many requests of ``context_len`` tokens fit it."""
     pages = -(-context_len // cfg.block_size)
     rows = []
-    for experts in ("bf16", "mxfp8"):
+    for experts in ("bf16", "mxfp8", "nvfp4"):
         weights = _weight_bytes(dataclasses.replace(cfg, expert_format=experts), tp, weight_dtype)
         for index in ("bfloat16", "float8_e4m3fn"):
             per_request = sum(_cache_bytes(cfg, tp, pages, index))
@@ -227,7 +226,7 @@ def format_plan(p: dict) -> str:
             lines.append(f"    experts {f['experts']:5s}, index keys {idx:4s}: "
                          f"{gb(f['weight_bytes'])} + {gb(f['cache_bytes'])}, "
                          f"{'fits' if f['fits'] else 'does NOT fit'}, {f['max_requests']} requests")
-        lines.append("  (every checkpoint format loads into either experts format: the experts "
-                     "are read as bf16 and, for mxfp8, quantized on the device — exactly for "
-                     "the MXFP8 checkpoint)")
+        lines.append("  (every checkpoint format loads into every experts format (--expert-format; "
+                     "mxfp4 as nvfp4 less 1/32 B per weight): the experts are read as bf16 and "
+                     "quantized on the device — exactly for the MXFP8 and MXFP4 checkpoints)")
     return "\n".join(lines)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import jax_m3sparse
+import oracle
 from minimax_m3 import model, moe, parallel
 from minimax_m3.config import M3_TEXT, ModelConfig
 
@@ -274,13 +275,15 @@ def test_mxfp8_model_init_plan_and_tensor_parallel(rng):
     np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-5 * np.abs(one).max())
 
 
-def test_mxfp8_random_model_is_the_bf16_one_rounded():
-    """init_params with MXFP8 experts draws the same model as with bf16 ones and quantizes the
-    experts (per layer for big leaves, sharded): every other leaf equal, every expert leaf equal
-    to mxfp8_quantize of the bf16 model's."""
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])
+def test_quantized_random_model_is_the_bf16_one_rounded(fmt):
+    """init_params with quantized experts draws the same model as with bf16 ones and quantizes
+    the experts (per layer for big leaves, sharded): every other leaf equal, every expert leaf
+    equal to moe.quantize_expert of the bf16 model's (MXFP8 / MXFP4: jax_m3sparse's
+    quantizers; NVFP4: nvfp4_quantize at max|w| / (6 · 448) per expert, checked here)."""
     cfg = dataclasses.replace(CFG, hidden_size=256, vocab_size=256, intermediate_size=64,
                               shared_intermediate_size=64)
-    mx = dataclasses.replace(cfg, expert_format="mxfp8")
+    mx = dataclasses.replace(cfg, expert_format=fmt)
     old = model._ONE_CALL_BYTES
     for one_call in (old, 1 << 16):                               # flat draw; per-layer path
         model._ONE_CALL_BYTES = one_call
@@ -296,18 +299,26 @@ def test_mxfp8_random_model_is_the_bf16_one_rounded():
             for x, y in zip(jax.tree_util.tree_leaves(seg_r), jax.tree_util.tree_leaves(seg_g)):
                 np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
             for name in () if ex_r is None else ("gate_up_proj", "down_proj"):
-                d, s = jax_m3sparse.mxfp8_quantize(ex_r[name])
-                np.testing.assert_array_equal(np.asarray(ex_g[name]).view(np.uint8),
-                                              np.asarray(d).view(np.uint8))
-                np.testing.assert_array_equal(np.asarray(ex_g[name + "_scale"]), np.asarray(s))
+                want = moe.quantize_expert(ex_r[name], fmt, name)
+                leaves = list(moe.expert_leaves(fmt, name, ex_r[name].shape))
+                assert len(leaves) == len(want) == (3 if fmt == "nvfp4" else 2)
+                for leaf, w in zip(leaves, want):
+                    np.testing.assert_array_equal(np.asarray(ex_g[leaf]).view(np.uint8),
+                                                  np.asarray(w).view(np.uint8), err_msg=leaf)
+                if fmt == "nvfp4":     # one scale_2 per layer and expert: max|w| / 2688
+                    axes = (2, 3, 4) if name == "gate_up_proj" else (2, 3)
+                    amax = np.abs(np.asarray(ex_r[name], np.float32)).max(axes)
+                    np.testing.assert_array_equal(np.asarray(ex_g[name + "_scale_2"]),
+                                                  amax / np.float32(2688))
 
 
-def test_quantize_experts_is_lossless_for_mxfp8_values(rng):
-    """moe.quantize_experts on bf16 weights that are MXFP8 values (what an MXFP8 checkpoint
-    loads to): the experts it makes dequantize to those weights bit for bit; a bf16 model's
-    experts become its MXFP8 form, on their devices, the bf16 leaves deleted."""
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+def test_quantize_experts_is_lossless_for_mx_values(rng, fmt):
+    """moe.quantize_experts on bf16 weights that are MXFP8 / MXFP4 values (what such a
+    checkpoint loads to): the experts it makes dequantize to those weights bit for bit; a bf16
+    model's experts become their quantized form, on their devices, the bf16 leaves deleted."""
     cfg = dataclasses.replace(CFG, hidden_size=256, vocab_size=256, intermediate_size=64,
-                              shared_intermediate_size=64, expert_format="mxfp8")
+                              shared_intermediate_size=64, expert_format=fmt)
     bf16 = dataclasses.replace(cfg, expert_format="bf16")
     mesh = parallel.make_mesh(2)
     mx = model.init_params(cfg, 5, parallel.param_shardings(model.param_shapes(cfg), cfg, mesh),
@@ -317,7 +328,7 @@ def test_quantize_experts_is_lossless_for_mxfp8_values(rng):
         if "experts" in s["mlp"] else s for s in mx["segments"]]}
     twin = jax.tree_util.tree_map(lambda v: np.asarray(v), loaded)
     out = moe.quantize_experts(loaded, parallel.param_shardings(model.param_shapes(cfg), cfg,
-                                                                mesh))
+                                                                mesh), fmt)
     for seg, ref in zip(out["segments"], twin["segments"]):
         if "experts" not in seg["mlp"]:
             continue
@@ -340,3 +351,84 @@ def test_mxfp8_needs_whole_exponent_blocks_per_device():
         dataclasses.replace(cfg, intermediate_size=48)
     with pytest.raises(ValueError, match="expert_format 'fp4'"):
         dataclasses.replace(cfg, expert_format="fp4")
+
+
+# ----------------------------------------------------------------------------- FP4 experts
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("T,E,k,impl", [(3, 16, 2, "dense"), (40, 8, 4, "auto")])
+def test_fp4_experts_match_oracle(rng, fmt, T, E, k, impl):
+    """expert_format "mxfp4" / "nvfp4": every formulation becomes "grouped" on the packed
+    weights; equal to a float64 oracle written here (the weights decoded by tests/support's
+    fp4_weights, NVFP4's per-expert scale_2 applied to the gate/up products and the routing
+    weight, the rows and outputs rounded to bf16 where the model rounds them) within fp32
+    rounding; and near the bf16 experts (FP4 keeps one mantissa bit)."""
+    H, I = 64, 32
+    p, x, r = _experts(rng, T, E, k, H=H, I=I)
+    q = {}
+    for name, w in p.items():
+        q.update(zip(moe.expert_leaves(fmt, name, w.shape), moe.quantize_expert(w, fmt, name)))
+    cfg = dataclasses.replace(CFG, expert_format=fmt)
+    got = np.asarray(jax.jit(lambda p_, x_, r_: moe.experts(p_, x_, r_, cfg, impl=impl))(
+        q, x, r), np.float64)
+    w = {n: oracle.fp4_weights(q[n], q[n + "_scale"]) for n in ("gate_up_proj", "down_proj")}
+    s2 = {n: np.asarray(q.get(n + "_scale_2", np.ones(E, np.float32)))
+          for n in ("gate_up_proj", "down_proj")}
+    xb = np.asarray(jnp.asarray(x).astype(jnp.bfloat16), np.float64)
+    bf = lambda a: np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16), np.float64)  # noqa: E731
+    want = np.zeros((T, H))
+    chosen, weights = np.asarray(r.experts), np.asarray(r.weights)
+    for t in range(T):
+        for j in range(k):
+            e = chosen[t, j]
+            gu = np.stack([w["gate_up_proj"][e, i] @ xb[t] for i in (0, 1)]) * s2["gate_up_proj"][e]
+            h = np.asarray(moe.swiglu_oai(jnp.asarray(gu[None], jnp.float32), CFG.swiglu_alpha,
+                                          CFG.swiglu_limit))[0]
+            h = bf(h * (np.float32(weights[t, j]) * s2["down_proj"][e]))
+            want[t] += bf(w["down_proj"][e] @ h)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    bf16 = np.asarray(jax.jit(lambda p_, x_, r_: moe.experts(p_, x_, r_, CFG, impl="grouped"))(
+        {n: v.astype(jnp.bfloat16) for n, v in p.items()}, x, r), np.float64)
+    rel = np.linalg.norm(got - bf16) / np.linalg.norm(bf16)
+    assert rel < 0.25, rel
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fp4_model_plan_and_tensor_parallel(rng, fmt):
+    """FP4 experts: param_dtypes carry packed uint8 weights beside their scales (NVFP4: E4M3
+    and a float32 scale_2 per expert), the plan counts their bytes, scales are sharded as their
+    weights on a 2-device mesh (scale_2 replicated), and the MLP on 2 devices equals 1 device."""
+    cfg = dataclasses.replace(CFG, hidden_size=256, vocab_size=256, intermediate_size=64,
+                              shared_intermediate_size=64, expert_format=fmt)
+    dts = model.param_dtypes(cfg, jnp.bfloat16)["segments"][1]["mlp"]["experts"]
+    scale = jnp.uint8 if fmt == "mxfp4" else jnp.float8_e4m3fn
+    want = dict(gate_up_proj=jnp.uint8, down_proj=jnp.uint8, gate_up_proj_scale=scale,
+                down_proj_scale=scale)
+    if fmt == "nvfp4":
+        want.update(gate_up_proj_scale_2=jnp.float32, down_proj_scale_2=jnp.float32)
+    assert dts == want
+    mesh = parallel.make_mesh(2)
+    shardings = parallel.param_shardings(model.param_shapes(cfg), cfg, mesh)
+    a = model.init_params(cfg, 3, shardings, dtype=jnp.bfloat16)
+    ex = a["segments"][1]["mlp"]["experts"]
+    block = 32 if fmt == "mxfp4" else 16
+    assert {s.data.shape for s in ex["down_proj"].addressable_shards} == {(3, 8, 256, 16)}
+    assert {s.data.shape for s in ex["down_proj_scale"].addressable_shards} == {
+        (3, 8, 256, 32 // block)}
+    bf16 = dataclasses.replace(cfg, expert_format="bf16")
+    from minimax_m3 import plan
+    saved = plan.weight_bytes_per_device(bf16, jnp.bfloat16) - plan.weight_bytes_per_device(
+        cfg, jnp.bfloat16)
+    segs = [seg["mlp"]["experts"] for seg in model.param_shapes(bf16)["segments"]
+            if "experts" in seg["mlp"]]
+    n = sum(int(np.prod(s)) for s in jax.tree_util.tree_leaves(segs, is_leaf=parallel.is_shape))
+    s2 = 0 if fmt == "mxfp4" else 4 * 2 * sum(seg["gate_up_proj"][0] * seg["gate_up_proj"][1]
+                                              for seg in segs)
+    assert saved == 2 * n - (n // 2 + n // block + s2)
+    x = jnp.asarray(rng.normal(0, 1, (5, 256)), jnp.float32)
+    p1 = jax.tree_util.tree_map(lambda l: l[0], a["segments"][1]["mlp"])
+    one = np.asarray(jax.jit(lambda p, x: moe.mlp(p, x, cfg, True))(p1, x))
+    with jax.set_mesh(mesh):
+        two = np.asarray(jax.jit(lambda p, x: moe.mlp(p, x, cfg, True))(p1, x))
+    # "grouped" rounds each device's partial down_proj output to bf16 before the psum: the two
+    # differ by bf16 roundings of the partial sums, not more
+    np.testing.assert_allclose(two, one, rtol=0, atol=2.0 ** -7 * np.abs(one).max())
