@@ -178,12 +178,17 @@ def main(argv=None):
 
 def load_model(args, cfg, mesh):
     """The checkpoint's params placed on ``mesh``, or random weights; quantized experts
-    (``--expert-format``) are made on the device from the loaded bf16 ones."""
+    (``--expert-format``) are made on the device from the loaded bf16 ones, or kept as they
+    are stored when the checkpoint's experts are in that FP4 format."""
     from tqdm import tqdm  # noqa: PLC0415
     from minimax_m3 import checkpoint, model, moe, parallel  # noqa: PLC0415
     shardings = parallel.param_shardings(model.param_shapes(cfg), cfg, mesh)
     if not args.checkpoint:
         return model.init_params(cfg, args.weight_seed, shardings, dtype=args.dtype)
+    if cfg.fp4_experts and checkpoint.expert_storage(args.checkpoint) == cfg.expert_format:
+        with tqdm(total=checkpoint.count_tensors(cfg), unit="tensor", desc="loading") as bar:
+            return checkpoint.load_params(args.checkpoint, cfg, shardings, dtype=args.dtype,
+                                          progress=bar.update)
     bf16 = dataclasses.replace(cfg, expert_format="bf16")
     with tqdm(total=checkpoint.count_tensors(bf16), unit="tensor", desc="loading") as bar:
         params = checkpoint.load_params(

@@ -60,6 +60,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors import safe_open
 
 from .config import MOE, SPARSE, ModelConfig, quantization_config
+from .moe import expert_leaves
 from .parallel import is_shape
 
 CHUNK_BYTES = 16 << 20      # rows read per safe_open
@@ -149,6 +150,16 @@ class CheckpointFiles:
     def names(self) -> set[str]:
         return set(self.file)
 
+    def read_part(self, name: str, part: str, index: tuple[slice, ...], out: np.ndarray) -> None:
+        """``out[...] = `` the stored bytes of packed FP4 ``name`` (``part`` "data"; ``index``
+        in bytes along the last axis) or of its block scales ("scale"), as they are."""
+        out[...] = self._read_chunk(name if part == "data" else self.format[name].scale, index)
+
+    def scale_2(self, name: str) -> np.float32:
+        """The fp32 per-tensor ``weight_scale_2`` of NVFP4 ``name``."""
+        with safe_open(self.file[self.format[name].scale_2], framework="numpy") as f:
+            return np.float32(f.get_tensor(self.format[name].scale_2).reshape(-1)[0])
+
     def read_into(self, name: str, index: tuple[slice, ...], out: np.ndarray) -> None:
         """``out[...] = tensor[index]`` (one slice per axis), cast to ``out``'s dtype, in row
         chunks of at most CHUNK_BYTES; FP8 weights times their ``weight_scale_inv`` blocks."""
@@ -183,9 +194,7 @@ class CheckpointFiles:
                 *packed.shape[:-1], a1 - a0)
         scale = self._read_chunk(fmt.scale, (*lead, slice(a0 // g, a1 // g)))
         if fmt.kind == "nvfp4":
-            with safe_open(self.file[fmt.scale_2], framework="numpy") as f:
-                scale_2 = np.float32(f.get_tensor(fmt.scale_2).reshape(-1)[0])
-            scale = scale.astype(np.float32) * scale_2
+            scale = scale.astype(np.float32) * self.scale_2(name)
         else:                                  # E8M0: 2^(e - 127); 255 is NaN
             e = scale.astype(np.int32)
             scale = np.where(e == 255, np.float32(np.nan),
@@ -241,6 +250,9 @@ class Source:
     kind: str          # plain | gate_up (packed [2I, H]) | gate_up_pair | experts_* (see _read)
     names: tuple[str, ...]
     stored: tuple[tuple[int, ...], ...]
+    # what of the named tensors: "value" (dequantized, the default), or for FP4 experts kept as
+    # stored (cfg.fp4_experts): "data" (the packed bytes), "scale", "scale_2" (their scales')
+    part: str = "value"
 
 
 def _sources(cfg: ModelConfig, layout: str) -> tuple[dict, list]:
@@ -296,6 +308,12 @@ def _sources(cfg: ModelConfig, layout: str) -> tuple[dict, list]:
                                     ((I, H),) * (2 * E)),
                 down_proj=Source("experts_down_split", tuple(e + "w2.weight" for e in ex),
                                  ((H, I),) * E))
+            if cfg.fp4_experts:        # the checkpoint's bytes and scales, as they are
+                experts = {leaf: dataclasses.replace(
+                    src, part=leaf[len(name) + 1:] or "data",
+                    kind="experts_scale_2" if leaf.endswith("_scale_2") else src.kind)
+                    for name, src in experts.items()
+                    for leaf in expert_leaves(cfg.expert_format, name, (1,) * 4 + (32,))}
             gate, bias = plain(m + "gate.weight", (E, H)), plain(m + "e_score_correction_bias", (E,))
         else:
             m = pre + "mlp."
@@ -326,6 +344,9 @@ def _read(files: CheckpointFiles, src: Source, index: tuple[slice, ...], shape,
     idx = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
     out = np.empty(tuple(s.stop - s.start for s in idx), dtype)
     put = files.read_into
+    if src.part != "value":
+        def put(name, index, out):        # noqa: F811 (the FP4 experts' bytes as stored)
+            files.read_part(name, src.part, index, out)
     if src.kind == "plain":
         put(src.names[0], idx, out)
     elif src.kind in ("gate_up", "gate_up_pair"):         # ours [2, I, H]
@@ -350,6 +371,17 @@ def _read(files: CheckpointFiles, src: Source, index: tuple[slice, ...], shape,
         e, h, i = idx
         for m, j in enumerate(range(e.start, e.stop)):
             put(src.names[j], (h, i), out[m])
+    elif src.kind == "experts_scale_2":                   # ours [E]: NVFP4's per expert
+        (e,) = idx
+        per = len(src.names) // shape[0]                  # w1, w3 share one (gate_up) or w2
+        for m, j in enumerate(range(e.start, e.stop)):
+            names = src.names[per * j:per * (j + 1)]
+            values = {float(files.scale_2(n)) for n in names}
+            if len(values) != 1:
+                raise ValueError(f"{', '.join(names)}: weight_scale_2 differ ({sorted(values)}); "
+                                 f"--expert-format nvfp4 keeps one per expert for gate and up "
+                                 f"(load with --expert-format bf16 or mxfp8 instead)")
+            out[m] = values.pop()
     else:
         raise AssertionError(src.kind)
     return out
@@ -439,6 +471,10 @@ def quant_method(qc: dict | None) -> str | None:
 
 # ----------------------------------------------------------------------------- placing
 def _out_dtype(files, src: Source, dtype):
+    if src.part != "value":           # FP4 experts as stored: packed bytes, E8M0 / E4M3, fp32
+        scale = files.dtype[files.format[src.names[0]].scale]
+        return jnp.dtype({"data": jnp.uint8, "scale_2": jnp.float32}.get(
+            src.part, jnp.float8_e4m3fn if scale == "F8_E4M3" else jnp.uint8))
     if dtype is not None:
         return jnp.dtype(dtype)
     stored = files.dtype[src.names[0]]
@@ -534,6 +570,8 @@ def load_params(path: str, cfg: ModelConfig, shardings, dtype=None, progress=Non
     top, segments = _sources(cfg, layout)
     method = quant_method(quantization_config(path) if os.path.isdir(path) else None)
     _check(files, top, segments, method)
+    if cfg.fp4_experts:
+        _check_fp4_experts(files, segments, cfg.expert_format, layout)
     served, shardings = shardings, checkpoint_shardings(shardings, cfg)
     shapes = param_shapes(cfg, fused=False)
     tick = progress or (lambda n: None)
@@ -549,9 +587,37 @@ def load_params(path: str, cfg: ModelConfig, shardings, dtype=None, progress=Non
     return fuse_projections(out, cfg, served)
 
 
+def _check_fp4_experts(files, segments, fmt: str, layout: str) -> None:
+    """Raises ValueError unless every routed expert weight is stored as ``fmt`` (what
+    ``--expert-format`` mxfp4 / nvfp4 keeps as it is), in the published layout."""
+    if layout != "upstream":
+        raise ValueError(f"--expert-format {fmt} keeps a published checkpoint's FP4 experts as "
+                         f"they are; {files.path} is in transformers' layout (load it with "
+                         f"--expert-format bf16 or mxfp8)")
+    names = {n for seg in segments for layer in seg
+             for src in layer.get("mlp", {}).get("experts", {}).values() for n in src.names}
+    wrong = sorted(n for n in names if getattr(files.format.get(n), "kind", None) != fmt)
+    if wrong:
+        kind = getattr(files.format.get(wrong[0]), "kind", None) or files.dtype[wrong[0]]
+        raise ValueError(f"--expert-format {fmt} keeps the checkpoint's routed experts as they "
+                         f"are, but {len(wrong)} are not {fmt} (e.g. {wrong[0]}: {kind}); use "
+                         f"--expert-format {expert_storage(files) or 'bf16'}, or bf16 / mxfp8 "
+                         f"(quantized on the device)")
+
+
+def expert_storage(files) -> str | None:
+    """How a checkpoint (a path or CheckpointFiles) stores its routed experts: "mxfp8",
+    "nvfp4", "mxfp4", "fp8_block", or None (unquantized, or no experts)."""
+    files = files if isinstance(files, CheckpointFiles) else CheckpointFiles(files)
+    for name in sorted(files.names()):
+        if re.search(r"experts\.(\d+\.w1\.weight|gate_up_proj)$", name):
+            return getattr(files.format.get(name), "kind", None)
+    return None
+
+
 def count_tensors(cfg: ModelConfig) -> int:
     """Parameter groups load_params reports to ``progress`` (for a progress bar's total)."""
-    top, segments = _sources(cfg, "transformers")
+    top, segments = _sources(cfg, "upstream" if cfg.fp4_experts else "transformers")
     return len(top) + sum(len(jax.tree_util.tree_leaves(s, is_leaf=lambda x: isinstance(x, Source)))
                           for s in segments)
 

@@ -22,7 +22,23 @@ def encode(text: str) -> list[int]:
 
 
 def decode(tokens) -> str:
-    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+    """Byte tokens as text; an id past 255 (a checkpoint's vocabulary without its
+    tokenizer.json) as ``<id>``."""
+    return "".join(run.decode("utf-8", errors="replace") if isinstance(run, bytes) else run
+                   for run in _byte_runs(tokens))
+
+
+def _byte_runs(tokens) -> list:
+    """``tokens`` as runs of byte tokens (bytes) between ids past 255 (``"<id>"``)."""
+    runs, run = [], []
+    for t in map(int, tokens):
+        if 0 <= t < 256:
+            run.append(t)
+            continue
+        runs += [bytes(run)] if run else []
+        runs.append(f"<{t}>")
+        run = []
+    return runs + ([bytes(run)] if run else [])
 
 
 class ByteTokenizer:
@@ -100,11 +116,17 @@ def _read_json(path: str) -> dict:
 
 
 def printable(tokens, limit: int = 72) -> str:
-    """One console line: valid UTF-8 as text, other bytes and controls as escapes, cut."""
-    s = bytes(int(t) for t in tokens).decode("utf-8", errors="surrogateescape")
-    pieces = [c if c.isprintable() else
-              f"\\x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else repr(c)[1:-1]
-              for c in s]                      # undecodable bytes (surrogates) as \xNN
+    """One console line: valid UTF-8 as text, other bytes and controls as escapes, ids past
+    255 as ``<id>``, cut."""
+    pieces = []
+    for run in _byte_runs(tokens):
+        if isinstance(run, str):
+            pieces.append(run)
+            continue
+        s = run.decode("utf-8", errors="surrogateescape")
+        pieces += [c if c.isprintable() else
+                   f"\\x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else repr(c)[1:-1]
+                   for c in s]                     # undecodable bytes (surrogates) as \xNN
     if sum(map(len, pieces)) <= limit:
         return "".join(pieces)
     out, n = [], 0

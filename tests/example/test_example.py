@@ -294,6 +294,9 @@ def test_printable_cuts_between_escapes():
         body = s[:-3]
         assert body == "ab" + "\\xf0" * ((len(body) - 2) // 4), s
     assert text.printable(list(b"a\\b")) == "a\\b"
+    # a checkpoint's ids past 255 without its tokenizer.json: <id>, bytes around them decoded
+    assert text.printable([104, 105, 300, 0xe2, 0x82, 0xac, 1000]) == "hi<300>€<1000>"
+    assert text.decode([104, 300, 105]) == "h<300>i"
 
 
 def test_plot(batched, tmp_path):

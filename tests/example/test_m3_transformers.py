@@ -17,9 +17,11 @@ fractions (≥ 99 %) and generation token for token.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -27,7 +29,8 @@ pytest.importorskip("transformers.models.minimax_m3_vl")   # transformers >= 5.2
 
 import hf_fixtures as fixtures  # noqa: E402
 from minimax_m3 import compare, layers, model, parallel, sampling  # noqa: E402
-from minimax_m3.checkpoint import load_params  # noqa: E402
+import jax_m3sparse as m3  # noqa: E402
+from minimax_m3.checkpoint import expert_storage, load_params  # noqa: E402
 from minimax_m3.config import from_hf_config  # noqa: E402
 from minimax_m3.engine import Engine, EngineConfig, cosine  # noqa: E402
 
@@ -203,3 +206,44 @@ def test_published_format_mismatch_is_named(tmp_path):
         (path / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
         with pytest.raises(ValueError, match=match):
             load_params(str(path), cfg, shardings)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_experts_load_as_stored(tmp_path, fmt):
+    """--expert-format nvfp4 / mxfp4 on a checkpoint whose experts are stored so: the packed
+    bytes, the block scales and NVFP4's weight_scale_2 (one per expert, shared by w1 and w3)
+    land on the device as they are — their dequantization (× scale_2) is the fixture's fp32
+    twin (to one fp32 rounding); every other leaf is what the bf16 load gives; a checkpoint stored otherwise
+    is refused, naming the format it holds."""
+    hf = fixtures.build_model(fixtures.tiny_text_config(), seed=2)
+    fixtures.save_published(hf, str(tmp_path / fmt), fmt, twin=str(tmp_path / "twin"))
+    assert expert_storage(str(tmp_path / fmt)) == fmt
+    cfg = from_hf_config(str(tmp_path / fmt), expert_format=fmt)
+    mesh = parallel.make_mesh(1)
+    got = load_params(str(tmp_path / fmt), cfg, parallel.param_shardings(
+        model.param_shapes(cfg), cfg, mesh), dtype="float32")
+    bf16 = dataclasses.replace(cfg, expert_format="bf16")
+    want = load_params(str(tmp_path / "twin"), bf16, parallel.param_shardings(
+        model.param_shapes(bf16), bf16, mesh), dtype="float32")
+    moe_layers = [i for i, seg in enumerate(got["segments"]) if "experts" in seg["mlp"]]
+    assert moe_layers
+    for i in moe_layers:
+        ex, ref = got["segments"][i]["mlp"].pop("experts"), want["segments"][i]["mlp"].pop("experts")
+        assert ex["gate_up_proj"].dtype == jnp.uint8 and ("gate_up_proj_scale_2" in ex) == (
+            fmt == "nvfp4")
+        for name in ("gate_up_proj", "down_proj"):
+            w = np.asarray(m3.fp4_dequantize(ex[name], ex[name + "_scale"], jnp.float32))
+            if fmt == "nvfp4":
+                s2 = np.asarray(ex[name + "_scale_2"])
+                w = w * s2.reshape(*s2.shape, *(1,) * (w.ndim - s2.ndim))
+            # the twin multiplies e2m1 · (scale · scale_2), the kernel's order is (e2m1 · scale)
+            # · scale_2 (SPEC §9.3): one fp32 rounding apart at most
+            np.testing.assert_allclose(w, np.asarray(ref[name]), rtol=2.0 ** -22, atol=0,
+                                       err_msg=name)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    other = "mxfp4" if fmt == "nvfp4" else "nvfp4"
+    with pytest.raises(ValueError, match=f"are not {other} .*w1.weight: {fmt}.*--expert-format {fmt}"):
+        wrong = dataclasses.replace(cfg, expert_format=other)
+        load_params(str(tmp_path / fmt), wrong, parallel.param_shardings(
+            model.param_shapes(wrong), wrong, mesh))
