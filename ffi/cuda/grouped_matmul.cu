@@ -23,13 +23,14 @@
 //      without bank conflicts.
 //   3. Each warp owns 32 columns (four n8 tiles) and the BM rows; BN = 32, 64 or 128 (1, 2 or 4
 //      warps: narrower tiles give a decode batch's few groups more CTAs). bf16 weight fragments
-//      come from ldmatrix; fp8 and FP4 ones are loaded per thread and widened in registers to
-//      exactly the bf16 value of SPEC §9.1 / §9.3 — the fragment a bf16 launch on the
-//      dequantized weights would load. Every output element is one chain of m16n8k16 bf16 mma
+//      come from ldmatrix; fp8 ones are loaded per thread and widened in registers to exactly
+//      the bf16 value of SPEC §9.1 — the fragment a bf16 launch on the dequantized weights
+//      would load. FP4 ones (fp4_stage) are widened 8 k at a time into (k, k + 4) pairs, the
+//      lhs fragments paired to match: the same exact values in another slot order. Every output element is one chain of m16n8k16 bf16 mma
 //      in k order with an fp32 accumulator: a row's bits depend on its own lhs row and its
 //      group's weights only, never on the other rows, the group sizes or the tile shape
-//      (batch-invariant; tests/cuda checks it), and an MXFP8 or FP4 launch equals the bf16
-//      launch on the dequantized weights bit for bit.
+//      (batch-invariant; tests/cuda checks it), and an MXFP8 launch equals the bf16 launch on
+//      the dequantized weights bit for bit (an FP4 one to fp32 rounding: SPEC §9.3).
 //   4. The accumulators are stored (fp32, or rounded to bf16 when out_bf16) for the tile's rows
 //      inside the group and columns < N.
 // With lhs_rows (SPEC §9 item 4) step 2 reads row i's lhs from lhs_rows[i]: the sorted copy of the
@@ -124,16 +125,37 @@ __device__ __forceinline__ float e2m1_value(uint32_t code) {
   return mul_rn(__uint_as_float(((code & 8u) << 28) | ((code & 7u) << 22)), 0x1p126f);
 }
 
-// One byte of packed FP4 (the lower k in the low nibble) as a packed bf16 pair, SPEC §9.3:
-// MXFP4 e2m1 · 2^(e − 127) with the scale's two factors s (products below 2^-126 flushed to ±0,
-// as MXFP8); NVFP4 e2m1 · scale with s.x the E4M3 scale's value and s.y = 0 (exact).
-template <bool kNv>
-__device__ __forceinline__ uint32_t dequant_fp4x2(uint32_t byte, float2 s) {
-  const float lo = e2m1_value(byte & 15u), hi = e2m1_value(byte >> 4);
-  const __nv_bfloat162 b =
-      kNv ? __floats2bfloat162_rn(lo * s.x, hi * s.x)
-          : __floats2bfloat162_rn(mul_ftz(mul_ftz(lo, s.x), s.y), mul_ftz(mul_ftz(hi, s.x), s.y));
-  return *reinterpret_cast<const uint32_t*>(&b);
+// The 8 FP4 codes of w (element i in nibble i) as 4 packed bf16 pairs p[j] = (element j,
+// element j + 4) of W (SPEC §9.3): each code's sign and three magnitude bits placed at bf16's
+// sign, exponent LSBs and first mantissa bit make 2^-126 times its E2M1 value (code 1, 0.5, a
+// bf16 subnormal); one multiply by 2^126 restores the value and one by the scale s (a bf16
+// pair, both halves equal) applies it — both exact (at most 6 significant bits), the second
+// overflowing to ±inf past bf16's range as the fp32 route does. For NVFP4 any E4M3 scale, for
+// MXFP4 2^(e − 127) with e >= 2 (smaller e can give products below 2^-126: fp4x8_exact).
+__device__ __forceinline__ void fp4x8(uint32_t w, uint32_t s, uint32_t* p) {
+  const __nv_bfloat162 k126 = __halves2bfloat162(__ushort_as_bfloat16(0x7E80),
+                                                 __ushort_as_bfloat16(0x7E80));   // 2^126
+  const __nv_bfloat162 sc = *reinterpret_cast<const __nv_bfloat162*>(&s);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t v = w << (12 - 4 * j);            // nibbles j, j + 4 at bits 12-15, 28-31
+    const uint32_t x = (v & 0x80008000u) | ((v >> 6) & 0x01C001C0u);
+    const __nv_bfloat162 y = __hmul2(__hmul2(*reinterpret_cast<const __nv_bfloat162*>(&x), k126),
+                                     sc);
+    p[j] = *reinterpret_cast<const uint32_t*>(&y);
+  }
+}
+
+// The same for MXFP4 exponents e < 2 in fp32: e2m1 · 2^(e − 127) with the scale's two factors
+// f, products below 2^-126 flushed to ±0 (as MXFP8's, SPEC §9.1), rounded to bf16.
+__device__ __forceinline__ void fp4x8_exact(uint32_t w, float2 f, uint32_t* p) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float lo = e2m1_value(w >> (4 * j) & 15u), hi = e2m1_value(w >> (4 * j + 16) & 15u);
+    const __nv_bfloat162 b = __floats2bfloat162_rn(mul_ftz(mul_ftz(lo, f.x), f.y),
+                                                   mul_ftz(mul_ftz(hi, f.x), f.y));
+    p[j] = *reinterpret_cast<const uint32_t*>(&b);
+  }
 }
 
 // E4M3 byte -> its fp32 value (NaN codes: NaN), via the exact fp8 -> f16 conversion.
@@ -144,6 +166,11 @@ __device__ __forceinline__ float e4m3_float(uint8_t q) {
 
 // Byte offset of 16-byte chunk c of row r in a [rows][128 B] stage (swizzled, step 2).
 __device__ __forceinline__ int swz(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
+// FP4 launches' lhs sub-tiles: as swz, and row r's chunks moved by 4 when r is odd, so the
+// 16-byte loads of fp4_step (rows 2p and 2p + 1, four chunks each) hit 8 distinct bank groups.
+__device__ __forceinline__ int swz_a4(int r, int c) {
+  return r * 128 + ((c ^ (r & 7) ^ ((r & 1) << 2)) << 4);
+}
 // The same for FP4 weight rows of 64 bytes, two per 128-byte line: chunk c (0..3) of row r.
 __device__ __forceinline__ int swz4(int r, int c) {
   return (r >> 1) * 128 + ((4 * (r & 1) + (c ^ ((r >> 1) & 3))) << 4);
@@ -260,6 +287,58 @@ __device__ __forceinline__ void mma_fp8(float* d, const uint32_t* a, uint32_t b0
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
 }
 
+// One stage (128 k) of an FP4 launch: four steps of 32 k, each two m16n8k16 mma whose k slots
+// hold the k order fp4x8 makes — thread (g, t)'s B pairs are weight k (8t + j, 8t + j + 4),
+// so its A pairs are the lhs elements at the same k: k 8t..8t + 7 of rows g and g + 8 in one
+// 16-byte load each, paired by byte permutes. The mma sums each 16-k slot set in a fixed order
+// for every tile and batch: a row's bits still depend only on its row and its group's weights.
+template <Fmt kF, int kMTiles>
+__device__ __forceinline__ void fp4_stage(const uint8_t* a, const uint8_t* b, int sub_a,
+                                          int stage_b, float (*acc)[4][4], int wn, int lane) {
+  constexpr int kScaleB = kF == Fmt::kFp4Nv ? 8 : 4;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int k2 = 0; k2 < 4; ++k2) {             // sub-tile k2 / 2, its 32 k from 32 · (k2 % 2)
+    uint32_t af[kMTiles][2][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      uint32_t x[2][4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {            // rows g, g + 8
+        const uint4 v = *reinterpret_cast<const uint4*>(
+            a + (k2 >> 1) * sub_a + swz_a4(mt * 16 + g + 8 * h, 4 * (k2 & 1) + t));
+        x[h][0] = v.x, x[h][1] = v.y, x[h][2] = v.z, x[h][3] = v.w;
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {            // (k 8t + j, 8t + j + 4): mma j / 2, a0/a1 or a2/a3
+        const uint32_t sel = j & 1 ? 0x7632u : 0x5410u;
+        af[mt][j >> 1][2 * (j & 1)] = __byte_perm(x[0][j >> 1], x[0][2 + (j >> 1)], sel);
+        af[mt][j >> 1][2 * (j & 1) + 1] = __byte_perm(x[1][j >> 1], x[1][2 + (j >> 1)], sel);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int r = wn * 32 + nt * 8 + g;
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(b + swz4(r, k2) + 4 * t);
+      const uint8_t* sr = b + stage_b + kScaleB * r;
+      uint32_t p[4];
+      if constexpr (kF == Fmt::kFp4Nv) {       // the E4M3 scale of k 16 · (2 · k2 + t / 2)
+        const __nv_bfloat16 s = __float2bfloat16_rn(e4m3_float(sr[2 * k2 + (t >> 1)]));
+        fp4x8(w, uint32_t(__bfloat16_as_ushort(s)) * 0x10001u, p);
+      } else {                                 // the E8M0 exponent of this k32
+        const uint32_t e = sr[k2];
+        if (e >= 2) fp4x8(w, e == 255 ? 0x7FC07FC0u : (e << 7) * 0x10001u, p);
+        else fp4x8_exact(w, e8m0_factors(uint8_t(e)), p);
+      }
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        mma(acc[mt][nt], af[mt][0], p[0], p[1]);
+        mma(acc[mt][nt], af[mt][1], p[2], p[3]);
+      }
+    }
+  }
+}
+
 // Steps 2-4 for the rows [start, end) of group g and the column tile from n0.
 template <Fmt kF, int kMTiles, int kWarpsN, int kStages>
 __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, int64_t start,
@@ -327,7 +406,8 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
           for (int j = 0; j < kRowsA; ++j) {
             const bool ok = k_ok && live_a[j];
             const uint8_t* src = pa[j] + (k0 + 64 * h) * kElemA;
-            cp_async16_zfill(a + h * Geo::kSubA + swz(r0 + j * kRowStep, c), ok ? src : lhs, ok);
+            const int at = Geo::kFp4 ? swz_a4(r0 + j * kRowStep, c) : swz(r0 + j * kRowStep, c);
+            cp_async16_zfill(a + h * Geo::kSubA + at, ok ? src : lhs, ok);
           }
         }
         if constexpr (kFp4) {   // K % 128 == 0: a stage's 64 bytes per row are whole
@@ -373,81 +453,73 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
       load(ks + kStages - 1);
       const uint8_t* a = smem + (ks % kStages) * Geo::kStage;
       const uint8_t* b = a + Geo::kStageA;
-      // A k-step kk covers 32 bytes of every row (16 bf16 k, or 32 fp8 k: one MXFP8 block).
-      // (fp8 lhs: two at a time, one with 64-row tiles; unrolled further, ptxas spills.)
+      if constexpr (kFp4) {
+        fp4_stage<kF, kMTiles>(a, b, Geo::kSubA, Geo::kStageB, acc, wn, lane);
+      } else {
+        // A k-step kk covers 32 bytes of every row (16 bf16 k, or 32 fp8 k: one MXFP8 block).
+        // (fp8 lhs: two at a time, one with 64-row tiles; unrolled further, ptxas spills.)
 #pragma unroll(kFp8A ? (kMTiles == 1 ? 2 : 1) : 4 * Geo::kSubTiles)
-      for (int kk = 0; kk < 4 * Geo::kSubTiles; ++kk) {
-        uint32_t bf[4][2];
-        if constexpr (kF == Fmt::kFp8W) {
-          // Thread (g, t) of n8 tile nt holds rows nt·8 + g, k = 16·kk + 2t (+1) and + 8.
+        for (int kk = 0; kk < 4 * Geo::kSubTiles; ++kk) {
+          uint32_t bf[4][2];
+          if constexpr (kF == Fmt::kFp8W) {
+            // Thread (g, t) of n8 tile nt holds rows nt·8 + g, k = 16·kk + 2t (+1) and + 8.
 #pragma unroll
-          for (int nt = 0; nt < 4; ++nt) {
-            const int r = wn * 32 + nt * 8 + (lane >> 2);
-            const uint8_t* q = b + swz(r, kk) + 2 * (lane & 3);
-            const float2 s = e8m0_factors(b[Geo::kStageB + 4 * r + (kk >> 1)]);
-            bf[nt][0] = dequant_fp8x2(*reinterpret_cast<const uint16_t*>(q), s);
-            bf[nt][1] = dequant_fp8x2(*reinterpret_cast<const uint16_t*>(q + 8), s);
-          }
-        } else if constexpr (kFp4) {
-          // Byte t (k 2t, 2t + 1) and byte 4 + t (k 2t + 8, 2t + 9) of the row's 8 bytes of
-          // this k16 step: the fragment the bf16 path's ldmatrix would give.
+            for (int nt = 0; nt < 4; ++nt) {
+              const int r = wn * 32 + nt * 8 + (lane >> 2);
+              const uint8_t* q = b + swz(r, kk) + 2 * (lane & 3);
+              const float2 s = e8m0_factors(b[Geo::kStageB + 4 * r + (kk >> 1)]);
+              bf[nt][0] = dequant_fp8x2(*reinterpret_cast<const uint16_t*>(q), s);
+              bf[nt][1] = dequant_fp8x2(*reinterpret_cast<const uint16_t*>(q + 8), s);
+            }
+          } else {
+            // bf16 (16 k) or fp8 (32 k) fragments: the same bytes of the same rows either way
 #pragma unroll
-          for (int nt = 0; nt < 4; ++nt) {
-            const int r = wn * 32 + nt * 8 + (lane >> 2);
-            const uint8_t* q = b + swz4(r, kk >> 1) + 8 * (kk & 1) + (lane & 3);
-            const uint8_t* sr = b + Geo::kStageB + Geo::kScaleB * r;
-            const float2 s = kF == Fmt::kFp4Nv ? make_float2(e4m3_float(sr[kk]), 0.0f)
-                                               : e8m0_factors(sr[kk >> 1]);
-            bf[nt][0] = dequant_fp4x2<kF == Fmt::kFp4Nv>(q[0], s);
-            bf[nt][1] = dequant_fp4x2<kF == Fmt::kFp4Nv>(q[4], s);
-          }
-        } else {
-          // bf16 (16 k) or fp8 (32 k) fragments: the same bytes of the same rows either way
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {   // n8 tiles 2h, 2h + 1 of this warp's 32 columns
-            const int r = wn * 32 + h * 16 + (lane & 7) + ((lane >> 4) << 3);
-            uint32_t x[4];
-            ldmatrix_x4(x, b + swz(r, 2 * kk + ((lane >> 3) & 1)));
-            bf[2 * h][0] = x[0], bf[2 * h][1] = x[1], bf[2 * h + 1][0] = x[2],
-            bf[2 * h + 1][1] = x[3];
-          }
-        }
-        const uint8_t* a_sub = a + (kk >> 2) * Geo::kSubA;
-        if constexpr (kFp8A) {
-          // One MXFP8 block: each product tile from a fresh accumulator, then added to the
-          // running sum times 2^(e_lhs − 127) · 2^(e_w − 127) (SPEC §9.2).
-          const uint8_t* sb = b + Geo::kStageB;
-          const uint8_t* sa = sb + 4 * kBN;
-          uint32_t af[kMTiles][4];
-          float fa[kMTiles][2];
-#pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            ldmatrix_x4(af[mt], a_sub + swz(mt * 16 + (lane & 15), 2 * (kk & 3) + (lane >> 4)));
-            fa[mt][0] = e8m0_float(sa[4 * (mt * 16 + (lane >> 2)) + kk]);
-            fa[mt][1] = e8m0_float(sa[4 * (mt * 16 + (lane >> 2) + 8) + kk]);
-          }
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt) {
-            const int col = wn * 32 + nt * 8 + 2 * (lane & 3);
-            const float fw0 = e8m0_float(sb[4 * col + kk]), fw1 = e8m0_float(sb[4 * col + 4 + kk]);
-#pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt) {
-              float d[4];
-              mma_fp8(d, af[mt], bf[nt][0], bf[nt][1]);
-              acc[mt][nt][0] = fmaf(d[0], fa[mt][0] * fw0, acc[mt][nt][0]);
-              acc[mt][nt][1] = fmaf(d[1], fa[mt][0] * fw1, acc[mt][nt][1]);
-              acc[mt][nt][2] = fmaf(d[2], fa[mt][1] * fw0, acc[mt][nt][2]);
-              acc[mt][nt][3] = fmaf(d[3], fa[mt][1] * fw1, acc[mt][nt][3]);
+            for (int h = 0; h < 2; ++h) {   // n8 tiles 2h, 2h + 1 of this warp's 32 columns
+              const int r = wn * 32 + h * 16 + (lane & 7) + ((lane >> 4) << 3);
+              uint32_t x[4];
+              ldmatrix_x4(x, b + swz(r, 2 * kk + ((lane >> 3) & 1)));
+              bf[2 * h][0] = x[0], bf[2 * h][1] = x[1], bf[2 * h + 1][0] = x[2],
+              bf[2 * h + 1][1] = x[3];
             }
           }
-        } else {
+          const uint8_t* a_sub = a + (kk >> 2) * Geo::kSubA;
+          if constexpr (kFp8A) {
+            // One MXFP8 block: each product tile from a fresh accumulator, then added to the
+            // running sum times 2^(e_lhs − 127) · 2^(e_w − 127) (SPEC §9.2).
+            const uint8_t* sb = b + Geo::kStageB;
+            const uint8_t* sa = sb + 4 * kBN;
+            uint32_t af[kMTiles][4];
+            float fa[kMTiles][2];
 #pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            uint32_t af[4];
-            const int r = mt * 16 + (lane & 15);
-            ldmatrix_x4(af, a_sub + swz(r, 2 * (kk & 3) + (lane >> 4)));
+            for (int mt = 0; mt < kMTiles; ++mt) {
+              ldmatrix_x4(af[mt], a_sub + swz(mt * 16 + (lane & 15), 2 * (kk & 3) + (lane >> 4)));
+              fa[mt][0] = e8m0_float(sa[4 * (mt * 16 + (lane >> 2)) + kk]);
+              fa[mt][1] = e8m0_float(sa[4 * (mt * 16 + (lane >> 2) + 8) + kk]);
+            }
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) mma(acc[mt][nt], af, bf[nt][0], bf[nt][1]);
+            for (int nt = 0; nt < 4; ++nt) {
+              const int col = wn * 32 + nt * 8 + 2 * (lane & 3);
+              const float fw0 = e8m0_float(sb[4 * col + kk]);
+              const float fw1 = e8m0_float(sb[4 * col + 4 + kk]);
+#pragma unroll
+              for (int mt = 0; mt < kMTiles; ++mt) {
+                float d[4];
+                mma_fp8(d, af[mt], bf[nt][0], bf[nt][1]);
+                acc[mt][nt][0] = fmaf(d[0], fa[mt][0] * fw0, acc[mt][nt][0]);
+                acc[mt][nt][1] = fmaf(d[1], fa[mt][0] * fw1, acc[mt][nt][1]);
+                acc[mt][nt][2] = fmaf(d[2], fa[mt][1] * fw0, acc[mt][nt][2]);
+                acc[mt][nt][3] = fmaf(d[3], fa[mt][1] * fw1, acc[mt][nt][3]);
+              }
+            }
+          } else {
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+              uint32_t af[4];
+              const int r = mt * 16 + (lane & 15);
+              ldmatrix_x4(af, a_sub + swz(r, 2 * (kk & 3) + (lane >> 4)));
+#pragma unroll
+              for (int nt = 0; nt < 4; ++nt) mma(acc[mt][nt], af, bf[nt][0], bf[nt][1]);
+            }
           }
         }
       }
