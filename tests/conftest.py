@@ -42,11 +42,34 @@ def pytest_collection_modifyitems(items):
 def _release_jax_caches():
     """Compiled executables of one test file are not needed by the next: free them."""
     yield
+    _release()
+
+
+@pytest.fixture
+def free_compiled():
+    """For a file whose tests each compile models no other test reuses (``pytestmark =
+    pytest.mark.usefixtures("free_compiled")``): free them after every test."""
+    yield
+    _release()
+
+
+def _release():
     import gc
 
     import jax
     jax.clear_caches()
     gc.collect()
+    _trim_heap()
+
+
+def _trim_heap():
+    """Returns the freed heap to the OS (glibc keeps it otherwise, and the next file's peak
+    starts from this one's)."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):      # not glibc
+        pass
 
 
 _RSS_LOG = os.environ.get("M3SPARSE_RSS_LOG")   # a file: each test that raised the peak RSS
