@@ -40,8 +40,10 @@ def fp4_block(data, scales):
                         f"{scales.dtype}")
     K = 2 * data.shape[-1] if data.ndim else 0
     if data.ndim == 0 or K % block or scales.shape != (*data.shape[:-1], K // block):
-        raise ValueError(f"packed FP4 data [..., K/2] and {what} [..., K/{block}] disagree: "
-                         f"data.shape {data.shape}, scales.shape {scales.shape}")
+        raise ValueError(f"packed FP4 data [..., K/2] and {what} [..., K/{block}] disagree "
+                         f"(the leading dims must be equal, K/{block} = "
+                         f"{K // block if data.ndim else '?'}): data.shape {data.shape}, "
+                         f"scales.shape {scales.shape}")
     return block
 
 

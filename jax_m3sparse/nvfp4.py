@@ -60,6 +60,10 @@ def _check_float(x, name):
 def nvfp4_quantize(x, global_scale):
     """Quantizes ``x`` to NVFP4, bit-exactly as SPEC §2.2.
 
+    The K/V cache's format, and NVFP4 weights for :func:`jax_m3sparse.grouped_matmul` (SPEC
+    §9.3): ``global_scale`` is then the tensor's ``weight_scale_2`` (ModelOpt: max|w| / (6 ·
+    448)); for one per expert, ``jax.vmap(nvfp4_quantize)(w, scale_2)``.
+
     Args:
       x: float32/bfloat16/float16 ``[..., D]``, ``D % 16 == 0``.
       global_scale: g, the fp32 dequantization multiplier (scalar: Python float, or

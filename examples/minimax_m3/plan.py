@@ -227,6 +227,7 @@ def format_plan(p: dict) -> str:
                          f"{gb(f['weight_bytes'])} + {gb(f['cache_bytes'])}, "
                          f"{'fits' if f['fits'] else 'does NOT fit'}, {f['max_requests']} requests")
         lines.append("  (every checkpoint format loads into every experts format (--expert-format; "
-                     "mxfp4 as nvfp4 less 1/32 B per weight): the experts are read as bf16 and "
-                     "quantized on the device — exactly for the MXFP8 and MXFP4 checkpoints)")
+                     "mxfp4 as nvfp4 less 1/32 B per weight): the experts are quantized on the "
+                     "device — exactly for the MXFP8 and MXFP4 checkpoints — or, in the format "
+                     "they are stored in (nvfp4, mxfp4), kept as stored)")
     return "\n".join(lines)

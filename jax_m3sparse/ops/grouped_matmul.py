@@ -45,8 +45,9 @@ def _exponents(x, scale, name, what, labels):
     dims = ", ".join(labels)
     if x.dtype == jnp.bfloat16:
         if scale is not None:
-            raise ValueError(f"{name}_scale is for MXFP8 {what} ({name} float8_e4m3fn); {name} "
-                             f"is bfloat16: pass {name}_scale=None")
+            raise ValueError(f"{name}_scale is for quantized {what} ({name} float8_e4m3fn: MXFP8"
+                             f"{'; uint8: packed FP4' if name == 'rhs' else ''}); {name} is "
+                             f"bfloat16: pass {name}_scale=None")
         return jnp.zeros((*lead, 0), jnp.uint8)
     if scale is None:
         raise ValueError(f"{name} is float8_e4m3fn (MXFP8): pass {name}_scale, uint8[{dims}, "
@@ -79,10 +80,14 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
 
     The weights may be FP4 (SPEC §9.3; :mod:`jax_m3sparse.mxfp4`): ``rhs`` uint8 ``[G, N, K/2]``,
     two E2M1 codes per byte as the checkpoints store them, with ``rhs_scale`` uint8 E8M0
-    exponents per 32 k (MXFP4) or float8_e4m3fn scales per 16 k (NVFP4). The result is the
-    bf16 call on ``fp4_dequantize(rhs, rhs_scale)``; the CUDA kernel reads a quarter of bf16's
-    bytes. NVFP4's per-tensor ``weight_scale_2`` is not an operand: multiply group g's rows of
-    the result by it (a mixture of experts folds it into the SwiGLU and combine weights).
+    exponents per 32 k (MXFP4; :func:`jax_m3sparse.mxfp4_quantize`) or float8_e4m3fn scales
+    per 16 k (NVFP4; :func:`jax_m3sparse.nvfp4_quantize` with the expert's ``weight_scale_2``
+    as its global scale, e.g. ModelOpt's max|w| / (6 · 448); one expert at a time or under
+    ``jax.vmap``). The result is the bf16 call on ``fp4_dequantize(rhs, rhs_scale)`` — bit for
+    bit on the CPU, to fp32 rounding on CUDA, whose kernel reads a quarter of bf16's bytes and
+    sums in its own order (SPEC §9.3). NVFP4's ``weight_scale_2`` is not an operand: multiply
+    group g's rows of the result by it (a mixture of experts folds it into the SwiGLU and
+    combine weights).
 
     The rows may be MXFP8 too (SPEC §9.2; ``lhs`` fp8 e4m3 with ``lhs_scale``, as
     :func:`jax_m3sparse.mxfp8_quantize` makes them from bf16 activations), with MXFP8 weights
