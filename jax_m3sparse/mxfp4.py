@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_m3sparse.mxfp8 import _FP32_NORMAL_MIN, _exponent_factors
+from jax_m3sparse.mxfp8 import _FP32_NORMAL_MIN, _blocks, _exponent_factors, _scaled
 from jax_m3sparse.nvfp4 import E2M1_MAX, E2M1_VALUES, e2m1_codes
 
 MX_BLOCK = 32              # inputs per E8M0 exponent (MXFP4)
@@ -99,21 +99,11 @@ def mxfp4_quantize(x):
     Raises:
       TypeError / ValueError at trace time: a non-float ``x`` or K not a multiple of 32.
     """
-    x = jnp.asarray(x)
-    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
-    if x.ndim == 0 or x.shape[-1] % MX_BLOCK:
-        raise ValueError(f"x's last axis must be a multiple of {MX_BLOCK}, got shape {x.shape}")
-    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK, MX_BLOCK)
+    x, blocks = _blocks(x)
     nan = jnp.any(jnp.isnan(blocks), axis=-1)
     amax = jnp.max(jnp.where(jnp.isinf(blocks), 0, jnp.abs(blocks)), axis=-1)
     amax = jnp.where(jnp.any(jnp.isinf(blocks), axis=-1), 0, amax)
-    # frexp: r = m · 2^p with m in [0.5, 1): ceil(log2(r)) is p − 1 when m == 0.5, else p.
-    m, p = jnp.frexp(jnp.where(amax > 0, amax, E2M1_MAX) / jnp.float32(E2M1_MAX))
-    e = jnp.clip(jnp.where(m == 0.5, p - 1, p) + 127, 0, 254)
-    e = jnp.where(amax > 0, e, 127)
-    hi, lo = _exponent_factors(e.astype(jnp.uint8))
-    y = (blocks / hi[..., None]) / lo[..., None]
+    e, y = _scaled(blocks, amax, E2M1_MAX)
     codes = jnp.where(nan[..., None], 0, e2m1_codes(y)).reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
     data = (codes[..., 0] | (codes[..., 1] << 4)).astype(jnp.uint8)
     return data, jnp.where(nan, 255, e).astype(jnp.uint8)

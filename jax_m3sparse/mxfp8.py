@@ -86,18 +86,29 @@ def mxfp8_quantize(x):
     Raises:
       TypeError / ValueError at trace time: a non-float ``x`` or K not a multiple of 32.
     """
+    x, blocks = _blocks(x)
+    e, y = _scaled(blocks, jnp.max(jnp.abs(blocks), axis=-1), E4M3_MAX)
+    y = jnp.clip(y, -E4M3_MAX, E4M3_MAX)
+    return y.astype(jnp.float8_e4m3fn).reshape(x.shape), e
+
+
+def _blocks(x):
+    """``(x, its fp32 blocks [..., K/32, 32])``, ``x`` checked: a float array, K % 32 == 0."""
     x = jnp.asarray(x)
     if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if x.ndim == 0 or x.shape[-1] % BLOCK:
         raise ValueError(f"x's last axis must be a multiple of {BLOCK}, got shape {x.shape}")
-    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
-    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    return x, x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+
+
+def _scaled(blocks, amax, elem_max):
+    """``(e, blocks / 2^(e − 127))``: each block's E8M0 exponent (uint8) by the shared rule
+    e = clamp(ceil(log2(amax / elem_max)) + 127, 0, 254), 127 where amax is 0, and the block
+    divided by it (the element format's largest value ``elem_max``: 448 for E4M3, 6 for E2M1)."""
     # frexp: r = m · 2^p with m in [0.5, 1): ceil(log2(r)) is p − 1 when m == 0.5, else p.
-    m, p = jnp.frexp(jnp.where(amax > 0, amax, E4M3_MAX) / jnp.float32(E4M3_MAX))
+    m, p = jnp.frexp(jnp.where(amax > 0, amax, elem_max) / jnp.float32(elem_max))
     e = jnp.clip(jnp.where(m == 0.5, p - 1, p) + 127, 0, 254)
     e = jnp.where(amax > 0, e, 127).astype(jnp.uint8)
     hi, lo = _exponent_factors(e)
-    y = (blocks / hi[..., None]) / lo[..., None]
-    y = jnp.clip(y, -E4M3_MAX, E4M3_MAX)
-    return y.astype(jnp.float8_e4m3fn).reshape(x.shape), e
+    return e, (blocks / hi[..., None]) / lo[..., None]

@@ -196,16 +196,14 @@ def layer_bytes(cfg, attn, mlp, dtype_bytes=2) -> int:
     """One layer's weight bytes: ``dtype_bytes`` per element, quantized experts as stored
     (their leaves' own dtypes: model.param_dtypes)."""
     from . import model  # noqa: PLC0415
-    from .moe import expert_leaves  # noqa: PLC0415
+    from .moe import expert_leaf_dtype  # noqa: PLC0415
     from .parallel import is_shape  # noqa: PLC0415
     import jax  # noqa: PLC0415
 
     def nbytes(path, shape):
         names = [getattr(k, "key", None) for k in path]
         if cfg.quantized_experts and "experts" in names:
-            base = names[-1].split("_scale")[0]
-            leaf = expert_leaves(cfg.expert_format, base, (1,) * 4 + (32,))[names[-1]]
-            return leaf[1].itemsize * math.prod(shape)
+            return expert_leaf_dtype(cfg.expert_format, names[-1]).itemsize * math.prod(shape)
         return dtype_bytes * math.prod(shape)
     return sum(jax.tree_util.tree_leaves(jax.tree_util.tree_map_with_path(
         nbytes, model.layer_shapes(cfg, attn, mlp), is_leaf=is_shape)))

@@ -60,7 +60,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors import safe_open
 
 from .config import MOE, SPARSE, ModelConfig, quantization_config
-from .moe import expert_leaves
+from .moe import expert_leaf_names
 from .parallel import is_shape
 
 CHUNK_BYTES = 16 << 20      # rows read per safe_open
@@ -313,7 +313,7 @@ def _sources(cfg: ModelConfig, layout: str) -> tuple[dict, list]:
                     src, part=leaf[len(name) + 1:] or "data",
                     kind="experts_scale_2" if leaf.endswith("_scale_2") else src.kind)
                     for name, src in experts.items()
-                    for leaf in expert_leaves(cfg.expert_format, name, (1,) * 4 + (32,))}
+                    for leaf in expert_leaf_names(cfg.expert_format, name)}
             gate, bias = plain(m + "gate.weight", (E, H)), plain(m + "e_score_correction_bias", (E,))
         else:
             m = pre + "mlp."

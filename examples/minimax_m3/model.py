@@ -99,8 +99,7 @@ def param_dtypes(cfg: ModelConfig, dtype, fused: bool = True) -> dict:
     def one(path, shape):
         names = [getattr(k, "key", None) for k in path]
         if cfg.quantized_experts and "experts" in names:
-            base = names[-1].split("_scale")[0]
-            return moe.expert_leaves(cfg.expert_format, base, (1,) * 4 + (32,))[names[-1]][1]
+            return moe.expert_leaf_dtype(cfg.expert_format, names[-1])
         return jnp.dtype(dtype)
     return jax.tree_util.tree_map_with_path(one, param_shapes(cfg, fused), is_leaf=is_shape)
 
@@ -149,8 +148,8 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None, dtype=None,
     leaf_key = lambda p, n: jax.tree_util.keystr(   # noqa: E731 (a sibling leaf's path)
         (*p[:-1], jax.tree_util.DictKey(n)))
     quant = [tuple(where.get(leaf_key(p, n)) for n in
-                   moe.expert_leaves(cfg.expert_format, p[-1].key, shape))
-             if mx and _is_expert_weight(p) else None for p, shape in paths]
+                   moe.expert_leaf_names(cfg.expert_format, p[-1].key))
+             if mx and _is_expert_weight(p) else None for p, _ in paths]
     big = [math.prod(sp[1]) * dtype.itemsize > _ONE_CALL_BYTES for sp in specs]
     small = tuple(sp[1:4] for sp, b in zip(specs, big) if not b)
     drawn = iter(_draw_small(small, dtype)(jax.random.fold_in(root, 0)))
@@ -166,8 +165,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None, dtype=None,
         ex = seg["mlp"].get("experts", {})
         for name in ("gate_up_proj", "down_proj"):
             if name in ex:
-                ex.update(zip(moe.expert_leaves(cfg.expert_format, name, (1,) * 4 + (32,)),
-                              ex[name]))
+                ex.update(zip(moe.expert_leaf_names(cfg.expert_format, name), ex[name]))
     return fuse_projections(params, cfg, shardings)
 
 

@@ -355,6 +355,21 @@ def expert_leaves(fmt: str, name: str, shape) -> dict:
             name + "_scale_2": (experts, jnp.dtype(jnp.float32))}
 
 
+def expert_leaf_names(fmt: str, name: str) -> tuple[str, ...]:
+    """The leaves routed-expert weight ``name`` is held as under ``fmt``, in
+    :func:`expert_leaves`' order (``name``, then its scales)."""
+    return tuple(expert_leaves(fmt, name, _ANY_SHAPE))
+
+
+def expert_leaf_dtype(fmt: str, leaf: str):
+    """The dtype of one routed-expert ``leaf`` (e.g. ``gate_up_proj_scale``) under ``fmt``
+    (None: the model's)."""
+    return expert_leaves(fmt, leaf.split("_scale")[0], _ANY_SHAPE)[leaf][1]
+
+
+_ANY_SHAPE = (1, 1, 1, 1, 32)   # expert_leaves' names and dtypes do not depend on the shape
+
+
 def quantize_expert(w, fmt: str, name: str) -> tuple:
     """A bf16 / fp32 routed-expert weight ``w`` (shaped as :func:`expert_leaves` says) in
     ``fmt``: MXFP8 / MXFP4 by jax_m3sparse's quantizers; NVFP4 with ModelOpt's per-expert

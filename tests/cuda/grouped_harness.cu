@@ -33,6 +33,18 @@ static const std::pair<int, int> kTileList[] = {{16, 32}, {16, 64}, {16, 128}, {
 static const char* const kTileNames = "tiles 16×32, 16×64, 16×128, 64×128 (CTA rows per tile "
                                       "and per group) and the launch's choice";
 
+// A case: M rows in groups of `sizes` over G groups, K inputs, N outputs; what it covers.
+struct Shape { int64_t M, N, K; int G; std::vector<int32_t> sizes; const char* what; };
+// The quantized formats' cases (MXFP8 weights, MXFP8 rows, FP4); the last, K 256, draws
+// E8M0 exponents 0..12 (the flushing path) and applies to E8M0 weight scales only.
+static const std::vector<Shape> kQuantShapes = {
+    {37, 40, 128, 5, {9, 0, 20, 3, 5}, "covers M; an empty group; N < 32"},
+    {50, 200, 384, 4, {7, -4, 100, 9}, "K 384 (down_proj's)"},
+    {300, 264, 1024, 3, {40, 250, 10}, "several 64-row tiles per group"},
+    {37, 40, 256, 5, {9, 0, 20, 3, 5}, "exponents 0..12 (products flushed below 2^-126)"},
+};
+static bool tiny_exponents(const Shape& s) { return s.K == 256; }
+
 struct Problem {
   int64_t M, N, K;
   int G;
@@ -115,6 +127,14 @@ struct Device {
   }
 };
 
+// A device copy of host bytes (one byte allocated at least); the caller frees it.
+static void* upload(const std::vector<uint8_t>& v) {
+  void* d;
+  CK(cudaMalloc(&d, std::max<size_t>(1, v.size())));
+  CK(cudaMemcpy(d, v.data(), v.size(), cudaMemcpyHostToDevice));
+  return d;
+}
+
 static void check(const std::string& name, const Problem& p, const std::vector<float>& got) {
   std::vector<double> want, mag;
   oracle(p, &want, &mag);
@@ -160,24 +180,14 @@ static void random_mxfp8(std::mt19937& rng, bool tiny, std::vector<uint16_t>* va
 // tile (16 × 32, 16 × 64, 16 × 128, 64 × 128, the launch's choice) must give the bits of the
 // bf16 kernel on those values.
 static void mxfp8_tests(std::mt19937& rng) {
-  struct Shape { int64_t M, N, K; int G; std::vector<int32_t> sizes; const char* what; };
-  const std::vector<Shape> shapes = {
-      {37, 40, 128, 5, {9, 0, 20, 3, 5}, "MXFP8: covers M; an empty group; N < 32"},
-      {50, 200, 384, 4, {7, -4, 100, 9}, "MXFP8: K 384 (down_proj's)"},
-      {300, 264, 1024, 3, {40, 250, 10}, "MXFP8: several 64-row tiles per group"},
-      {37, 40, 256, 5, {9, 0, 20, 3, 5}, "MXFP8: exponents 0..12 (products flushed below 2^-126)"},
-  };
-  for (const Shape& s : shapes) {
+  for (const Shape& s : kQuantShapes) {
+    const std::string what = std::string("MXFP8: ") + s.what;
     Problem p = random_problem(rng, s.M, s.N, s.K, s.G);
     p.sizes = s.sizes;
     std::vector<uint8_t> codes, exps;
-    random_mxfp8(rng, s.K == 256, &p.rhs, &codes, &exps);
+    random_mxfp8(rng, tiny_exponents(s), &p.rhs, &codes, &exps);
     Device d(p);
-    void *w8, *sc;
-    CK(cudaMalloc(&w8, codes.size()));
-    CK(cudaMalloc(&sc, exps.size()));
-    CK(cudaMemcpy(w8, codes.data(), codes.size(), cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(sc, exps.data(), exps.size(), cudaMemcpyHostToDevice));
+    void *w8 = upload(codes), *sc = upload(exps);
     CK(cudaMemcpy(d.sizes, p.sizes.data(), p.sizes.size() * 4, cudaMemcpyHostToDevice));
     auto run = [&](int bm, int bn) {
       GroupedMatmulParams q = d.params(p, bm, bn);
@@ -186,13 +196,13 @@ static void mxfp8_tests(std::mt19937& rng) {
       return d.launch(q);
     };
     const auto a = d.run(p, 16, 128);   // the bf16 kernel on the exact values
-    check(std::string(s.what) + " (bf16 kernel on the values)", p, a);
+    check(what + " (bf16 kernel on the values)", p, a);
     bool same = true;
     for (auto [bm, bn] : kTileList) {
       const auto b = run(bm, bn);
       same = same && memcmp(a.data(), b.data(), a.size() * 4) == 0;
     }
-    report(same, std::string(s.what) + ": " + kTileNames +
+    report(same, what + ": " + kTileNames +
                      " bit-identical to the bf16 kernel on the dequantized values");
     CK(cudaFree(w8));
     CK(cudaFree(sc));
@@ -205,24 +215,16 @@ static void mxfp8_tests(std::mt19937& rng) {
 // and a gathered launch (lhs_rows) the bits of the sorted copy. (A row alone against its batch:
 // tests/cuda/test_gpu.py.)
 static void w8a8_tests(std::mt19937& rng) {
-  struct Shape { int64_t M, N, K; int G; std::vector<int32_t> sizes; const char* what; };
-  const std::vector<Shape> shapes = {
-      {37, 40, 128, 5, {9, 0, 20, 3, 5}, "MXFP8 lhs: covers M; an empty group; N < 32"},
-      {50, 200, 384, 4, {7, -4, 100, 9}, "MXFP8 lhs: K 384 (down_proj's)"},
-      {300, 264, 1024, 3, {40, 250, 10}, "MXFP8 lhs: several 64-row tiles per group"},
-  };
-  for (const Shape& s : shapes) {
+  for (const Shape& s : kQuantShapes) {
+    if (tiny_exponents(s)) continue;
+    const std::string what = std::string("MXFP8 lhs: ") + s.what;
     Problem p = random_problem(rng, s.M, s.N, s.K, s.G);
     p.sizes = s.sizes;
     std::vector<uint8_t> a8, ae, w8, we;
     random_mxfp8(rng, false, &p.lhs, &a8, &ae);
     random_mxfp8(rng, false, &p.rhs, &w8, &we);
     Device d(p);
-    void *da8, *dae, *dw8, *dwe, *rows;
-    for (auto [ptr, v] : {std::pair{&da8, &a8}, {&dae, &ae}, {&dw8, &w8}, {&dwe, &we}}) {
-      CK(cudaMalloc(ptr, std::max<size_t>(1, v->size())));
-      CK(cudaMemcpy(*ptr, v->data(), v->size(), cudaMemcpyHostToDevice));
-    }
+    void *da8 = upload(a8), *dae = upload(ae), *dw8 = upload(w8), *dwe = upload(we);
     CK(cudaMemcpy(d.sizes, p.sizes.data(), p.sizes.size() * 4, cudaMemcpyHostToDevice));
     // lhs_rows: the rows reversed, read from a copy of the lhs stored in reverse order
     std::vector<int32_t> rev(p.M);
@@ -233,12 +235,8 @@ static void w8a8_tests(std::mt19937& rng) {
       std::copy_n(a8.begin() + i * p.K, p.K, a8r.begin() + (p.M - 1 - i) * p.K);
       std::copy_n(ae.begin() + i * sr, sr, aer.begin() + (p.M - 1 - i) * sr);
     }
-    void *da8r, *daer;
-    CK(cudaMalloc(&da8r, a8r.size()));
-    CK(cudaMalloc(&daer, aer.size()));
+    void *da8r = upload(a8r), *daer = upload(aer), *rows;
     CK(cudaMalloc(&rows, rev.size() * 4));
-    CK(cudaMemcpy(da8r, a8r.data(), a8r.size(), cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(daer, aer.data(), aer.size(), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(rows, rev.data(), rev.size() * 4, cudaMemcpyHostToDevice));
     auto run = [&](int bm, int bn, bool gather) {
       GroupedMatmulParams q = d.params(p, bm, bn);
@@ -250,14 +248,14 @@ static void w8a8_tests(std::mt19937& rng) {
       return d.launch(q);
     };
     const auto a = run(16, 128, false);
-    check(std::string(s.what) + " (against float64)", p, a);
+    check(what + " (against float64)", p, a);
     bool same = true, gathered = true;
     for (auto [bm, bn] : kTileList) {
       same = same && memcmp(a.data(), run(bm, bn, false).data(), a.size() * 4) == 0;
       gathered = gathered && memcmp(a.data(), run(bm, bn, true).data(), a.size() * 4) == 0;
     }
-    report(same, std::string(s.what) + ": " + kTileNames + " bit-identical");
-    report(gathered, std::string(s.what) + ": lhs_rows gives the sorted copy's bits");
+    report(same, what + ": " + kTileNames + " bit-identical");
+    report(gathered, what + ": lhs_rows gives the sorted copy's bits");
     for (void* x : {da8, dae, dw8, dwe, rows, da8r, daer}) CK(cudaFree(x));
   }
 }
@@ -269,16 +267,9 @@ static void w8a8_tests(std::mt19937& rng) {
 // Every tile must give the same bits.
 static void fp4_tests(std::mt19937& rng) {
   static const double kE2m1[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
-  struct Shape { int64_t M, N, K; int G; std::vector<int32_t> sizes; const char* what; };
-  const std::vector<Shape> shapes = {
-      {37, 40, 128, 5, {9, 0, 20, 3, 5}, "covers M; an empty group; N < 32"},
-      {50, 200, 384, 4, {7, -4, 100, 9}, "K 384 (down_proj's)"},
-      {300, 264, 1024, 3, {40, 250, 10}, "several 64-row tiles per group"},
-      {37, 40, 256, 5, {9, 0, 20, 3, 5}, "MXFP4 exponents 0..12 (products flushed below 2^-126)"},
-  };
   for (const int fmt : {1, 2})
-  for (const Shape& s : shapes) {
-    const bool tiny = s.K == 256, nv = fmt == 2;
+  for (const Shape& s : kQuantShapes) {
+    const bool tiny = tiny_exponents(s), nv = fmt == 2;
     if (tiny && nv) continue;
     const std::string what = std::string(nv ? "NVFP4: " : "MXFP4: ") + s.what;
     Problem p = random_problem(rng, s.M, s.N, s.K, s.G);
@@ -299,11 +290,7 @@ static void fp4_tests(std::mt19937& rng) {
       p.rhs[i] = float_to_bf16(float(w));
     }
     Device d(p);
-    void *w4, *sc;
-    CK(cudaMalloc(&w4, codes.size()));
-    CK(cudaMalloc(&sc, scales.size()));
-    CK(cudaMemcpy(w4, codes.data(), codes.size(), cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(sc, scales.data(), scales.size(), cudaMemcpyHostToDevice));
+    void *w4 = upload(codes), *sc = upload(scales);
     CK(cudaMemcpy(d.sizes, p.sizes.data(), p.sizes.size() * 4, cudaMemcpyHostToDevice));
     auto run = [&](int bm, int bn) {
       GroupedMatmulParams q = d.params(p, bm, bn);
@@ -327,7 +314,6 @@ static void tests(std::mt19937& rng) {
   mxfp8_tests(rng);
   w8a8_tests(rng);
   fp4_tests(rng);
-  struct Shape { int64_t M, N, K; int G; std::vector<int32_t> sizes; const char* what; };
   const std::vector<Shape> shapes = {
       {37, 40, 72, 5, {9, 0, 20, 3, 5}, "covers M; an empty group; K % 64 != 0; N < 128"},
       {37, 13, 24, 4, {10, 10, 0, 0}, "odd N; rows after the last group are 0"},
