@@ -40,7 +40,7 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
     ``device_memory_gb`` (``mem_fraction`` of it: by default
     ``$XLA_PYTHON_CLIENT_MEM_FRACTION``, else JAX's 0.75) with ``reserve_gb`` left for
     activations; with ``device_memory_gb``, ``formats`` also gives that for each routed-
-    experts format on the device (bf16, mxfp8) and index-key cache dtype (bf16, fp8), with
+    experts format on the device (bf16, mxfp8, nvfp4, mxfp4) and index-key cache dtype (bf16, fp8), with
     the requests of ``context_len`` tokens that fit (``max_requests``).
 
     Raises:
@@ -112,7 +112,7 @@ def _formats(cfg, tp, context_len, batch, weight_dtype, budget) -> list[dict]:
     many requests of ``context_len`` tokens fit it."""
     pages = -(-context_len // cfg.block_size)
     rows = []
-    for experts in ("bf16", "mxfp8", "nvfp4"):
+    for experts in ("bf16", "mxfp8", "nvfp4", "mxfp4"):
         weights = _weight_bytes(dataclasses.replace(cfg, expert_format=experts), tp, weight_dtype)
         for index in ("bfloat16", "float8_e4m3fn"):
             per_request = sum(_cache_bytes(cfg, tp, pages, index))
@@ -226,8 +226,8 @@ def format_plan(p: dict) -> str:
             lines.append(f"    experts {f['experts']:5s}, index keys {idx:4s}: "
                          f"{gb(f['weight_bytes'])} + {gb(f['cache_bytes'])}, "
                          f"{'fits' if f['fits'] else 'does NOT fit'}, {f['max_requests']} requests")
-        lines.append("  (every checkpoint format loads into every experts format (--expert-format; "
-                     "mxfp4 as nvfp4 less 1/32 B per weight): the experts are quantized on the "
+        lines.append("  (every checkpoint format loads into every experts format (--expert-format): "
+                     "the experts are quantized on the "
                      "device — exactly for the MXFP8 and MXFP4 checkpoints — or, in the format "
                      "they are stored in (nvfp4, mxfp4), kept as stored)")
     return "\n".join(lines)

@@ -391,23 +391,25 @@ def test_dry_run_plans_the_real_model(capsys, monkeypatch):
     # an H200 by default: 95 % of 141 GB is 133.95 GB; 131.2 GB + 8 GB kept does not fit it
     assert not p["fits"] and "of 133.9 GB (95 % of 141.0 GB, JAX's pool): does NOT fit" in out
     # each format: the requests of 131072 tokens that fit 133.95 - 8 GB beside the weights
-    per_request = 1024 * 60 * 2 * 128 * 72 + 1024 * 57 * 128 * 128 * np.array([2, 1] * 3)
+    per_request = 1024 * 60 * 2 * 128 * 72 + 1024 * 57 * 128 * 128 * np.array([2, 1] * 4)
     experts = 57 * 128 * 3 * 6144 * 3072 // 8           # routed-expert weights per device
     bf16 = p["weight_bytes_per_device"]
     weights = np.array([bf16] * 2 + [bf16 - experts + experts // 32] * 2        # 1 + 1/32 B
                        + [bf16 - 2 * experts + experts // 2 + experts // 16      # 1/2 + 1/16 B
-                          + 57 * 128 * 2 * 4] * 2)                               # + scale_2
+                          + 57 * 128 * 2 * 4] * 2                                # + scale_2
+                       + [bf16 - 2 * experts + experts // 2 + experts // 32] * 2)  # 1/2 + 1/32 B
     got = [(f["experts"], f["index_cache_dtype"], f["weight_bytes"], f["max_requests"])
            for f in p["formats"]]
     assert got == [(e, i, w, n) for (e, i), w, n in zip(
-        [(e, i) for e in ("bf16", "mxfp8", "nvfp4") for i in ("bfloat16", "float8_e4m3fn")],
+        [(e, i) for e in ("bf16", "mxfp8", "nvfp4", "mxfp4")
+         for i in ("bfloat16", "float8_e4m3fn")],
         weights, (int(141e9 * 0.95) - 8e9 - weights) // per_request)]
-    assert [f["fits"] for f in p["formats"]] == [False, True] + [True] * 4 and got[0][3] == 6
+    assert [f["fits"] for f in p["formats"]] == [False, True] + [True] * 6 and got[0][3] == 6
     # the example README shows this very command's output: it must be what the code prints
     readme = (pathlib.Path(cfg_path).parents[0] / "minimax_m3" / "README.md").read_text()
     block = readme.split("--tp 8 --context-len 131072 --batch 8\n")[1]
     shown = block.split("```")[0].strip().splitlines()
-    assert len(shown) == 14 and all(line in out for line in shown), (shown, out)
+    assert len(shown) == 16 and all(line in out for line in shown), (shown, out)
     # MXFP8 routed experts: the same parameters; each expert weight 1 byte + 1/32 for its
     # exponent instead of 2 (57 MoE layers × 128 experts × 3 × 6144 × 3072 / 8 per device)
     q = cli.main(["--config", cfg_path, "--dry-run", "--tp", "8", "--context-len", "131072",
