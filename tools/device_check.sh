@@ -294,8 +294,8 @@ fi
 
 if [ "$MODE" = select ] || [ "$MODE" = grouped ]; then  # one op: harness, timings, pytest, memcheck
   case $MODE in
-    select) KSRC=select; HSRC=select_harness; PYK=select_blocks ;;
-    grouped) KSRC=grouped_matmul; HSRC=grouped_harness; PYK=grouped_matmul ;;
+    select) KSRC=select; HSRC=select_harness; PYK=${PYK:-select_blocks} ;;
+    grouped) KSRC=grouped_matmul; HSRC=grouped_harness; PYK=${PYK:-grouped_matmul} ;;
   esac
   # PYTEST=1 (default): the CUDA module too, then pytest tests/cuda -k $PYK;
   # SANITIZE=1 (default): compute-sanitizer memcheck of the harness tests, last

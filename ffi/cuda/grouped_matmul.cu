@@ -177,20 +177,20 @@ __device__ __forceinline__ int swz4(int r, int c) {
 }
 
 // Step 1: the rows [start, end) of the y-th non-empty group (sizes clamped at 0, the running end
-// at M; *g = its index); or, with kTileRows > 0 and split, of the y-th tile of kTileRows rows
-// when every non-empty group is cut into such tiles in order (its last tile partial): the CTAs
-// of one group's tiles are adjacent in the grid, so they run together and read the group's
-// weights from HBM about once. For tail, the rows [Σ, M) no group covers (*g = -1).
-// start >= end: nothing to do. One warp scans the sizes 32 at a time.
-template <int kTileRows>
+// at M; *g = its index); or, with kSplit and unit > 0, of the y-th chunk of unit rows when every
+// non-empty group is cut into such chunks in order (its last chunk partial): the CTAs of one
+// group's chunks are adjacent in the grid, so they run together and read the group's weights
+// from HBM about once, and no CTA walks a large group alone. For tail, the rows [Σ, M) no group
+// covers (*g = -1). start >= end: nothing to do. One warp scans the sizes 32 at a time.
+template <bool kSplit>
 __device__ void find_group(const int32_t* sizes, int G, int64_t M, int64_t y, bool tail,
-                           bool split, int* g, int64_t* start, int64_t* end) {
+                           int64_t unit, int* g, int64_t* start, int64_t* end) {
   __shared__ int s_g;
   __shared__ int64_t s_start, s_end;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     int64_t running = 0;
-    std::conditional_t<kTileRows == 0, int, int64_t> count = 0;   // units before this chunk
+    std::conditional_t<kSplit, int64_t, int> count = 0;   // units before these 32 groups
     int found = -2;
     int64_t fs = 0, fe = 0;
     for (int base = 0; base < G && found == -2; base += 32) {
@@ -202,9 +202,9 @@ __device__ void find_group(const int32_t* sizes, int G, int64_t M, int64_t y, bo
         if (lane >= o) incl += x;
       }
       const int64_t st = min(running + incl - v, M), en = min(running + incl, M);
-      // (Without split the tile prefix below would do, but its scan cost down_proj's
+      // (With unit 0 the chunk prefix below would do, but its scan cost down_proj's
       // per-group launch ~3 %: its CTAs are many and short.)
-      if (kTileRows == 0 || !split) {   // units: the non-empty groups
+      if (!kSplit || unit == 0) {   // units: the non-empty groups
         const unsigned live = __ballot_sync(0xFFFFFFFFu, en > st);
         const int n = __popc(live);
         if (!tail && count + n > y) {
@@ -217,8 +217,8 @@ __device__ void find_group(const int32_t* sizes, int G, int64_t M, int64_t y, bo
           fe = __shfl_sync(0xFFFFFFFFu, en, src);
         }
         count += n;
-      } else {    // units: the groups' tiles; their inclusive prefix
-        constexpr int kT = kTileRows > 0 ? kTileRows : 1;    // (this branch needs kTileRows > 0)
+      } else {    // units: the groups' chunks; their inclusive prefix
+        const int64_t kT = unit;
         const int64_t nu = en > st ? (en - st + kT - 1) / kT : 0;
         int64_t uincl = nu;
         for (int o = 1; o < 32; o <<= 1) {
@@ -292,10 +292,12 @@ __device__ __forceinline__ void mma_fp8(float* d, const uint32_t* a, uint32_t b0
 // so its A pairs are the lhs elements at the same k: k 8t..8t + 7 of rows g and g + 8 in one
 // 16-byte load each, paired by byte permutes. The mma sums each 16-k slot set in a fixed order
 // for every tile and batch: a row's bits still depend only on its row and its group's weights.
-template <Fmt kF, int kMTiles>
-__device__ __forceinline__ void fp4_stage(const uint8_t* a, const uint8_t* b, int sub_a,
-                                          int stage_b, float (*acc)[4][4], int wn, int lane) {
-  constexpr int kScaleB = kF == Fmt::kFp4Nv ? 8 : 4;
+// kExact (MXFP4 only): some exponent of the warp's stage is below 2, so every (row, 32 k) tests
+// its own; otherwise none does and the stage's code has no branch (fp4_stage chooses per warp).
+template <Fmt kF, int kMTiles, bool kExact>
+__device__ __forceinline__ void fp4_steps(const uint8_t* a, const uint8_t* b, int sub_a,
+                                          int stage_b, float (*acc)[4][4], int wn, int lane,
+                                          const uint32_t* ew) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int k2 = 0; k2 < 4; ++k2) {             // sub-tile k2 / 2, its 32 k from 32 · (k2 % 2)
@@ -320,14 +322,14 @@ __device__ __forceinline__ void fp4_stage(const uint8_t* a, const uint8_t* b, in
     for (int nt = 0; nt < 4; ++nt) {
       const int r = wn * 32 + nt * 8 + g;
       const uint32_t w = *reinterpret_cast<const uint32_t*>(b + swz4(r, k2) + 4 * t);
-      const uint8_t* sr = b + stage_b + kScaleB * r;
       uint32_t p[4];
       if constexpr (kF == Fmt::kFp4Nv) {       // the E4M3 scale of k 16 · (2 · k2 + t / 2)
+        const uint8_t* sr = b + stage_b + 8 * r;
         const __nv_bfloat16 s = __float2bfloat16_rn(e4m3_float(sr[2 * k2 + (t >> 1)]));
         fp4x8(w, uint32_t(__bfloat16_as_ushort(s)) * 0x10001u, p);
       } else {                                 // the E8M0 exponent of this k32
-        const uint32_t e = sr[k2];
-        if (e >= 2) fp4x8(w, e == 255 ? 0x7FC07FC0u : (e << 7) * 0x10001u, p);
+        const uint32_t e = ew[nt] >> (8 * k2) & 0xFFu;
+        if (!kExact || e >= 2) fp4x8(w, e == 255 ? 0x7FC07FC0u : (e << 7) * 0x10001u, p);
         else fp4x8_exact(w, e8m0_factors(uint8_t(e)), p);
       }
 #pragma unroll
@@ -337,6 +339,29 @@ __device__ __forceinline__ void fp4_stage(const uint8_t* a, const uint8_t* b, in
       }
     }
   }
+}
+
+// One stage (128 k) of an FP4 launch. MXFP4: each thread's 4 rows' exponent words (4 k32 each)
+// are read once, and one vote per warp picks the stage's code: a branch per (row, k32) step cut
+// the unrolled steps into regions the scheduler could not interleave (docs/perf-log/fp4-experts.md).
+template <Fmt kF, int kMTiles>
+__device__ __forceinline__ void fp4_stage(const uint8_t* a, const uint8_t* b, int sub_a,
+                                          int stage_b, float (*acc)[4][4], int wn, int lane) {
+  uint32_t ew[4] = {};
+  if constexpr (kF == Fmt::kFp4Mx) {
+    bool low = false;                        // some byte < 2: (x − 0x02..) & ~x & 0x80.. != 0
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      ew[nt] = *reinterpret_cast<const uint32_t*>(b + stage_b + 4 * (wn * 32 + nt * 8 +
+                                                                     (lane >> 2)));
+      low |= ((ew[nt] - 0x02020202u) & ~ew[nt] & 0x80808080u) != 0;
+    }
+    if (__any_sync(0xFFFFFFFFu, low)) {
+      fp4_steps<kF, kMTiles, true>(a, b, sub_a, stage_b, acc, wn, lane, ew);
+      return;
+    }
+  }
+  fp4_steps<kF, kMTiles, false>(a, b, sub_a, stage_b, acc, wn, lane, ew);
 }
 
 // Steps 2-4 for the rows [start, end) of group g and the column tile from n0.
@@ -569,20 +594,19 @@ constexpr int kMinBlocks = kMTiles == 1 ? (kF == Fmt::kW8A8 && kWarpsN == 4 ? 3 
 
 template <Fmt kF, int kMTiles, int kWarpsN, int kStages>
 __global__ void __launch_bounds__(32 * kWarpsN, (kMinBlocks<kF, kMTiles, kWarpsN>))
-grouped_matmul_kernel(GroupedMatmulParams p, bool split) {
+grouped_matmul_kernel(GroupedMatmulParams p, int64_t unit) {
   using Geo = Geometry<kF, kMTiles, kWarpsN>;
   constexpr int kThreads = Geo::kThreads, kBN = Geo::kBN, kBM = Geo::kBM;
   extern __shared__ __align__(128) uint8_t smem[];
 
-  // split (tiles of 64 rows and more): one CTA row per (group, tile); else one per group.
-  // Each CTA row takes one unit (a loop over several changed how ptxas allocates the tile
-  // loop, 157 registers instead of 184; the host never needs one: see launch).
-  constexpr int kUnit = kBM > 16 ? kBM : 0;
+  // unit > 0 (tiles of 64 rows): one CTA row per (group, chunk of unit rows); else one per
+  // group. Each CTA row takes one unit (a loop over several changed how ptxas allocates the
+  // tile loop, 157 registers instead of 184; the host never needs one: see launch).
   const int64_t n0 = int64_t(blockIdx.x) * kBN;
   int g;
   int64_t start, end;
-  find_group<kUnit>(p.group_sizes, p.num_groups, p.m, blockIdx.y, blockIdx.y == gridDim.y - 1,
-                    split, &g, &start, &end);
+  find_group<(kBM > 16)>(p.group_sizes, p.num_groups, p.m, blockIdx.y,
+                         blockIdx.y == gridDim.y - 1, unit, &g, &start, &end);
   if (start >= end) return;
   if (g < 0) {  // rows no group covers: zeros (SPEC §9)
     for (int64_t i = start; i < end; ++i)
@@ -595,21 +619,21 @@ grouped_matmul_kernel(GroupedMatmulParams p, bool split) {
 }
 
 template <Fmt kF, int kMTiles, int kWarpsN, int kStages>
-cudaError_t launch(const GroupedMatmulParams& p, bool split, cudaStream_t stream) {
+cudaError_t launch(const GroupedMatmulParams& p, int64_t unit, cudaStream_t stream) {
   using Geo = Geometry<kF, kMTiles, kWarpsN>;
   constexpr size_t kSmem = size_t(kStages) * Geo::kStage;
   auto kernel = grouped_matmul_kernel<kF, kMTiles, kWarpsN, kStages>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        int(kSmem));
   if (e != cudaSuccess) return e;
-  // At most min(G, M) groups are non-empty, holding at most min(G, M) + M / BM tiles of BM
-  // rows: one CTA row each, plus the uncovered rows' one. Past the grid's 65535 rows (M over
-  // ~4 M rows) a split launch takes one CTA row per group instead.
+  // At most min(G, M) groups are non-empty, holding at most min(G, M) + M / unit chunks of
+  // unit rows: one CTA row each, plus the uncovered rows' one. Past the grid's 65535 rows (M
+  // over ~4 M rows) a split launch takes one CTA row per group instead.
   const int64_t groups = p.num_groups < p.m ? p.num_groups : p.m;
-  split = split && Geo::kBM > 16 && groups + p.m / Geo::kBM <= 65534;
-  const int64_t units = split ? groups + p.m / Geo::kBM : groups;
+  if (Geo::kBM == 16 || groups + (unit > 0 ? p.m / unit : 0) > 65534) unit = 0;
+  const int64_t units = unit > 0 ? groups + p.m / unit : groups;
   const dim3 grid(unsigned((p.n + Geo::kBN - 1) / Geo::kBN), unsigned(units + 1));
-  kernel<<<grid, Geo::kThreads, kSmem, stream>>>(p, split);
+  kernel<<<grid, Geo::kThreads, kSmem, stream>>>(p, unit);
   return cudaGetLastError();
 }
 
@@ -626,15 +650,17 @@ bool big_tile(const GroupedMatmulParams& p) {
 // where one CTA walking them in turn read the weights from HBM once per tile (L2 holds far less
 // than the weights the resident CTAs stream). Small column tiles (down's K 384) keep one CTA
 // row per group: the second pass hits L2, and twice the CTAs would each pay the prologue.
-// (Tests force either with p.block_n = 1: per tile, 2: per group.)
+// (Tests force either with p.block_n = 1: per tile, 2: per group; 3, 4: per chunk of 128 or
+// 256 rows.)
 // FP4 stages hold half the weight bytes of fp8 ones: more of them keep as many in flight.
 template <Fmt kF>
 cudaError_t launch_tile(const GroupedMatmulParams& p, const GroupedMatmulTile& t,
                         cudaStream_t stream) {
   constexpr bool kFp8B = kF != Fmt::kBf16, kFp4 = kF == Fmt::kFp4Mx || kF == Fmt::kFp4Nv;
   if (t.block_m == 64) {
-    const bool split = p.block_n == 1 || (p.block_n != 2 && big_tile(p));
-    return launch<kF, 4, 4, kF == Fmt::kFp8W ? 3 : 4>(p, split, stream);
+    const int64_t unit = p.block_n == 1 ? 64 : p.block_n == 2 ? 0 : p.block_n == 3 ? 128
+                       : p.block_n == 4 ? 256 : big_tile(p) ? 64 : 0;
+    return launch<kF, 4, 4, kF == Fmt::kFp8W ? 3 : 4>(p, unit, stream);
   }
   if (t.block_n == 32) return launch<kF, 1, 1, kFp8B ? (kFp4 ? 8 : 6) : 8>(p, false, stream);
   if (t.block_n == 64) return launch<kF, 1, 2, kFp8B ? (kFp4 ? 7 : 5) : 6>(p, false, stream);

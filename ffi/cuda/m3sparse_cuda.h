@@ -133,7 +133,8 @@ struct GroupedMatmulParams {
   int32_t block_m;                // rows per tile: 16 or 64 (0: chosen from M / G and K)
   int32_t block_n;                // columns per tile with 16-row tiles: 32, 64 or 128 (0: chosen);
                                   // with block_m 64 (tests): 1 = a CTA row per 64-row tile,
-                                  // 2 = per group, 0 = chosen (grouped_matmul.cu)
+                                  // 2 = per group, 3 / 4 = per 128 / 256 rows of a group,
+                                  // 0 = chosen (grouped_matmul.cu)
 };                                // every tile shape gives the same bits
 
 struct GroupedMatmulTile {

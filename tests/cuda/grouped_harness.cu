@@ -26,12 +26,12 @@ using namespace m3sparse;
 using namespace m3sparse::cuda;
 
 // Every launch the bit-identity checks compare: (block_m, block_n) = 16-row tiles of 32, 64 and
-// 128 columns; 64 × 128 tiles with one CTA row per 64-row tile (block_n 1) and per group (2);
-// the launch's choice (0, 0).
+// 128 columns; 64 × 128 tiles with one CTA row per 64-row tile (block_n 1), per group (2) and
+// per 128 rows of a group (3); the launch's choice (0, 0).
 static const std::pair<int, int> kTileList[] = {{16, 32}, {16, 64}, {16, 128}, {64, 1},
-                                                {64, 2}, {0, 0}};
-static const char* const kTileNames = "tiles 16×32, 16×64, 16×128, 64×128 (CTA rows per tile "
-                                      "and per group) and the launch's choice";
+                                                {64, 2}, {64, 3}, {0, 0}};
+static const char* const kTileNames = "tiles 16×32, 16×64, 16×128, 64×128 (CTA rows per tile, "
+                                      "per group and per 128 rows) and the launch's choice";
 
 // A case: M rows in groups of `sizes` over G groups, K inputs, N outputs; what it covers.
 struct Shape { int64_t M, N, K; int G; std::vector<int32_t> sizes; const char* what; };
@@ -387,8 +387,25 @@ static std::vector<BenchTile> g_bench_tiles = {
 // -T tokens whose 4·|T| rows go to 98 of the 128 experts with skewed (log-normal, σ 0.6)
 // popularity — about 84 rows per routed expert, the largest group ~300-390 rows (an M3 prefill
 // chunk's shape at one TP-8 rank: ~98 routed experts, ~84 rows each; not a measured routing).
+// T = kBiased: the M3 bench's random model's routing of a 2048-token chunk (bench.py's weights:
+// per token and expert a sigmoid score of an N(0, 1) logit, plus an N(0, 0.1) bias per expert,
+// top k): ~108 experts routed, the largest groups 250-470 rows.
+constexpr int kBiased = 1 << 20;
 static std::vector<int32_t> route(std::mt19937& rng, int T, int E, int k) {
   std::vector<int32_t> sizes(E, 0);
+  if (T == kBiased) {
+    std::normal_distribution<double> nd(0.0, 1.0);
+    std::vector<double> bias(E), score(E);
+    for (auto& b : bias) b = 0.1 * nd(rng);
+    std::vector<int> ids(E);
+    for (int t = 0; t < 2048; ++t) {
+      for (int e = 0; e < E; ++e) score[e] = 1.0 / (1.0 + std::exp(-nd(rng))) + bias[e], ids[e] = e;
+      std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
+                        [&](int a, int b) { return score[a] > score[b]; });
+      for (int j = 0; j < k; ++j) ++sizes[ids[j]];
+    }
+    return sizes;
+  }
   if (T > 0) {
     for (int t = 0; t < T; ++t) {
       std::vector<int> ids(E);
@@ -414,13 +431,14 @@ static std::vector<int32_t> route(std::mt19937& rng, int T, int E, int k) {
 
 static bool g_w8a8 = true;   // time MXFP8 lhs + weights too
 static bool g_fp4 = true;    // time MXFP4 and NVFP4 weights too
+static std::string g_modes;  // --modes bf16,mxfp4,...: time only these (default: all)
 
 static void bench(bool prefill_only) {
   const double copy = copy_bandwidth();
   printf("\ndevice-to-device copy: %.2f TB/s (floor below: 4.25 TB/s, 790 TFLOP/s)\n", copy);
   printf("M3 routed experts at one TP-8 rank: E 128, k 4; gate_up N 768 K 6144, down N 6144 "
-         "K 384. Tokens routed uniformly (4 distinct experts each; -2048: 98 experts, skewed); "
-         "8 routings cycled. µs per call.\n");
+         "K 384. Tokens routed uniformly (4 distinct experts each; -2048: 98 experts, skewed; "
+         "2048b: the M3 bench model's routing); 8 routings cycled. µs per call.\n");
   printf("%-6s %-8s %6s %4s %4s", "rhs", "proj", "tokens", "U", "max");
   for (const BenchTile& t : g_bench_tiles) printf(" %8s", t.name.c_str());
   printf(" %8s %6s %6s %7s\n", "floor", "xfloor", "GB/s", "tile");
@@ -432,6 +450,9 @@ static void bench(bool prefill_only) {
   for (const int mode : {0, 1, 2, 3, 4})
   for (const Proj pr : {Proj{"gate_up", 768, 6144}, Proj{"down", 6144, 384}}) {
     if ((mode == 2 && !g_w8a8) || (mode >= 3 && !g_fp4)) continue;
+    if (!g_modes.empty() && ("," + g_modes + ",").find(std::string(",") + kModes[mode] + ",") ==
+                                std::string::npos)
+      continue;
     const bool fp8 = mode == 1 || mode == 2, w8a8 = mode == 2, fp4 = mode >= 3;
     const int fp4_kind = mode - 2, block = mode == 4 ? 16 : 32;   // (fp4 only)
     // Every expert's weights once on the device (a cheap pattern: the values do not matter);
@@ -454,10 +475,11 @@ static void bench(bool prefill_only) {
       CK(cudaMemset(scale, mode == 4 ? 0x38 : 127, n));   // E4M3 1.0, E8M0 2^0
     }
     std::vector<uint16_t>().swap(w);
-    const std::vector<int> all = {1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, -2048};
-    const std::vector<int> pre = {256, 512, 1024, 2048, -2048};
+    const std::vector<int> all = {1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, -2048,
+                                  kBiased};
+    const std::vector<int> pre = {256, 512, 1024, 2048, -2048, kBiased};
     for (int T : prefill_only ? pre : all) {
-      const int64_t M = int64_t(T < 0 ? -T : T) * k;
+      const int64_t M = int64_t(T == kBiased ? 2048 : T < 0 ? -T : T) * k;
       constexpr int kVariants = 8;
       std::vector<std::vector<int32_t>> routes(kVariants);
       double touched = 0, biggest = 0;
@@ -505,8 +527,8 @@ static void bench(bool prefill_only) {
       auto_p.fp4 = fp4 ? fp4_kind : 0;
       const GroupedMatmulTile tile = grouped_matmul_tile(auto_p);
       const double best = us[tiles - 1];
-      printf("%-6s %-8s %6d %4.0f %4.0f", kModes[mode], pr.name, T,
-             touched, biggest);
+      printf("%-6s %-8s %6s %4.0f %4.0f", kModes[mode], pr.name,
+             T == kBiased ? "2048b" : std::to_string(T).c_str(), touched, biggest);
       for (int b = 0; b < tiles; ++b) printf(" %8.1f", us[b]);
       printf(" %8.1f %6.2f %6.0f %3dx%d\n", floor_us, best / floor_us,
              bytes / (best * 1e-6) / 1e9, tile.block_m, tile.block_n);
@@ -530,6 +552,7 @@ int main(int argc, char** argv) {
     if (!strcmp(argv[i], "--prefill-only")) prefill_only = true;  // tokens 256..2048 only
     if (!strcmp(argv[i], "--no-w8a8")) g_w8a8 = false;            // (an older kernel has none)
     if (!strcmp(argv[i], "--no-fp4")) g_fp4 = false;              // (nor this)
+    if (!strcmp(argv[i], "--modes") && i + 1 < argc) g_modes = argv[++i];
     if (!strcmp(argv[i], "--tiles") && i + 1 < argc) {            // bm:bn,... then auto
       g_bench_tiles.clear();
       for (char* t = strtok(argv[++i], ","); t; t = strtok(nullptr, ",")) {
