@@ -145,12 +145,22 @@ up8 = m3.grouped_matmul(x, w8, sizes, w8_scale, lhs_rows=jnp.asarray(order // TO
 print("MXFP8 grouped matmul equals the bf16 call on mxfp8_dequantize:", bool(jnp.array_equal(
     up8, m3.reference.grouped_matmul(x[order // TOPK], m3.mxfp8_dequantize(w8, w8_scale), sizes))))
 # FP4 weights (SPEC §9.3): two E2M1 codes per byte with an E8M0 exponent per 32 inputs (MXFP4),
-# or an E4M3 scale per 16 (NVFP4: nvfp4_quantize(w, weight_scale_2) per expert; the caller
-# multiplies each group's output rows by its weight_scale_2).
+# or an E4M3 scale per 16 (NVFP4: nvfp4_quantize(w, weight_scale_2) per expert, and
+# group_scale=weight_scale_2 [E] in the call).
 w4, w4_scale = m3.mxfp4_quantize(w_up)                         # uint8 [E, I, H/2], [E, I, H/32]
 up4 = m3.grouped_matmul(x, w4, sizes, w4_scale, lhs_rows=jnp.asarray(order // TOPK, jnp.int32))
 print("MXFP4 grouped matmul equals the bf16 call on fp4_dequantize:", bool(jnp.array_equal(
     up4, m3.reference.grouped_matmul(x[order // TOPK], m3.fp4_dequantize(w4, w4_scale), sizes))))
+# The epilogue (SPEC §9 item 6): gate_up [E, 2I, H] (gate rows, then up rows) → the SwiGLU of
+# each row times its routing weight, [T·k, I]: the [T·k, 2I] product never reaches memory.
+w_gate_up = jnp.asarray(rng.standard_normal((E, 2 * I, H)) * H ** -0.5, jnp.bfloat16)
+pair_rows = jnp.asarray(order // TOPK, jnp.int32)
+h = m3.grouped_matmul(x, w_gate_up, sizes, lhs_rows=pair_rows, activation="swiglu",
+                      row_scale=r.sorted_weights)
+gu = m3.grouped_matmul(x, w_gate_up, sizes, lhs_rows=pair_rows)
+print("grouped matmul with a SwiGLU epilogue", h.shape, "equals silu(gate) · up · weight:",
+      bool(jnp.allclose(h, jax.nn.silu(gu[:, :I]) * gu[:, I:] * r.sorted_weights[:, None],
+                        rtol=1e-6, atol=1e-6)))
 
 # A decode step's dense projection (SPEC §11): rows bf16 [T, in] · w bf16 [out, in]ᵀ, fp32 sums
 # (on CUDA a weight-streaming kernel whose rows' bits do not depend on the batch; here XLA's dot).

@@ -423,8 +423,9 @@ def dense_matmul(lhs, rhs, out_dtype=jnp.float32):
     return dense_matmul_impl(jnp.asarray(lhs), jnp.asarray(rhs), out_dtype=jnp.dtype(out_dtype))
 
 
-def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale, lhs_rows=None, lhs_scale=None, *,
-                        gather=False, out_dtype=jnp.float32):
+def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale, lhs_rows=None, lhs_scale=None,
+                        row_scale=None, group_scale=None, *, gather=False, out_dtype=jnp.float32,
+                        activation=None, alpha=1.702, limit=7.0):
     """Primitive-level reference of grouped_matmul (SPEC §9): per group, every row multiplied
     by the group's matrix and *selected* for the group's rows (sizes made valid: negative
     counts as 0, rows past M dropped), rows no group covers 0; MXFP8 weights (``rhs`` fp8,
@@ -434,7 +435,10 @@ def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale, lhs_rows=None, lhs_sca
     ``gather``: the product's rows are ``lhs[lhs_rows]``, zero rows for ids outside ``[0, T)``
     (SPEC §9 item 4); ``out_dtype`` bf16: the fp32 result rounded to nearest even (item 5).
     An MXFP8 ``lhs`` (fp8 with ``lhs_scale`` [T, K/32], §9.2) is dequantized to bf16 first too:
-    the same products, summed in another order than the CUDA kernel's blocks."""
+    the same products, summed in another order than the CUDA kernel's blocks. The epilogue
+    (§9 item 6): ``group_scale`` [G] (or [0]) multiplies each group's rows, ``activation``
+    "swiglu" / "swiglu_oai" joins the gate (first N/2 columns) and up halves, ``row_scale`` [M]
+    (or [0]) multiplies each row; rows no group covers stay 0."""
     if lhs.dtype == jnp.float8_e4m3fn:
         lhs = mxfp8_dequantize(lhs, lhs_scale)
     if gather:
@@ -451,17 +455,42 @@ def grouped_matmul_impl(lhs, rhs, group_sizes, rhs_scale, lhs_rows=None, lhs_sca
     starts = ends - jnp.diff(ends, prepend=0)
     rows = jnp.arange(M)
 
+    scaled = group_scale is not None and group_scale.shape[0] > 0
+
     def one(out, g):
         y = jax.lax.dot_general(lhs, rhs[g], (([1], [1]), ([], [])),
                                 preferred_element_type=jnp.float32)
+        if scaled:
+            y = y * group_scale[g]
         return jnp.where(((rows >= starts[g]) & (rows < ends[g]))[:, None], y, out), None
 
-    return jax.lax.scan(one, jnp.zeros((M, N), jnp.float32),
-                        jnp.arange(rhs.shape[0], dtype=jnp.int32))[0].astype(out_dtype)
+    out = jax.lax.scan(one, jnp.zeros((M, N), jnp.float32),
+                       jnp.arange(rhs.shape[0], dtype=jnp.int32))[0]
+    if activation is None and (row_scale is None or row_scale.shape[0] == 0):
+        return out.astype(out_dtype)
+    if activation is not None:
+        out = swiglu(out[:, :N // 2], out[:, N // 2:], activation, alpha, limit)
+    if row_scale is not None and row_scale.shape[0] > 0:
+        out = out * row_scale[:, None]
+    covered = rows < (ends[-1] if ends.shape[0] else 0)
+    return jnp.where(covered[:, None], out, 0.0).astype(out_dtype)
+
+
+def swiglu(gate, up, activation: str, alpha: float = 1.702, limit: float = 7.0):
+    """The gated activations of SPEC §9 item 6, in the operands' dtype: "swiglu" ``silu(gate) ·
+    up``; "swiglu_oai" (GPT-OSS's, MiniMax M3's ``swigluoai``) ``(clip(up, ±limit) + 1) · g ·
+    sigmoid(alpha · g)`` with ``g = min(gate, limit)`` (NaN kept)."""
+    if activation == "swiglu":
+        return jax.nn.silu(gate) * up
+    if activation == "swiglu_oai":
+        g = jnp.minimum(gate, limit)
+        return (jnp.clip(up, -limit, limit) + 1.0) * g * jax.nn.sigmoid(g * alpha)
+    raise ValueError(f"activation must be None, 'swiglu' or 'swiglu_oai', got {activation!r}")
 
 
 def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, lhs_rows=None, out_dtype=jnp.float32,
-                   lhs_scale=None):
+                   lhs_scale=None, activation=None, row_scale=None, group_scale=None,
+                   alpha=1.702, limit=7.0):
     """Reference of :func:`jax_m3sparse.grouped_matmul` (SPEC §9)."""
     rhs, lhs = jnp.asarray(rhs), jnp.asarray(lhs)
     scale = (jnp.zeros((*rhs.shape[:2], 0), jnp.uint8) if rhs_scale is None
@@ -470,8 +499,12 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, lhs_rows=None, out_dty
                  else jnp.asarray(lhs_scale))
     gather = lhs_rows is not None
     rows = jnp.asarray(lhs_rows if gather else np.zeros(0), jnp.int32)
-    return grouped_matmul_impl(lhs, rhs, jnp.asarray(group_sizes, jnp.int32), scale, rows,
-                               lhs_scale, gather=gather, out_dtype=jnp.dtype(out_dtype))
+    return grouped_matmul_impl(
+        lhs, rhs, jnp.asarray(group_sizes, jnp.int32), scale, rows, lhs_scale,
+        None if row_scale is None else jnp.asarray(row_scale, jnp.float32),
+        None if group_scale is None else jnp.asarray(group_scale, jnp.float32),
+        gather=gather, out_dtype=jnp.dtype(out_dtype), activation=activation, alpha=alpha,
+        limit=limit)
 
 
 def write_index_keys_impl(idx_k_cache, keys, slot_mapping, layer):

@@ -32,7 +32,10 @@
 //      (batch-invariant; tests/cuda checks it), and an MXFP8 launch equals the bf16 launch on
 //      the dequantized weights bit for bit (an FP4 one to fp32 rounding: SPEC §9.3).
 //   4. The accumulators are stored (fp32, or rounded to bf16 when out_bf16) for the tile's rows
-//      inside the group and columns < N.
+//      inside the group and columns < N — through the epilogue of SPEC §9 item 6 when asked:
+//      times the group's scale, gate and up joined by the activation (the loader pairs gate row
+//      j with up row N/2 + j as tile rows 2j, 2j + 1, so a thread's accumulator pair is one
+//      output column), times the row's scale.
 // With lhs_rows (SPEC §9 item 4) step 2 reads row i's lhs from lhs_rows[i]: the sorted copy of the
 // tokens a mixture of experts would otherwise make is never written.
 // No workspace, no host reads of device data: CUDA-graph safe.
@@ -364,6 +367,38 @@ __device__ __forceinline__ void fp4_stage(const uint8_t* a, const uint8_t* b, in
   fp4_steps<kF, kMTiles, false>(a, b, sub_a, stage_b, acc, wn, lane, ew);
 }
 
+// The weight row behind tile row r (n0 + local row). With an activation (SPEC §9 item 6) the
+// tile pairs gate row j with up row n / 2 + j at rows 2j, 2j + 1, so each thread's accumulator
+// pair (columns 2t, 2t + 1 of an n8 tile) holds one output column's gate and up.
+__device__ __forceinline__ int64_t weight_row(const GroupedMatmulParams& p, int64_t r) {
+  return p.act != 0 ? (r >> 1) + (r & 1) * (p.n >> 1) : r;
+}
+
+// SPEC §9 item 6's activations in fp32, each multiply rounded on its own (no contraction);
+// a NaN gate or up stays NaN (comparisons, not fminf).
+__device__ __forceinline__ float activate(const GroupedMatmulParams& p, float gate, float up) {
+  if (p.act == 1) {
+    const float s = __frcp_rn(__fadd_rn(1.0f, expf(-gate)));
+    return __fmul_rn(__fmul_rn(gate, s), up);
+  }
+  const float g = gate > p.limit ? p.limit : gate;
+  const float u = up < -p.limit ? -p.limit : up > p.limit ? p.limit : up;
+  const float s = __frcp_rn(__fadd_rn(1.0f, expf(-__fmul_rn(g, p.alpha))));
+  return __fmul_rn(__fmul_rn(__fadd_rn(u, 1.0f), g), s);
+}
+
+// One or two output elements, fp32 or rounded to bf16 (nearest even) as stored (SPEC §9 item 5).
+__device__ __forceinline__ void store1(const GroupedMatmulParams& p, int64_t i, float v) {
+  if (p.out_bf16) static_cast<__nv_bfloat16*>(p.out)[i] = __float2bfloat16_rn(v);
+  else static_cast<float*>(p.out)[i] = v;
+}
+__device__ __forceinline__ void store2(const GroupedMatmulParams& p, int64_t i, float v0, float v1) {
+  if (p.out_bf16)
+    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) + i) =
+        __floats2bfloat162_rn(v0, v1);
+  else *reinterpret_cast<float2*>(static_cast<float*>(p.out) + i) = make_float2(v0, v1);
+}
+
 // Steps 2-4 for the rows [start, end) of group g and the column tile from n0.
 template <Fmt kF, int kMTiles, int kWarpsN, int kStages>
 __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, int64_t start,
@@ -417,7 +452,9 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
     }
     // FP4: thread tid copies chunk c & 3 of row 2 · (tid / 8) + c / 4 (+ 2 · j · kRowStep)
     const int rb = kFp4 ? 2 * r0 + (c >> 2) : r0;
-    const uint8_t* pb = rhs + (n0 + rb) * wrow + 16 * (kFp4 ? c & 3 : c);
+    const uint8_t* pb = rhs + weight_row(p, n0 + rb) * wrow + 16 * (kFp4 ? c & 3 : c);
+    // tile rows a thread's copies step by (kRowStep, even), as weight rows: half that when paired
+    const int64_t bstep = (p.act != 0 ? kRowStep / 2 : kRowStep) * wrow;
     const int64_t live_b = p.n - n0 - rb;   // weight row j valid: j·step < live_b
     auto load = [&](int ks) {
       if (ks < ksteps) {
@@ -439,7 +476,7 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
 #pragma unroll
           for (int j = 0; j < kRowsB / 2; ++j) {
             const bool ok = 2 * j * kRowStep < live_b;
-            const uint8_t* src = pb + int64_t(2 * j * kRowStep) * wrow + k0 / 2;
+            const uint8_t* src = pb + 2 * j * bstep + k0 / 2;
             cp_async16_zfill(b + swz4(rb + 2 * j * kRowStep, c & 3), ok ? src : rhs, ok);
           }
         } else {
@@ -447,17 +484,17 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
 #pragma unroll
           for (int j = 0; j < kRowsB; ++j) {
             const bool ok = kb_ok && j * kRowStep < live_b;
-            const uint8_t* src = pb + int64_t(j) * kRowStep * wrow + k0 * kElem;
+            const uint8_t* src = pb + j * bstep + k0 * kElem;
             cp_async16_zfill(b + swz(r0 + j * kRowStep, c), ok ? src : rhs, ok);
           }
         }
         if constexpr (kFp8B) {  // K % 128 == 0: a stage's scale bytes are whole and aligned
           const bool ok = tid < p.n - n0;      // weight row n0 + tid < N
           if constexpr (Geo::kScaleB == 8) {
-            const uint8_t* src = scales + (n0 + tid) * wscale_row + k0 / 16;
+            const uint8_t* src = scales + weight_row(p, n0 + tid) * wscale_row + k0 / 16;
             cp_async8_zfill(b + Geo::kStageB + 8 * tid, ok ? src : scales, ok);
           } else {
-            const uint8_t* src = scales + (n0 + tid) * wscale_row + k0 / 32;
+            const uint8_t* src = scales + weight_row(p, n0 + tid) * wscale_row + k0 / 32;
             cp_async4_zfill(b + Geo::kStageB + 4 * tid, ok ? src : scales, ok);
           }
         }
@@ -552,32 +589,29 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
     wait_groups<0>();
     __syncthreads();                    // the ring is free before the next tile's prologue
 
+    const float gs = p.group_scale != nullptr ? p.group_scale[g] : 1.0f;   // x · 1 = x exactly
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int64_t row = m0 + mt * 16 + (lane >> 2) + 8 * half;
         if (row >= end) continue;
+        const float rs = p.row_scale != nullptr ? p.row_scale[row] : 1.0f;
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           const int64_t col = n0 + wn * 32 + nt * 8 + 2 * (lane & 3);
-          const float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
-          if (p.out_bf16) {   // rounded to nearest even as stored
-            __nv_bfloat16* o = static_cast<__nv_bfloat16*>(p.out) + row * p.n + col;
-            if (col + 1 < p.n && (p.n & 1) == 0) {
-              *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(v0, v1);
-            } else {
-              if (col < p.n) o[0] = __float2bfloat16_rn(v0);
-              if (col + 1 < p.n) o[1] = __float2bfloat16_rn(v1);
-            }
+          const float v0 = __fmul_rn(acc[mt][nt][2 * half], gs);
+          const float v1 = __fmul_rn(acc[mt][nt][2 * half + 1], gs);
+          if (p.act != 0) {   // (v0, v1) = (gate, up) of output column col / 2 (weight_row)
+            if (col < p.n) store1(p, row * (p.n / 2) + col / 2, __fmul_rn(activate(p, v0, v1), rs));
             continue;
           }
-          float* o = static_cast<float*>(p.out) + row * p.n + col;
+          const int64_t o = row * p.n + col;
           if (col + 1 < p.n && (p.n & 1) == 0) {
-            *reinterpret_cast<float2*>(o) = make_float2(v0, v1);
+            store2(p, o, __fmul_rn(v0, rs), __fmul_rn(v1, rs));
           } else {
-            if (col < p.n) o[0] = v0;
-            if (col + 1 < p.n) o[1] = v1;
+            if (col < p.n) store1(p, o, __fmul_rn(v0, rs));
+            if (col + 1 < p.n) store1(p, o + 1, __fmul_rn(v1, rs));
           }
         }
       }
@@ -608,11 +642,12 @@ grouped_matmul_kernel(GroupedMatmulParams p, int64_t unit) {
   find_group<(kBM > 16)>(p.group_sizes, p.num_groups, p.m, blockIdx.y,
                          blockIdx.y == gridDim.y - 1, unit, &g, &start, &end);
   if (start >= end) return;
-  if (g < 0) {  // rows no group covers: zeros (SPEC §9)
+  if (g < 0) {  // rows no group covers: zeros (SPEC §9), out [M, N] or [M, N / 2]
+    const int sh = p.act != 0 ? 1 : 0;
+    const int64_t width = p.n >> sh, c0 = n0 >> sh;
     for (int64_t i = start; i < end; ++i)
-      for (int64_t n = n0 + threadIdx.x; n < n0 + kBN && n < p.n; n += kThreads)
-        if (p.out_bf16) static_cast<__nv_bfloat16*>(p.out)[i * p.n + n] = __float2bfloat16_rn(0.0f);
-        else static_cast<float*>(p.out)[i * p.n + n] = 0.0f;
+      for (int64_t n = c0 + threadIdx.x; n < c0 + (kBN >> sh) && n < width; n += kThreads)
+        store1(p, i * width + n, 0.0f);
     return;
   }
   gemm_rows<kF, kMTiles, kWarpsN, kStages>(p, g, start, end, n0, smem);

@@ -252,7 +252,9 @@ ffi::Error SelectBlocks(cudaStream_t stream, ffi::AnyBuffer idx_q, ffi::AnyBuffe
 ffi::Error GroupedMatmul(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                          ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer rhs_scale,
                          ffi::Buffer<ffi::S32> lhs_rows, ffi::Buffer<ffi::U8> lhs_scale,
-                         ffi::Result<ffi::AnyBuffer> out, int64_t gather) {
+                         ffi::Buffer<ffi::F32> row_scale, ffi::Buffer<ffi::F32> group_scale,
+                         ffi::Result<ffi::AnyBuffer> out, int64_t gather, int64_t activation,
+                         float alpha, float limit) {
   auto ld = lhs.dimensions(), rd = rhs.dimensions(), gd = group_sizes.dimensions();
   auto id = lhs_rows.dimensions();
   if (id.size() != 1 || (!gather && id[0] != 0))
@@ -274,9 +276,16 @@ ffi::Error GroupedMatmul(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer
       sd[2] != (nv ? ld[1] / 16 : mxfp8 || fp4 ? ld[1] / 32 : 0))
     return invalid("grouped_matmul: rhs_scale must be [G, N, K / 32] for MXFP8 or MXFP4 rhs, "
                    "[G, N, K / 16] for NVFP4, [G, N, 0] for bf16");
+  if (activation < 0 || activation > 2 || (activation != 0 && rd[1] % 2 != 0))
+    return invalid("grouped_matmul: activation must be 0, 1 (swiglu) or 2 (swiglu_oai), "
+                   "with an even N");
+  auto rsd = row_scale.dimensions(), gsd = group_scale.dimensions();
+  if (rsd.size() != 1 || (rsd[0] != 0 && rsd[0] != m) || gsd.size() != 1 ||
+      (gsd[0] != 0 && gsd[0] != rd[0]))
+    return invalid("grouped_matmul: row_scale must be [M] or [0], group_scale [G] or [0]");
   auto od = out->dimensions();
-  if (od.size() != 2 || od[0] != m || od[1] != rd[1])
-    return invalid("grouped_matmul: out must be [M, N]");
+  if (od.size() != 2 || od[0] != m || od[1] != (activation != 0 ? rd[1] / 2 : rd[1]))
+    return invalid("grouped_matmul: out must be [M, N] ([M, N / 2] with an activation)");
   const bool out_bf16 = out->element_type() == ffi::BF16;
   if (!out_bf16 && out->element_type() != ffi::F32)
     return invalid("grouped_matmul: out must be float32 or bfloat16");
@@ -303,6 +312,11 @@ ffi::Error GroupedMatmul(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer
   p.out_bf16 = out_bf16;
   p.lhs_rows = gather ? lhs_rows.typed_data() : nullptr;
   p.lhs_count = ld[0];
+  p.row_scale = rsd[0] != 0 ? row_scale.typed_data() : nullptr;
+  p.group_scale = gsd[0] != 0 ? group_scale.typed_data() : nullptr;
+  p.act = int32_t(activation);
+  p.alpha = alpha;
+  p.limit = limit;
   p.m = m;
   p.n = rd[1];
   p.k = ld[1];
@@ -480,8 +494,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_grouped_matmul_cuda, m3sparse::cuda::Grou
                                   .Arg<xffi::AnyBuffer>()               // rhs_scale (u8 / e4m3)
                                   .Arg<xffi::Buffer<xffi::S32>>()       // lhs_rows
                                   .Arg<xffi::Buffer<xffi::U8>>()        // lhs_scale
+                                  .Arg<xffi::Buffer<xffi::F32>>()       // row_scale [M] / [0]
+                                  .Arg<xffi::Buffer<xffi::F32>>()       // group_scale [G] / [0]
                                   .Ret<xffi::AnyBuffer>()               // out (f32 / bf16)
-                                  .Attr<int64_t>("gather"),
+                                  .Attr<int64_t>("gather")
+                                  .Attr<int64_t>("activation")
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("limit"),
                               {xffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_dense_matmul_cuda, m3sparse::cuda::DenseMatmul,

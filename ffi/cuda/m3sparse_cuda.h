@@ -128,6 +128,13 @@ struct GroupedMatmulParams {
   const int32_t* lhs_rows;        // [M]: the lhs row each row reads (< 0 or >= lhs_count: a
                                   // zero row), or nullptr: row i reads lhs row i (SPEC §9 item 4)
   int64_t lhs_count;              // rows of lhs with lhs_rows (T), else unused
+  // The epilogue (SPEC §9 item 6): each product times group_scale[g] (or nullptr), then with
+  // act 1 (swiglu) / 2 (swiglu_oai: alpha, limit) gate column j and up column n/2 + j joined
+  // into out column j (out [M, n/2]), then times row_scale[i] (or nullptr).
+  const float* group_scale;       // [G] or nullptr
+  const float* row_scale;         // [M] or nullptr
+  int32_t act;                    // 0: none (out [M, N])
+  float alpha, limit;
   int64_t m, n, k;
   int32_t num_groups;             // G
   int32_t block_m;                // rows per tile: 16 or 64 (0: chosen from M / G and K)

@@ -7,12 +7,17 @@ import jax.numpy as jnp
 from jax.core import ShapedArray
 
 from jax_m3sparse import _checks, reference
-from jax_m3sparse._primitives import define_primitive, i64
+from jax_m3sparse._primitives import define_primitive, f32, i64
 from jax_m3sparse.mxfp4 import fp4_block
 
 
-def _abstract_eval(lhs, rhs, group_sizes, rhs_scale, lhs_rows, lhs_scale, *, gather, out_dtype):
-    return ShapedArray(((lhs_rows if gather else lhs).shape[0], rhs.shape[1]), out_dtype)
+ACTIVATIONS = {None: 0, "swiglu": 1, "swiglu_oai": 2}   # the FFI's `activation` attribute
+
+
+def _abstract_eval(lhs, rhs, group_sizes, rhs_scale, lhs_rows, lhs_scale, row_scale,
+                   group_scale, *, gather, out_dtype, activation, alpha, limit):
+    n = rhs.shape[1] // 2 if activation else rhs.shape[1]
+    return ShapedArray(((lhs_rows if gather else lhs).shape[0], n), out_dtype)
 
 
 def _platform_reason(platform, lhs, rhs, *_, **__):
@@ -33,7 +38,9 @@ grouped_matmul_p = define_primitive(
     abstract_eval=_abstract_eval,
     reference=reference.grouped_matmul_impl,
     platform_reason=_platform_reason,
-    attributes=lambda gather, out_dtype: {"gather": i64(gather)},   # out's dtype is its own
+    attributes=lambda gather, out_dtype, activation, alpha, limit: {   # out's dtype is its own
+        "gather": i64(gather), "activation": i64(ACTIVATIONS[activation]), "alpha": f32(alpha),
+        "limit": f32(limit)},
     native_platforms=("cuda",),
 )
 
@@ -64,7 +71,8 @@ def _exponents(x, scale, name, what, labels):
 
 
 def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_scale=None,
-                   out_dtype=jnp.float32):
+                   out_dtype=jnp.float32, activation=None, row_scale=None, group_scale=None,
+                   alpha=1.702, limit=7.0):
     """``out[i] = lhs[i] · rhs[g]ᵀ`` for the rows i of group g, in fp32 (SPEC §9).
 
     The rows of ``lhs`` are grouped in order: group 0 is the first ``group_sizes[0]`` rows,
@@ -85,9 +93,8 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
     as its global scale, e.g. ModelOpt's max|w| / (6 · 448); one expert at a time or under
     ``jax.vmap``). The result is the bf16 call on ``fp4_dequantize(rhs, rhs_scale)`` — bit for
     bit on the CPU, to fp32 rounding on CUDA, whose kernel reads a quarter of bf16's bytes and
-    sums in its own order (SPEC §9.3). NVFP4's ``weight_scale_2`` is not an operand: multiply
-    group g's rows of the result by it (a mixture of experts folds it into the SwiGLU and
-    combine weights).
+    sums in its own order (SPEC §9.3). NVFP4's per-expert ``weight_scale_2`` is
+    ``group_scale``: one fp32 multiply of each product, never a rounding of the weights.
 
     The rows may be MXFP8 too (SPEC §9.2; ``lhs`` fp8 e4m3 with ``lhs_scale``, as
     :func:`jax_m3sparse.mxfp8_quantize` makes them from bf16 activations), with MXFP8 weights
@@ -99,6 +106,20 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
     With ``lhs_rows`` the rows are gathered as they are read (SPEC §9 item 4): row i of the
     product is ``lhs[lhs_rows[i]]``, the same bits as passing ``lhs[lhs_rows]`` without the
     sorted copy (a mixture of experts passes its tokens once and each pair's token id).
+
+    The epilogue (SPEC §9 item 6) lets an expert's first projection finish in the kernel:
+    ``group_scale`` multiplies group g's products (NVFP4's per-expert ``weight_scale_2``),
+    ``activation`` joins each row's gate half (the first N/2 columns of ``rhs``, transformers'
+    fused ``gate_up_proj`` layout) with its up half — ``"swiglu"``: ``silu(gate) · up``;
+    ``"swiglu_oai"`` (GPT-OSS, MiniMax M3): ``(clip(up, ±limit) + 1) · g · sigmoid(alpha · g)``,
+    ``g = min(gate, limit)`` — and ``row_scale`` multiplies each row (the routing weights), all
+    in fp32 before the rounding to ``out_dtype``. The result is the second projection's input,
+    ``[M, N/2]``: the ``[M, N]`` fp32 product never reaches memory. Example (the routed experts
+    of one MoE layer, pairs sorted by expert)::
+
+        h = grouped_matmul(x, gate_up, sizes, lhs_rows=pair_token, activation="swiglu_oai",
+                           row_scale=pair_weight, out_dtype=jnp.bfloat16)      # [T·k, I]
+        y = grouped_matmul(h, down, sizes, out_dtype=jnp.bfloat16)           # [T·k, H]
 
     Args:
       lhs: ``bfloat16[M, K]``, the rows sorted by group; with ``lhs_rows``, any ``bfloat16[T,
@@ -117,18 +138,27 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
         255 reads as NaN.
       out_dtype: ``float32`` (default) or ``bfloat16``: each fp32 result rounded to nearest
         even as it is stored (SPEC §9 item 5): half the bytes written, and read by the sum.
+      activation: None (default), ``"swiglu"`` or ``"swiglu_oai"`` (static; N even): the
+        output is ``[M, N/2]``, SPEC §9 item 6.
+      row_scale: optional ``float32[M]`` (data), each output row's factor (after the
+        activation).
+      group_scale: optional ``float32[G]`` (data), each group's factor on its products (before
+        the activation).
+      alpha, limit: ``"swiglu_oai"``'s constants (static floats; M3's config: 1.702, 7.0).
 
     Returns:
-      ``[M, N]`` of ``out_dtype`` (M = ``lhs_rows``' length when given). Each element is a
-      fixed-order
-      fp32 sum over K: a row's result depends only on its own row and its group's matrix,
-      never on the other rows or groups. Inference-only (SPEC §7).
+      ``[M, N]`` (``[M, N/2]`` with an activation) of ``out_dtype`` (M = ``lhs_rows``' length
+      when given). Each element is a fixed-order fp32 sum over K: a row's result depends only
+      on its own row, its group's matrix and scale and its row scale, never on the other rows
+      or groups. Inference-only (SPEC §7).
 
     Raises:
       ValueError / TypeError at trace time for wrong ranks, dtypes or mismatched K / G, an fp8
       ``rhs`` without ``rhs_scale`` (or a scale with bf16 ``rhs``), the same for ``lhs`` and
       ``lhs_scale``, an fp8 ``lhs`` with bf16 or FP4 ``rhs``, K % 32 != 0 with MXFP8, FP4
-      scales of another dtype or shape; on CUDA when K % 8 != 0 (MXFP8, FP4: K % 128 != 0).
+      scales of another dtype or shape, an unknown activation or an odd N with one,
+      ``row_scale`` / ``group_scale`` not float32 ``[M]`` / ``[G]``; on CUDA when K % 8 != 0
+      (MXFP8, FP4: K % 128 != 0).
     """
     lhs, rhs, group_sizes = map(jnp.asarray, (lhs, rhs, group_sizes))
     _checks.rank(lhs, "lhs", 2, "[M, K]")
@@ -165,5 +195,25 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
         _checks.dtype(lhs_rows, "lhs_rows", (jnp.int32,))
     else:
         lhs_rows = jnp.zeros((0,), jnp.int32)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None, 'swiglu' or 'swiglu_oai', got {activation!r}")
+    if activation and rhs.shape[1] % 2:
+        raise ValueError(f"activation {activation!r} joins rhs's gate and up halves: N "
+                         f"(rhs.shape[1]) must be even, got {rhs.shape[1]}")
+    M = lhs_rows.shape[0] if gather else lhs.shape[0]
+    row_scale = _vector(row_scale, "row_scale", "M (rows of the product)", M)
+    group_scale = _vector(group_scale, "group_scale", "G (rhs.shape[0])", rhs.shape[0])
     return grouped_matmul_p.bind(lhs, rhs, group_sizes, rhs_scale, lhs_rows, lhs_scale,
-                                 gather=gather, out_dtype=out_dtype)
+                                 row_scale, group_scale, gather=gather, out_dtype=out_dtype,
+                                 activation=activation, alpha=float(alpha), limit=float(limit))
+
+
+def _vector(x, name, what, n):
+    """An optional float32 ``[n]`` operand, or the empty ``[0]`` that stands for none."""
+    if x is None:
+        return jnp.zeros((0,), jnp.float32)
+    x = jnp.asarray(x)
+    _checks.rank(x, name, 1, f"[{what.split()[0]}]")
+    _checks.dtype(x, name, (jnp.float32,))
+    _checks.dim(name, f"length ({what})", n, x.shape[0])
+    return x

@@ -310,10 +310,106 @@ static void fp4_tests(std::mt19937& rng) {
   }
 }
 
+// The epilogue (SPEC §9 item 6) with bf16, MXFP8, MXFP4 and NVFP4 weights (the loader pairs
+// gate row j with up row N/2 + j, scales included): against the same format's plain fp32
+// launch finished on the host — bit for bit with the scales alone; with swiglu / swiglu_oai to
+// a few ulps (the device's expf against the host's) — and every tile bit-identical.
+static float host_act(int act, float gate, float up, float alpha, float limit) {
+  if (act == 1) return gate * (1.0f / (1.0f + std::exp(-gate))) * up;
+  const float g = gate > limit ? limit : gate;
+  const float u = up < -limit ? -limit : up > limit ? limit : up;
+  return (u + 1.0f) * g * (1.0f / (1.0f + std::exp(-(g * alpha))));
+}
+
+static void epilogue_tests(std::mt19937& rng) {
+  static const char* const kFmt[] = {"bf16", "MXFP8", "MXFP4", "NVFP4"};
+  for (int fmt = 0; fmt < 4; ++fmt)
+  for (size_t si = 0; si < 3; ++si) {
+    const Shape& s = kQuantShapes[si];
+    Problem p = random_problem(rng, s.M, s.N, s.K, s.G);
+    p.sizes = s.sizes;
+    // the weights in the format (bf16: p.rhs itself); MXFP8 / FP4 bytes and scales
+    std::vector<uint8_t> codes, scales;
+    if (fmt == 1) {
+      random_mxfp8(rng, false, &p.rhs, &codes, &scales);
+    } else if (fmt >= 2) {
+      codes.resize(p.rhs.size() / 2);
+      scales.resize(p.rhs.size() / (fmt == 3 ? 16 : 32));
+      for (auto& x : codes) x = uint8_t(rng());
+      for (auto& x : scales)
+        if (fmt == 3) do x = uint8_t(rng()); while ((x & 0x7F) == 0x7F);
+        else x = uint8_t(118 + rng() % 12);
+    }
+    Device d(p);
+    void* w = fmt ? upload(codes) : nullptr;
+    void* sc = fmt ? upload(scales) : nullptr;
+    std::vector<float> rs(p.M), gs(p.G);
+    std::uniform_real_distribution<float> ud(0.25f, 2.0f);
+    for (auto& x : rs) x = ud(rng);
+    for (auto& x : gs) x = ud(rng);
+    void *drs, *dgs;
+    CK(cudaMalloc(&drs, rs.size() * 4));
+    CK(cudaMalloc(&dgs, std::max<size_t>(4, gs.size() * 4)));
+    CK(cudaMemcpy(drs, rs.data(), rs.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dgs, gs.data(), gs.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d.sizes, p.sizes.data(), p.sizes.size() * 4, cudaMemcpyHostToDevice));
+    const float alpha = 1.702f, limit = 7.0f;
+    auto run = [&](int bm, int bn, int act, bool scaled) {
+      GroupedMatmulParams q = d.params(p, bm, bn);
+      if (fmt) q.rhs = w, q.rhs_scale = static_cast<const uint8_t*>(sc);
+      q.fp4 = fmt >= 2 ? fmt - 1 : 0;
+      q.act = act, q.alpha = alpha, q.limit = limit;
+      if (scaled) q.row_scale = static_cast<float*>(drs), q.group_scale = static_cast<float*>(dgs);
+      auto out = d.launch(q);
+      out.resize(p.M * (act ? p.N / 2 : p.N));
+      return out;
+    };
+    const auto plain = run(16, 128, 0, false);
+    std::vector<int> group(p.M, -1);   // each row's group, -1: uncovered
+    for (int64_t g = 0, start = 0; g < p.G; ++g) {
+      const int64_t end = std::min(p.M, start + std::max<int64_t>(p.sizes[g], 0));
+      for (int64_t i = start; i < end; ++i) group[i] = int(g);
+      start = end;
+    }
+    const std::string what = std::string("epilogue, ") + kFmt[fmt] + ": " + s.what;
+    for (int act = 0; act < 3; ++act) {
+      const int64_t n_out = act ? p.N / 2 : p.N;
+      std::vector<float> want(p.M * n_out, 0.0f);
+      for (int64_t i = 0; i < p.M; ++i) {
+        if (group[i] < 0) continue;
+        for (int64_t j = 0; j < n_out; ++j) {
+          const float a = plain[i * p.N + j] * gs[group[i]];
+          const float v = act ? host_act(act, a, plain[i * p.N + p.N / 2 + j] * gs[group[i]],
+                                         alpha, limit) : a;
+          want[i * n_out + j] = v * rs[i];
+        }
+      }
+      const auto got = run(16, 128, act, true);
+      int64_t bad = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        const bool ok = act ? std::fabs(got[i] - want[i]) <= 2e-6f * std::fabs(want[i])
+                            : memcmp(&got[i], &want[i], 4) == 0;
+        bad += !ok;
+      }
+      char dd[96];
+      snprintf(dd, sizeof dd, "%lld of %zu off", (long long)bad, got.size());
+      const char* name = act == 0 ? "group and row scales (bit for bit)"
+                       : act == 1 ? "swiglu" : "swiglu_oai";
+      report(bad == 0, what + ", " + name, dd);
+      bool same = true;
+      for (auto [bm, bn] : kTileList)
+        same = same && memcmp(got.data(), run(bm, bn, act, true).data(), got.size() * 4) == 0;
+      report(same, what + ", " + name + ": " + kTileNames + " bit-identical");
+    }
+    for (void* x : {w, sc, drs, dgs}) if (x) CK(cudaFree(x));
+  }
+}
+
 static void tests(std::mt19937& rng) {
   mxfp8_tests(rng);
   w8a8_tests(rng);
   fp4_tests(rng);
+  epilogue_tests(rng);
   const std::vector<Shape> shapes = {
       {37, 40, 72, 5, {9, 0, 20, 3, 5}, "covers M; an empty group; K % 64 != 0; N < 128"},
       {37, 13, 24, 4, {10, 10, 0, 0}, "odd N; rows after the last group are 0"},

@@ -539,6 +539,51 @@ def test_grouped_matmul_bf16_output_is_the_fp32_result_rounded(rng, M, K, G, N):
             assert not np.asarray(bf16[M - 5:], np.float32).any()
 
 
+@pytest.mark.parametrize("M,K,G,N", [(24, 6144, 128, 768), (600, 384, 8, 640),
+                                     (2000, 256, 16, 768)])
+def test_grouped_matmul_epilogue(rng, M, K, G, N):
+    """SPEC §9 item 6 on CUDA (16- and 64-row tiles, gathered rows, bf16 / MXFP8 / NVFP4
+    weights): the fused call equals the plain fp32 call finished by the reference's epilogue
+    to a few fp32 ulps, zeros for uncovered rows; through jax.jit, bf16 out = the fp32 out
+    rounded; the XLA reference agrees."""
+    lhs, rhs = _grouped_operands(rng, M, K, G, N)
+    counts = np.bincount(rng.integers(0, G, M - 5), minlength=G)     # 5 rows uncovered
+    sizes = _gpu(jnp.asarray(counts, jnp.int32))
+    rows = _gpu(jnp.asarray(rng.permutation(M).astype(np.int32)))
+    rs = _gpu(jnp.asarray(rng.uniform(0.2, 2, M), jnp.float32))
+    gs = _gpu(jnp.asarray(rng.uniform(0.5, 2, G), jnp.float32))
+    group = np.repeat(np.arange(G), counts)
+    weights = [(rhs,), m3.mxfp8_quantize(rhs)]
+    if K % 128 == 0:
+        weights.append(m3.nvfp4_quantize(rhs, 1.0)[:2])
+    for w in weights:
+        for kw in ({}, {"lhs_rows": rows}):
+            plain = np.asarray(jax.jit(lambda a: m3.grouped_matmul(a, *w[:1], sizes, *w[1:],
+                                                                    **kw))(lhs))
+            P = plain[:M - 5] * np.asarray(gs)[group][:, None]
+            for act in ("swiglu", "swiglu_oai"):
+                f = jax.jit(lambda a, r, g, o=jnp.float32: m3.grouped_matmul(
+                    a, *w[:1], sizes, *w[1:], **kw, activation=act, row_scale=r,
+                    group_scale=g, out_dtype=o))
+                got = np.asarray(f(lhs, rs, gs))
+                want = np.asarray(m3.reference.swiglu(jnp.asarray(P[:, :N // 2]),
+                                                      jnp.asarray(P[:, N // 2:]), act))
+                want = want * np.asarray(rs)[:M - 5, None]
+                assert got.shape == (M, N // 2)
+                np.testing.assert_allclose(got[:M - 5], want, rtol=4e-6,
+                                           atol=1e-6 * np.abs(want).max())
+                assert not got[M - 5:].any()
+                bf16 = f(lhs, rs, gs, jnp.bfloat16)
+                np.testing.assert_array_equal(np.asarray(bf16),
+                                              np.asarray(jnp.asarray(got).astype(jnp.bfloat16)))
+    ref = m3.reference.grouped_matmul(lhs, rhs, sizes, activation="swiglu_oai", row_scale=rs,
+                                      group_scale=gs)
+    got = jax.jit(lambda a: m3.grouped_matmul(a, rhs, sizes, activation="swiglu_oai",
+                                              row_scale=rs, group_scale=gs))(lhs)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4,
+                               atol=1e-4 * np.abs(np.asarray(ref)).max())
+
+
 def test_grouped_matmul_rows_batch_invariant_in_scan(rng):
     """A row's bits do not depend on the other rows (decode-sized and prefill-sized calls take
     different tile heights), inside lax.scan over stacked layers."""

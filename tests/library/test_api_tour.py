@@ -20,6 +20,7 @@ def test_api_tour_runs(capsys):
     assert "equals the reference on the sorted copy: True" in out
     assert "MXFP8 grouped matmul equals the bf16 call on mxfp8_dequantize: True" in out
     assert "MXFP4 grouped matmul equals the bf16 call on fp4_dequantize: True" in out
+    assert "grouped matmul with a SwiGLU epilogue (10, 32) equals silu(gate) · up · weight: True" in out
     assert "dense_matmul (5, 96) within fp32 rounding of numpy: True" in out
 
 

@@ -168,6 +168,77 @@ def test_dtype_errors():
                           jnp.zeros(2, jnp.float32))
 
 
+# ------------------------------------------------------------------ the epilogue (SPEC §9 item 6)
+@pytest.mark.parametrize("activation", [None, "swiglu", "swiglu_oai"])
+@pytest.mark.parametrize("sizes", [[3, 0, 5, 2], [2, -3, 20, 1], [4, 4, 0, 0]])
+def test_epilogue_matches_oracle(rng, activation, sizes):
+    """group_scale, the activation and row_scale against float64 per element; uncovered rows
+    exact zeros whatever their row scale; gathered rows and bf16 output as without them."""
+    lhs, rhs = operands(rng, 10, 24, 4, 16)
+    rhs = (rhs * 0.3).astype(jnp.bfloat16)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    rs = jnp.asarray(rng.uniform(0.2, 2, 10), jnp.float32)
+    gs = jnp.asarray(rng.uniform(0.5, 2, 4), jnp.float32)
+    f = jax.jit(lambda a, r, g: m3.grouped_matmul(a, rhs, sizes, activation=activation,
+                                                  row_scale=r, group_scale=g))
+    got = np.asarray(f(lhs, rs, gs))
+    want = oracle.grouped_epilogue(oracle.grouped_matmul(lhs, rhs, sizes), sizes, activation,
+                                   rs, gs)
+    assert got.shape == want.shape == (10, 8 if activation else 16)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    covered = min(int(np.clip(sizes, 0, None).sum()), 10)
+    assert not got[covered:].any()
+    rows = jnp.asarray([9, 2, 2, 0, 5, 7, 1, 3, 4, 6], jnp.int32)
+    gathered = m3.grouped_matmul(lhs, rhs, sizes, lhs_rows=rows, activation=activation,
+                                 row_scale=rs, group_scale=gs)
+    np.testing.assert_array_equal(np.asarray(gathered), np.asarray(f(lhs[rows], rs, gs)))
+    bf16 = m3.grouped_matmul(lhs, rhs, sizes, activation=activation, row_scale=rs,
+                             group_scale=gs, out_dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(bf16), got.astype(jnp.bfloat16))
+
+
+def test_epilogue_is_the_plain_product_finished(rng):
+    """On the CPU the fused call equals the fp32 call followed by the reference's SwiGLU and the
+    scales, bit for bit (the M3 example's unfused arithmetic); the oai activation clamps at its
+    limit and keeps NaN; vmap over the row scales."""
+    lhs, rhs = operands(rng, 12, 32, 3, 20)
+    sizes = jnp.asarray([4, 5, 3], jnp.int32)
+    rs = jnp.asarray(rng.uniform(0.2, 2, 12), jnp.float32)
+    plain = m3.grouped_matmul(lhs, rhs, sizes)
+    fused = m3.grouped_matmul(lhs, rhs, sizes, activation="swiglu_oai", row_scale=rs)
+    want = m3.reference.swiglu(plain[:, :10], plain[:, 10:], "swiglu_oai") * rs[:, None]
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(want))
+    assert np.abs(np.asarray(plain)).max() > 7 and np.abs(np.asarray(fused)).max() <= 8 * 7 * 2
+    nan = m3.grouped_matmul(lhs, rhs.at[1, 0, 0].set(jnp.nan), sizes, activation="swiglu_oai")
+    assert np.isnan(np.asarray(nan)[4:9, 0]).all() and np.isfinite(np.asarray(nan)[:4]).all()
+    batched = jax.vmap(lambda r: m3.grouped_matmul(lhs, rhs, sizes, activation="swiglu",
+                                                   row_scale=r))(jnp.stack([rs, 2 * rs]))
+    one = m3.grouped_matmul(lhs, rhs, sizes, activation="swiglu", row_scale=rs)
+    np.testing.assert_array_equal(np.asarray(batched[0]), np.asarray(one))
+    np.testing.assert_allclose(np.asarray(batched[1]), 2 * np.asarray(one), rtol=1e-6)
+
+
+def test_epilogue_cuda_lowering_and_errors(rng):
+    lhs, rhs = operands(rng, 8, 16, 2, 8)
+    sizes = jnp.asarray([3, 5], jnp.int32)
+    exp = jax.export.export(
+        jax.jit(lambda a: m3.grouped_matmul(a, rhs, sizes, activation="swiglu_oai",
+                                            row_scale=jnp.ones(8, jnp.float32))),
+        platforms=["cuda"], disabled_checks=m3.export_disabled_checks())(lhs)
+    text = exp.mlir_module()
+    assert "m3sparse_grouped_matmul_cuda" in text and "activation = 2" in text
+    with pytest.raises(ValueError, match="activation must be None, 'swiglu' or 'swiglu_oai'"):
+        m3.grouped_matmul(lhs, rhs, sizes, activation="gelu")
+    with pytest.raises(ValueError, match="N .rhs.shape.1.. must be even"):
+        m3.grouped_matmul(lhs, rhs[:, :7], sizes, activation="swiglu")
+    with pytest.raises(ValueError, match="row_scale: length"):
+        m3.grouped_matmul(lhs, rhs, sizes, row_scale=jnp.ones(7, jnp.float32))
+    with pytest.raises(TypeError, match="group_scale must be float32"):
+        m3.grouped_matmul(lhs, rhs, sizes, group_scale=jnp.ones(2, jnp.bfloat16))
+    with pytest.raises(ValueError, match="group_scale: length"):
+        m3.grouped_matmul(lhs, rhs, sizes, group_scale=jnp.ones(3, jnp.float32))
+
+
 # ------------------------------------------------------------------ MXFP8 weights (SPEC §9.1)
 def mxfp8_operands(rng, M, K, G, N, spread=4):
     """bf16 rows and MXFP8 weights whose 32-blocks differ in scale by up to 2^±spread."""

@@ -11,7 +11,10 @@
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
+
 import numpy as np
 
 E2M1_GRID = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
@@ -221,6 +224,46 @@ def _weights(rhs, rhs_scale):
     if rhs_scale is None:
         return np.asarray(rhs, np.float64)
     return (fp4_weights if np.asarray(rhs).dtype == np.uint8 else mxfp8_weights)(rhs, rhs_scale)
+
+
+def _sigmoid(x):
+    return x if math.isnan(x) else 0.0 if x < -700 else 1.0 / (1.0 + math.exp(-x))
+
+
+def grouped_epilogue(out, sizes, activation=None, row_scale=None, group_scale=None,
+                     alpha=1.702, limit=7.0):
+    """SPEC §9 item 6 on a [M, N] product in float64, written out per element: each covered
+    row times its group's scale, gate column j and up column N/2 + j joined, times the row's
+    scale; uncovered rows 0."""
+    out = np.asarray(out, np.float64)
+    M, N = out.shape
+    group = np.full(M, -1)
+    start = 0
+    for g, s in enumerate(np.asarray(sizes)):
+        end = min(start + max(int(s), 0), M)
+        group[start:end] = g
+        start = end
+    width = N // 2 if activation else N
+    res = np.zeros((M, width))
+    for i in range(M):
+        if group[i] < 0:
+            continue
+        f = 1.0 if group_scale is None else float(np.asarray(group_scale)[group[i]])
+        r = 1.0 if row_scale is None else float(np.asarray(row_scale)[i])
+        for j in range(width):
+            gate = out[i, j] * f
+            if activation is None:
+                v = gate
+            else:
+                up = out[i, N // 2 + j] * f
+                if activation == "swiglu":
+                    v = gate * _sigmoid(gate) * up
+                else:
+                    g = gate if gate <= limit or math.isnan(gate) else limit
+                    u = up if math.isnan(up) else min(max(up, -limit), limit)
+                    v = (u + 1.0) * g * _sigmoid(alpha * g)
+            res[i, j] = v * r
+    return res
 
 
 def grouped_matmul(lhs, rhs, sizes, rhs_scale=None, lhs_rows=None, lhs_scale=None):
