@@ -9,7 +9,7 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda \
 //        tests/cuda/grouped_harness.cu ffi/cuda/grouped_matmul.cu -o grouped_harness
 //   ./grouped_harness [--no-bench | --bench-only] [--prefill-only] [--no-w8a8] [--no-fp4]
-//                     [--tiles bm:bn,...]
+//                     [--tiles bm:bn,...] [--modes bf16,...] [--act]
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -528,6 +528,7 @@ static std::vector<int32_t> route(std::mt19937& rng, int T, int E, int k) {
 static bool g_w8a8 = true;   // time MXFP8 lhs + weights too
 static bool g_fp4 = true;    // time MXFP4 and NVFP4 weights too
 static std::string g_modes;  // --modes bf16,mxfp4,...: time only these (default: all)
+static bool g_act = false;   // --act: gate_up with the swiglu_oai epilogue, bf16 out (SPEC §9 item 6)
 
 static void bench(bool prefill_only) {
   const double copy = copy_bandwidth();
@@ -596,6 +597,13 @@ static void bench(bool prefill_only) {
         CK(cudaMalloc(&lhs_scale, M * pr.K / 32));
         CK(cudaMemset(lhs_scale, 127, M * pr.K / 32));
       }
+      float* row_scale = nullptr;       // --act: each row's routing weight (0.25)
+      const bool act = g_act && pr.N == 768;
+      if (act) {
+        const std::vector<float> quarter(M, 0.25f);
+        CK(cudaMalloc(&row_scale, M * 4));
+        CK(cudaMemcpy(row_scale, quarter.data(), M * 4, cudaMemcpyHostToDevice));
+      }
       std::vector<int32_t*> dsizes(kVariants);
       for (int v = 0; v < kVariants; ++v) {
         CK(cudaMalloc(&dsizes[v], E * 4));
@@ -610,26 +618,30 @@ static void bench(bool prefill_only) {
           gp.rhs_scale = scale;
           gp.fp4 = fp4 ? fp4_kind : 0;
           if (w8a8) gp.lhs = lhs8, gp.lhs_scale = lhs_scale;
+          if (act) gp.act = 2, gp.alpha = 1.702f, gp.limit = 7.0f, gp.row_scale = row_scale,
+                   gp.out_bf16 = true;
           gp.group_sizes = dsizes[v];
           CK(launch_grouped_matmul(gp, s));
         }, kVariants);
       }
       const double per_weight = fp4 ? 0.5 + 1.0 / block : fp8 ? 1 + 1.0 / 32 : 2;
       const double bytes = touched * pr.N * pr.K * per_weight +
-                           double(M) * pr.K * (w8a8 ? 1 + 1.0 / 32 : 2) + double(M) * pr.N * 4;
+                           double(M) * pr.K * (w8a8 ? 1 + 1.0 / 32 : 2) +
+                           (act ? double(M) * pr.N + 4.0 * M : double(M) * pr.N * 4);
       const double floor_us = std::max(bytes / 4.25e12, 2.0 * M * pr.N * pr.K / 790e12) * 1e6;
       GroupedMatmulParams auto_p = d.params(q, 0);
       auto_p.rhs_scale = scale;
       auto_p.fp4 = fp4 ? fp4_kind : 0;
       const GroupedMatmulTile tile = grouped_matmul_tile(auto_p);
       const double best = us[tiles - 1];
-      printf("%-6s %-8s %6s %4.0f %4.0f", kModes[mode], pr.name,
+      printf("%-6s %-8s %6s %4.0f %4.0f", kModes[mode], act ? "gu+act" : pr.name,
              T == kBiased ? "2048b" : std::to_string(T).c_str(), touched, biggest);
       for (int b = 0; b < tiles; ++b) printf(" %8.1f", us[b]);
       printf(" %8.1f %6.2f %6.0f %3dx%d\n", floor_us, best / floor_us,
              bytes / (best * 1e-6) / 1e9, tile.block_m, tile.block_n);
       fflush(stdout);
       for (auto* x : dsizes) CK(cudaFree(x));
+      if (row_scale) CK(cudaFree(row_scale));
       if (w8a8) {
         CK(cudaFree(lhs8));
         CK(cudaFree(lhs_scale));
@@ -649,6 +661,7 @@ int main(int argc, char** argv) {
     if (!strcmp(argv[i], "--no-w8a8")) g_w8a8 = false;            // (an older kernel has none)
     if (!strcmp(argv[i], "--no-fp4")) g_fp4 = false;              // (nor this)
     if (!strcmp(argv[i], "--modes") && i + 1 < argc) g_modes = argv[++i];
+    if (!strcmp(argv[i], "--act")) g_act = true;   // gate_up with the epilogue (new kernels only)
     if (!strcmp(argv[i], "--tiles") && i + 1 < argc) {            // bm:bn,... then auto
       g_bench_tiles.clear();
       for (char* t = strtok(argv[++i], ","); t; t = strtok(nullptr, ",")) {
