@@ -12,6 +12,7 @@ from jax_m3sparse.mxfp4 import fp4_block
 
 
 ACTIVATIONS = {None: 0, "swiglu": 1, "swiglu_oai": 2}   # the FFI's `activation` attribute
+_ALIASES = {"swigluoai": "swiglu_oai"}                 # M3's config.json spelling
 
 
 def _abstract_eval(lhs, rhs, group_sizes, rhs_scale, lhs_rows, lhs_scale, row_scale,
@@ -32,7 +33,7 @@ def _platform_reason(platform, lhs, rhs, *_, **__):
     return None
 
 
-# CUDA only: CPU and rocm lower to the reference (XLA's ragged_dot).
+# CUDA only: CPU and rocm lower to the reference (a product per group, each row selected).
 grouped_matmul_p = define_primitive(
     "grouped_matmul",
     abstract_eval=_abstract_eval,
@@ -79,7 +80,8 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
     group 1 the next ``group_sizes[1]``, and so on (XLA's ``ragged_dot`` convention, with
     ``rhs`` in PyTorch's ``[out, in]`` orientation per group). A mixture of experts sorts its
     (token, expert) pairs by expert and calls this once per projection: each routed expert's
-    weights are read once, unrouted experts not at all (on CUDA; elsewhere XLA's ``ragged_dot``).
+    weights are read once, unrouted experts not at all (on CUDA; elsewhere the reference: every
+    group's product over all rows, each row's selected — G times the work, for correctness).
 
     The weights may be MXFP8 (SPEC §9.1; :func:`jax_m3sparse.mxfp8_quantize`): ``rhs`` fp8
     e4m3 with ``rhs_scale``, one E8M0 exponent per 32 k. The CUDA kernel reads them as they are
@@ -109,11 +111,14 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
 
     The epilogue (SPEC §9 item 6) lets an expert's first projection finish in the kernel:
     ``group_scale`` multiplies group g's products (NVFP4's per-expert ``weight_scale_2``),
-    ``activation`` joins each row's gate half (the first N/2 columns of ``rhs``, transformers'
-    fused ``gate_up_proj`` layout) with its up half — ``"swiglu"``: ``silu(gate) · up``;
-    ``"swiglu_oai"`` (GPT-OSS, MiniMax M3): ``(clip(up, ±limit) + 1) · g · sigmoid(alpha · g)``,
-    ``g = min(gate, limit)`` — and ``row_scale`` multiplies each row (the routing weights), all
-    in fp32 before the rounding to ``out_dtype``. The result is the second projection's input,
+    ``activation`` joins each product row's gate half (output columns ``[0, N/2)``: the first
+    N/2 rows of each ``rhs[g]``, as MiniMax M3's ``gate_up_proj [E, 2, I, H]`` reshaped to
+    ``[E, 2I, H]`` stores them; a checkpoint that interleaves gate and up rows needs them
+    reordered first) with its up half (columns ``[N/2, N)``) — ``"swiglu"``: ``silu(gate) ·
+    up``; ``"swiglu_oai"`` (M3's ``hidden_act`` ``"swigluoai"``, also accepted by that name):
+    ``(clip(up, ±limit) + 1) · g · sigmoid(alpha · g)``, ``g = min(gate, limit)`` — and
+    ``row_scale`` multiplies each row (the routing weights), all in fp32 before the rounding to
+    ``out_dtype``. The result is the second projection's input,
     ``[M, N/2]``: the ``[M, N]`` fp32 product never reaches memory. Example (the routed experts
     of one MoE layer, pairs sorted by expert)::
 
@@ -144,7 +149,8 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
         activation).
       group_scale: optional ``float32[G]`` (data), each group's factor on its products (before
         the activation).
-      alpha, limit: ``"swiglu_oai"``'s constants (static floats; M3's config: 1.702, 7.0).
+      alpha, limit: ``"swiglu_oai"``'s constants (static Python floats, not traced; M3's
+        config: 1.702, 7.0); unused by ``"swiglu"``.
 
     Returns:
       ``[M, N]`` (``[M, N/2]`` with an activation) of ``out_dtype`` (M = ``lhs_rows``' length
@@ -195,8 +201,10 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
         _checks.dtype(lhs_rows, "lhs_rows", (jnp.int32,))
     else:
         lhs_rows = jnp.zeros((0,), jnp.int32)
+    activation = _ALIASES.get(activation, activation)
     if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be None, 'swiglu' or 'swiglu_oai', got {activation!r}")
+        raise ValueError(f"activation must be None, 'swiglu' or 'swiglu_oai' ('swigluoai'), got "
+                         f"{activation!r}")
     if activation and rhs.shape[1] % 2:
         raise ValueError(f"activation {activation!r} joins rhs's gate and up halves: N "
                          f"(rhs.shape[1]) must be even, got {rhs.shape[1]}")

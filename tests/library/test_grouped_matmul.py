@@ -1,7 +1,7 @@
-"""grouped_matmul (SPEC §9) through the public API on the CPU (its reference lowering, XLA's
-ragged_dot) against a float64 NumPy loop over the groups (tests/support/oracle.py); the size
-rules for data-dependent group_sizes; trace-time errors; jit, vmap and the CUDA lowering's
-custom call.
+"""grouped_matmul (SPEC §9) through the public API on the CPU (its reference lowering: a
+product per group, rows selected) against a float64 NumPy loop over the groups
+(tests/support/oracle.py); the size rules for data-dependent group_sizes; the epilogue (§9 item
+6); trace-time errors; jit, vmap and the CUDA lowering's custom call.
 The CUDA kernel itself: tests/cuda/test_gpu.py and tests/cuda/grouped_harness.cu."""
 
 import jax
@@ -229,6 +229,9 @@ def test_epilogue_cuda_lowering_and_errors(rng):
     assert "m3sparse_grouped_matmul_cuda" in text and "activation = 2" in text
     with pytest.raises(ValueError, match="activation must be None, 'swiglu' or 'swiglu_oai'"):
         m3.grouped_matmul(lhs, rhs, sizes, activation="gelu")
+    np.testing.assert_array_equal(     # M3's config.json spelling
+        np.asarray(m3.grouped_matmul(lhs, rhs, sizes, activation="swigluoai")),
+        np.asarray(m3.grouped_matmul(lhs, rhs, sizes, activation="swiglu_oai")))
     with pytest.raises(ValueError, match="N .rhs.shape.1.. must be even"):
         m3.grouped_matmul(lhs, rhs[:, :7], sizes, activation="swiglu")
     with pytest.raises(ValueError, match="row_scale: length"):
