@@ -35,7 +35,8 @@
 //      inside the group and columns < N — through the epilogue of SPEC §9 item 6 when asked:
 //      times the group's scale, gate and up joined by the activation (the loader pairs gate row
 //      j with up row N/2 + j as tile rows 2j, 2j + 1, so a thread's accumulator pair is one
-//      output column), times the row's scale.
+//      output column), times the row's scale. Launches with the epilogue run kernels of their
+//      own (kEpi): compiled into every kernel, its branches slowed the plain ones.
 // With lhs_rows (SPEC §9 item 4) step 2 reads row i's lhs from lhs_rows[i]: the sorted copy of the
 // tokens a mixture of experts would otherwise make is never written.
 // No workspace, no host reads of device data: CUDA-graph safe.
@@ -370,7 +371,9 @@ __device__ __forceinline__ void fp4_stage(const uint8_t* a, const uint8_t* b, in
 // The weight row behind tile row r (n0 + local row). With an activation (SPEC §9 item 6) the
 // tile pairs gate row j with up row n / 2 + j at rows 2j, 2j + 1, so each thread's accumulator
 // pair (columns 2t, 2t + 1 of an n8 tile) holds one output column's gate and up.
+template <bool kEpi>
 __device__ __forceinline__ int64_t weight_row(const GroupedMatmulParams& p, int64_t r) {
+  if constexpr (!kEpi) return r;
   return p.act != 0 ? (r >> 1) + (r & 1) * (p.n >> 1) : r;
 }
 
@@ -399,8 +402,80 @@ __device__ __forceinline__ void store2(const GroupedMatmulParams& p, int64_t i, 
   else *reinterpret_cast<float2*>(static_cast<float*>(p.out) + i) = make_float2(v0, v1);
 }
 
+// Step 4 for a warp's 32 columns from c0 of the tile rows m0.. (< end): the accumulators as they
+// are (fp32, or rounded to bf16 when out_bf16).
+template <int kMTiles>
+__device__ __forceinline__ void store_tile(const GroupedMatmulParams& p, const float (*acc)[4][4],
+                                           int64_t m0, int64_t end, int64_t c0, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = m0 + mt * 16 + (lane >> 2) + 8 * half;
+      if (row >= end) continue;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int64_t col = c0 + nt * 8 + 2 * (lane & 3);
+        const float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
+        if (p.out_bf16) {   // rounded to nearest even as stored
+          __nv_bfloat16* o = static_cast<__nv_bfloat16*>(p.out) + row * p.n + col;
+          if (col + 1 < p.n && (p.n & 1) == 0) {
+            *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(v0, v1);
+          } else {
+            if (col < p.n) o[0] = __float2bfloat16_rn(v0);
+            if (col + 1 < p.n) o[1] = __float2bfloat16_rn(v1);
+          }
+          continue;
+        }
+        float* o = static_cast<float*>(p.out) + row * p.n + col;
+        if (col + 1 < p.n && (p.n & 1) == 0) {
+          *reinterpret_cast<float2*>(o) = make_float2(v0, v1);
+        } else {
+          if (col < p.n) o[0] = v0;
+          if (col + 1 < p.n) o[1] = v1;
+        }
+      }
+    }
+  }
+}
+
+// The same through SPEC §9 item 6's epilogue: times the group's scale, the activation's pairs
+// (v0, v1) = (gate, up) of output column col / 2 (weight_row), times the row's scale.
+template <int kMTiles>
+__device__ __forceinline__ void store_tile_epilogue(const GroupedMatmulParams& p,
+                                                 const float (*acc)[4][4], int g, int64_t m0,
+                                                 int64_t end, int64_t c0, int lane) {
+  const float gs = p.group_scale != nullptr ? p.group_scale[g] : 1.0f;   // x · 1 = x exactly
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = m0 + mt * 16 + (lane >> 2) + 8 * half;
+      if (row >= end) continue;
+      const float rs = p.row_scale != nullptr ? p.row_scale[row] : 1.0f;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int64_t col = c0 + nt * 8 + 2 * (lane & 3);
+        const float v0 = __fmul_rn(acc[mt][nt][2 * half], gs);
+        const float v1 = __fmul_rn(acc[mt][nt][2 * half + 1], gs);
+        if (p.act != 0) {
+          if (col < p.n) store1(p, row * (p.n / 2) + col / 2, __fmul_rn(activate(p, v0, v1), rs));
+          continue;
+        }
+        const int64_t o = row * p.n + col;
+        if (col + 1 < p.n && (p.n & 1) == 0) {
+          store2(p, o, __fmul_rn(v0, rs), __fmul_rn(v1, rs));
+        } else {
+          if (col < p.n) store1(p, o, __fmul_rn(v0, rs));
+          if (col + 1 < p.n) store1(p, o + 1, __fmul_rn(v1, rs));
+        }
+      }
+    }
+  }
+}
+
 // Steps 2-4 for the rows [start, end) of group g and the column tile from n0.
-template <Fmt kF, int kMTiles, int kWarpsN, int kStages>
+template <Fmt kF, int kMTiles, int kWarpsN, int kStages, bool kEpi>
 __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, int64_t start,
                                           int64_t end, int64_t n0, uint8_t* smem) {
   using Geo = Geometry<kF, kMTiles, kWarpsN>;
@@ -452,9 +527,9 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
     }
     // FP4: thread tid copies chunk c & 3 of row 2 · (tid / 8) + c / 4 (+ 2 · j · kRowStep)
     const int rb = kFp4 ? 2 * r0 + (c >> 2) : r0;
-    const uint8_t* pb = rhs + weight_row(p, n0 + rb) * wrow + 16 * (kFp4 ? c & 3 : c);
+    const uint8_t* pb = rhs + weight_row<kEpi>(p, n0 + rb) * wrow + 16 * (kFp4 ? c & 3 : c);
     // tile rows a thread's copies step by (kRowStep, even), as weight rows: half that when paired
-    const int64_t bstep = (p.act != 0 ? kRowStep / 2 : kRowStep) * wrow;
+    const int64_t bstep = (kEpi && p.act != 0 ? kRowStep / 2 : kRowStep) * wrow;
     const int64_t live_b = p.n - n0 - rb;   // weight row j valid: j·step < live_b
     auto load = [&](int ks) {
       if (ks < ksteps) {
@@ -476,7 +551,7 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
 #pragma unroll
           for (int j = 0; j < kRowsB / 2; ++j) {
             const bool ok = 2 * j * kRowStep < live_b;
-            const uint8_t* src = pb + 2 * j * bstep + k0 / 2;
+            const uint8_t* src = (kEpi ? pb + 2 * j * bstep : pb + int64_t(2 * j * kRowStep) * wrow) + k0 / 2;
             cp_async16_zfill(b + swz4(rb + 2 * j * kRowStep, c & 3), ok ? src : rhs, ok);
           }
         } else {
@@ -484,17 +559,17 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
 #pragma unroll
           for (int j = 0; j < kRowsB; ++j) {
             const bool ok = kb_ok && j * kRowStep < live_b;
-            const uint8_t* src = pb + j * bstep + k0 * kElem;
+            const uint8_t* src = (kEpi ? pb + j * bstep : pb + int64_t(j) * kRowStep * wrow) + k0 * kElem;
             cp_async16_zfill(b + swz(r0 + j * kRowStep, c), ok ? src : rhs, ok);
           }
         }
         if constexpr (kFp8B) {  // K % 128 == 0: a stage's scale bytes are whole and aligned
           const bool ok = tid < p.n - n0;      // weight row n0 + tid < N
           if constexpr (Geo::kScaleB == 8) {
-            const uint8_t* src = scales + weight_row(p, n0 + tid) * wscale_row + k0 / 16;
+            const uint8_t* src = scales + weight_row<kEpi>(p, n0 + tid) * wscale_row + k0 / 16;
             cp_async8_zfill(b + Geo::kStageB + 8 * tid, ok ? src : scales, ok);
           } else {
-            const uint8_t* src = scales + weight_row(p, n0 + tid) * wscale_row + k0 / 32;
+            const uint8_t* src = scales + weight_row<kEpi>(p, n0 + tid) * wscale_row + k0 / 32;
             cp_async4_zfill(b + Geo::kStageB + 4 * tid, ok ? src : scales, ok);
           }
         }
@@ -589,33 +664,8 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
     wait_groups<0>();
     __syncthreads();                    // the ring is free before the next tile's prologue
 
-    const float gs = p.group_scale != nullptr ? p.group_scale[g] : 1.0f;   // x · 1 = x exactly
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int64_t row = m0 + mt * 16 + (lane >> 2) + 8 * half;
-        if (row >= end) continue;
-        const float rs = p.row_scale != nullptr ? p.row_scale[row] : 1.0f;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          const int64_t col = n0 + wn * 32 + nt * 8 + 2 * (lane & 3);
-          const float v0 = __fmul_rn(acc[mt][nt][2 * half], gs);
-          const float v1 = __fmul_rn(acc[mt][nt][2 * half + 1], gs);
-          if (p.act != 0) {   // (v0, v1) = (gate, up) of output column col / 2 (weight_row)
-            if (col < p.n) store1(p, row * (p.n / 2) + col / 2, __fmul_rn(activate(p, v0, v1), rs));
-            continue;
-          }
-          const int64_t o = row * p.n + col;
-          if (col + 1 < p.n && (p.n & 1) == 0) {
-            store2(p, o, __fmul_rn(v0, rs), __fmul_rn(v1, rs));
-          } else {
-            if (col < p.n) store1(p, o, __fmul_rn(v0, rs));
-            if (col + 1 < p.n) store1(p, o + 1, __fmul_rn(v1, rs));
-          }
-        }
-      }
-    }
+    if constexpr (kEpi) store_tile_epilogue<kMTiles>(p, acc, g, m0, end, n0 + wn * 32, lane);
+    else store_tile<kMTiles>(p, acc, m0, end, n0 + wn * 32, lane);
   }
 }
 
@@ -626,7 +676,7 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
 template <Fmt kF, int kMTiles, int kWarpsN>
 constexpr int kMinBlocks = kMTiles == 1 ? (kF == Fmt::kW8A8 && kWarpsN == 4 ? 3 : 4) : 2;
 
-template <Fmt kF, int kMTiles, int kWarpsN, int kStages>
+template <Fmt kF, int kMTiles, int kWarpsN, int kStages, bool kEpi>
 __global__ void __launch_bounds__(32 * kWarpsN, (kMinBlocks<kF, kMTiles, kWarpsN>))
 grouped_matmul_kernel(GroupedMatmulParams p, int64_t unit) {
   using Geo = Geometry<kF, kMTiles, kWarpsN>;
@@ -650,14 +700,14 @@ grouped_matmul_kernel(GroupedMatmulParams p, int64_t unit) {
         store1(p, i * width + n, 0.0f);
     return;
   }
-  gemm_rows<kF, kMTiles, kWarpsN, kStages>(p, g, start, end, n0, smem);
+  gemm_rows<kF, kMTiles, kWarpsN, kStages, kEpi>(p, g, start, end, n0, smem);
 }
 
-template <Fmt kF, int kMTiles, int kWarpsN, int kStages>
+template <Fmt kF, int kMTiles, int kWarpsN, int kStages, bool kEpi>
 cudaError_t launch(const GroupedMatmulParams& p, int64_t unit, cudaStream_t stream) {
   using Geo = Geometry<kF, kMTiles, kWarpsN>;
   constexpr size_t kSmem = size_t(kStages) * Geo::kStage;
-  auto kernel = grouped_matmul_kernel<kF, kMTiles, kWarpsN, kStages>;
+  auto kernel = grouped_matmul_kernel<kF, kMTiles, kWarpsN, kStages, kEpi>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        int(kSmem));
   if (e != cudaSuccess) return e;
@@ -688,18 +738,27 @@ bool big_tile(const GroupedMatmulParams& p) {
 // (Tests force either with p.block_n = 1: per tile, 2: per group; 3, 4: per chunk of 128 or
 // 256 rows.)
 // FP4 stages hold half the weight bytes of fp8 ones: more of them keep as many in flight.
-template <Fmt kF>
+template <Fmt kF, bool kEpi>
 cudaError_t launch_tile(const GroupedMatmulParams& p, const GroupedMatmulTile& t,
                         cudaStream_t stream) {
   constexpr bool kFp8B = kF != Fmt::kBf16, kFp4 = kF == Fmt::kFp4Mx || kF == Fmt::kFp4Nv;
   if (t.block_m == 64) {
     const int64_t unit = p.block_n == 1 ? 64 : p.block_n == 2 ? 0 : p.block_n == 3 ? 128
                        : p.block_n == 4 ? 256 : big_tile(p) ? 64 : 0;
-    return launch<kF, 4, 4, kF == Fmt::kFp8W ? 3 : 4>(p, unit, stream);
+    return launch<kF, 4, 4, kF == Fmt::kFp8W ? 3 : 4, kEpi>(p, unit, stream);
   }
-  if (t.block_n == 32) return launch<kF, 1, 1, kFp8B ? (kFp4 ? 8 : 6) : 8>(p, false, stream);
-  if (t.block_n == 64) return launch<kF, 1, 2, kFp8B ? (kFp4 ? 7 : 5) : 6>(p, false, stream);
-  return launch<kF, 1, 4, kFp4 ? 6 : 4>(p, false, stream);
+  if (t.block_n == 32) return launch<kF, 1, 1, kFp8B ? (kFp4 ? 8 : 6) : 8, kEpi>(p, 0, stream);
+  if (t.block_n == 64) return launch<kF, 1, 2, kFp8B ? (kFp4 ? 7 : 5) : 6, kEpi>(p, 0, stream);
+  return launch<kF, 1, 4, kFp4 ? 6 : 4, kEpi>(p, 0, stream);
+}
+
+// Kernels with the epilogue only where it is asked for: compiled into the plain ones, its
+// branches cost the plain down projection 18-36 % at prefill sizes (H100; docs/perf-log).
+template <Fmt kF>
+cudaError_t launch_tile(const GroupedMatmulParams& p, const GroupedMatmulTile& t,
+                        cudaStream_t stream) {
+  const bool epi = p.act != 0 || p.row_scale != nullptr || p.group_scale != nullptr;
+  return epi ? launch_tile<kF, true>(p, t, stream) : launch_tile<kF, false>(p, t, stream);
 }
 
 // CTAs of a launch with column tiles of bn, if every possible group is non-empty.

@@ -55,13 +55,15 @@ def test_grouped_matmul_resources(tmp_path):
     """The grouped GEMM's four tiles (16 × 32, 16 × 64, 16 × 128 rows × columns: 4 CTAs per SM,
     so at most 128 registers at 4 warps; 64 × 128: 2 CTAs per SM) for bf16 operands, MXFP8
     weights, MXFP8 rows and weights, MXFP4 and NVFP4 weights (the first template argument,
-    ``FmtE0`` / ``1`` / ``2`` / ``3`` / ``4``), none spilling — but W8A8's 16 × 128 tile, 3 CTAs per SM (at most 170 registers), which
-    spills 4 bytes as it was measured (BENCHMARKS.md §1.2)."""
+    ``FmtE0`` / ``1`` / ``2`` / ``3`` / ``4``), each plain and with the epilogue (SPEC §9 item
+    6; the last template argument), none spilling — but W8A8's 16 × 128 tile, 3 CTAs per SM (at
+    most 170 registers), which spills 4 bytes as it was measured (BENCHMARKS.md §1.2)."""
     res = _resources(_nvcc(CUDA / "grouped_matmul.cu", tmp_path / "gm.o", "-Xptxas", "-v"))
     kernels = {k: v for k, v in res.items() if "grouped_matmul_kernel" in k}
-    assert len(kernels) == 20 and len(res) == 20, res
+    assert len(kernels) == 40 and len(res) == 40, res
     fmts = sorted(re.search(r"kernelILNS1_3FmtE(\d)E", k).group(1) for k in kernels)
-    assert fmts == [f for f in "01234" for _ in range(4)], fmts
+    assert fmts == [f for f in "01234" for _ in range(8)], fmts
+    assert sum(k.endswith("ELb1EEEvNS0_19GroupedMatmulParamsEl") for k in kernels) == 20, kernels
     for name, r in kernels.items():
         w8a8_wide = "FmtE2ELi1ELi4E" in name
         assert r["spill_stores"] <= (8 if w8a8_wide else 0), (name, r)
