@@ -262,13 +262,13 @@ def _grouped_dot(impl: str):
 def experts_sorted(p, x, routing, cfg, dot):
     """Grouped formulation: the routing's pairs grouped by expert, two grouped matmuls over the
     routed rows only (``T·k`` of them, static), each row weighted, then summed back per token.
-    Through :func:`jax_m3sparse.grouped_matmul` the SwiGLU, the routing weight and NVFP4's
-    per-expert ``weight_scale_2`` are the gate_up product's epilogue (SPEC §9 item 6: the
-    ``[T·k, 2I]`` fp32 product never reaches memory); other ``dot``\ s (XLA's / tokamax's
-    ``ragged_dot``, bf16 only) are followed by the same arithmetic in jnp. MXFP8 / FP4 weights
-    pass their ``*_scale`` leaves to ``dot``; under ``expert_format`` "mxfp8_w8a8" each
-    product's inputs are MXFP8 too (the tokens once, per 32 of H; the SwiGLU outputs per 32 of
-    I: dynamic, as the MXFP8 checkpoint's ``activation_scheme`` says)."""
+    MXFP8 weights pass their ``*_scale`` exponents to ``dot`` (jax_m3sparse.grouped_matmul);
+    under ``expert_format`` "mxfp8_w8a8" each product's inputs are MXFP8 too (the tokens once,
+    per 32 of H; the SwiGLU outputs per 32 of I: dynamic, as the MXFP8 checkpoint's
+    ``activation_scheme`` says). The SwiGLU and the routing weight stay an XLA
+    fusion between the two products: :func:`jax_m3sparse.grouped_matmul`'s epilogue (SPEC §9
+    item 6) can do them in the kernel, but the M3 step measured slower with it on an H100 at
+    decode 64 and prefill (docs/perf-log/moe-grouped-gemm.md)."""
     T, k = routing.experts.shape
     w_gu, w_down = p["gate_up_proj"], p["down_proj"]
     E, _, I = w_gu.shape[:3]
@@ -280,6 +280,12 @@ def experts_sorted(p, x, routing, cfg, dot):
                    down=(p["down_proj_scale"],)))
     sizes = routing.group_sizes
     w8a8 = getattr(cfg, "expert_format", "bf16") == "mxfp8_w8a8"
+    s_gu = s_down = 1.0
+    if "gate_up_proj_scale_2" in p:   # NVFP4: each sorted row's expert's weight_scale_2
+        expert = jnp.zeros(T * k, jnp.int32).at[routing.inverse.reshape(-1)].set(
+            routing.experts.reshape(-1))
+        s_gu = p["gate_up_proj_scale_2"][expert][:, None, None]
+        s_down = p["down_proj_scale_2"][expert]
 
     def rows(a):     # the product's lhs: bf16, or MXFP8 with its exponents
         if not w8a8:
@@ -287,25 +293,17 @@ def experts_sorted(p, x, routing, cfg, dot):
         data, exps = jax_m3sparse.mxfp8_quantize(a)
         return (data,), dict(lhs_scale=exps)
 
-    # the pairs' tokens [T·k, H], gathered as the first product reads them; the routing weight
-    # before down_proj, as dense dispatch applies it (the same bf16 rounding of h)
+    # the pairs' tokens [T·k, H], gathered as the first product reads them
     a, kw = rows(x)
-    if dot is jax_m3sparse.grouped_matmul:
-        h = dot(*a, w_gu.reshape(E, 2 * I, -1), sizes, *scales.get("gu", ()),
-                lhs_rows=routing.sorted_tokens, activation="swiglu_oai", alpha=cfg.swiglu_alpha,
-                limit=cfg.swiglu_limit, row_scale=routing.sorted_weights,
-                group_scale=p.get("gate_up_proj_scale_2"),
-                out_dtype=jnp.float32 if w8a8 else act, **kw)
-        kw_down = dict(group_scale=p.get("down_proj_scale_2"))
-    else:
-        gu = dot(*a, w_gu.reshape(E, 2 * I, -1), sizes, lhs_rows=routing.sorted_tokens, **kw)
-        h = (swiglu_oai(gu.reshape(T * k, 2, I), cfg.swiglu_alpha, cfg.swiglu_limit)
-             * routing.sorted_weights[:, None])
-        kw_down = {}
+    gu = dot(*a, w_gu.reshape(E, 2 * I, -1), sizes, *scales.get("gu", ()),
+             lhs_rows=routing.sorted_tokens, **kw).reshape(T * k, 2, I) * s_gu
+    # The routing weight before down_proj, as dense dispatch applies it (same bf16 rounding).
+    h = (swiglu_oai(gu, cfg.swiglu_alpha, cfg.swiglu_limit)
+         * (routing.sorted_weights * s_down)[:, None])
     # Each pair's output in the activations' dtype (bf16 models: rounded once, as transformers'
     # bf16 experts are; half the bytes the GEMM writes and the sum reads), summed in fp32.
     a, kw = rows(h)
-    y = dot(*a, w_down, sizes, *scales.get("down", ()), out_dtype=act, **kw, **kw_down)
+    y = dot(*a, w_down, sizes, *scales.get("down", ()), out_dtype=act, **kw)   # [T·k, H]
     return jnp.sum(y[routing.inverse.reshape(-1)].reshape(T, k, H).astype(jnp.float32), axis=1)
 
 

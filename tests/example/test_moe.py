@@ -362,8 +362,8 @@ def test_mxfp8_needs_whole_exponent_blocks_per_device():
 def test_fp4_experts_match_oracle(rng, fmt, T, E, k, impl):
     """expert_format "mxfp4" / "nvfp4": every formulation becomes "grouped" on the packed
     weights; equal to a float64 oracle written here (the weights decoded by tests/support's
-    fp4_weights, NVFP4's per-expert scale_2 applied to the gate/up and down products, the rows
-    and outputs rounded to bf16 where the model rounds them) within fp32
+    fp4_weights, NVFP4's per-expert scale_2 applied to the gate/up products and the routing
+    weight, the rows and outputs rounded to bf16 where the model rounds them) within fp32
     rounding; and near the bf16 experts (FP4 keeps one mantissa bit)."""
     H, I = 64, 32
     p, x, r = _experts(rng, T, E, k, H=H, I=I)
@@ -386,8 +386,8 @@ def test_fp4_experts_match_oracle(rng, fmt, T, E, k, impl):
             gu = np.stack([w["gate_up_proj"][e, i] @ xb[t] for i in (0, 1)]) * s2["gate_up_proj"][e]
             h = np.asarray(moe.swiglu_oai(jnp.asarray(gu[None], jnp.float32), CFG.swiglu_alpha,
                                           CFG.swiglu_limit))[0]
-            h = bf(h * np.float32(weights[t, j]))
-            want[t] += bf((w["down_proj"][e] @ h) * s2["down_proj"][e])
+            h = bf(h * (np.float32(weights[t, j]) * s2["down_proj"][e]))
+            want[t] += bf(w["down_proj"][e] @ h)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     bf16 = np.asarray(jax.jit(lambda p_, x_, r_: moe.experts(p_, x_, r_, CFG, impl="grouped"))(
         {n: v.astype(jnp.bfloat16) for n, v in p.items()}, x, r), np.float64)
