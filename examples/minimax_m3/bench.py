@@ -65,6 +65,9 @@ def parse_args(argv=None):
                          "exponent per 32 inputs, through grouped_matmul; mxfp8_w8a8: their "
                          "inputs too, fp8 × fp8; mxfp4 / nvfp4: packed E2M1 with an E8M0 "
                          "exponent per 32 / an E4M3 scale per 16 inputs, SPEC §9.3)")
+    ap.add_argument("--moe-epilogue", action="store_true",
+                    help="cfg.moe_epilogue: the SwiGLU and routing weight in the gate_up "
+                         "kernel (grouped_matmul's epilogue) instead of an XLA fusion")
     ap.add_argument("--index-cache-dtype", default=None, choices=("bfloat16", "float8_e4m3fn"),
                     help="the index keys' cache (default: the config's, bfloat16)")
     ap.add_argument("--moe-impls", default=None,
@@ -163,10 +166,13 @@ def full_config(args):
                            num_experts_per_tok=4, index_head_dim=64, index_topk_blocks=4,
                            layer_types=(FULL, SPARSE, SPARSE, SPARSE),
                            mlp_layer_types=(DENSE_MLP, "sparse", "sparse", "sparse"),
-                           expert_format=args.expert_format)
+                           expert_format=args.expert_format,
+                           moe_epilogue=getattr(args, "moe_epilogue", False))
     cfg = from_hf_config(args.config, expert_format=args.expert_format)
     if getattr(args, "index_cache_dtype", None):
         cfg = dataclasses.replace(cfg, index_cache_dtype=args.index_cache_dtype)
+    if getattr(args, "moe_epilogue", False):
+        cfg = dataclasses.replace(cfg, moe_epilogue=True)
     if not args.keep_layer_types:
         cfg = dataclasses.replace(cfg, layer_types=tuple(
             FULL if m == DENSE_MLP else SPARSE for m in cfg.mlp_layer_types))
@@ -880,7 +886,8 @@ def format_report(r) -> str:
         f" q / {cfg['num_key_value_heads']} KV heads, {cfg['num_local_experts']} experts of "
         f"{cfg['intermediate_size']}, top {cfg['num_experts_per_tok']}, vocab "
         f"{cfg['vocab_size']}), {r['pages']} pages, weights made in {r['init_s']:.1f} s, "
-        f"moe_impl {r['moe_impl']}, experts {cfg.get('expert_format', 'bf16')}; the step "
+        f"moe_impl {r['moe_impl']}, experts {cfg.get('expert_format', 'bf16')}"
+        f"{' with the SwiGLU in the gate_up kernel' if cfg.get('moe_epilogue') else ''}; the step "
         f"{'with' if r.get('block_stats') else 'without'} the per-layer block counts "
         f"(block_stats={bool(r.get('block_stats'))})",
         f"floors: bytes ÷ {r['model']['bandwidth'] / 1e12:.2f} TB/s or FLOPs ÷ "

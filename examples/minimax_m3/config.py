@@ -81,6 +81,9 @@ class ModelConfig:
     dense_matmul_rows: int = 16                # GPUs: bf16 projections of <= this many rows and
                                                # an input width % 64 == 0 through
                                                # jax_m3sparse.dense_matmul (0: never; layers.linear)
+    moe_epilogue: bool = False                 # "grouped": the SwiGLU and routing weight in the
+                                               # gate_up kernel (grouped_matmul's epilogue); off:
+                                               # slower in the H100 step (moe.experts_sorted)
 
     def __post_init__(self):
         L = self.num_hidden_layers

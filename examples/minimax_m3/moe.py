@@ -265,10 +265,11 @@ def experts_sorted(p, x, routing, cfg, dot):
     MXFP8 weights pass their ``*_scale`` exponents to ``dot`` (jax_m3sparse.grouped_matmul);
     under ``expert_format`` "mxfp8_w8a8" each product's inputs are MXFP8 too (the tokens once,
     per 32 of H; the SwiGLU outputs per 32 of I: dynamic, as the MXFP8 checkpoint's
-    ``activation_scheme`` says). The SwiGLU and the routing weight stay an XLA
-    fusion between the two products: :func:`jax_m3sparse.grouped_matmul`'s epilogue (SPEC §9
-    item 6) can do them in the kernel, but the M3 step measured slower with it on an H100 at
-    decode 64 and prefill (docs/perf-log/moe-grouped-gemm.md)."""
+    ``activation_scheme`` says). The SwiGLU and the routing weight are an XLA
+    fusion between the two products; with ``cfg.moe_epilogue`` (and ``dot`` =
+    :func:`jax_m3sparse.grouped_matmul`) the gate_up kernel's epilogue does them (SPEC §9 item
+    6; NVFP4's scale_2 as ``group_scale``) — off by default: the M3 step measured slower with
+    it on an H100 at decode 64 and prefill (docs/perf-log/moe-grouped-gemm.md)."""
     T, k = routing.experts.shape
     w_gu, w_down = p["gate_up_proj"], p["down_proj"]
     E, _, I = w_gu.shape[:3]
@@ -295,15 +296,24 @@ def experts_sorted(p, x, routing, cfg, dot):
 
     # the pairs' tokens [T·k, H], gathered as the first product reads them
     a, kw = rows(x)
-    gu = dot(*a, w_gu.reshape(E, 2 * I, -1), sizes, *scales.get("gu", ()),
-             lhs_rows=routing.sorted_tokens, **kw).reshape(T * k, 2, I) * s_gu
-    # The routing weight before down_proj, as dense dispatch applies it (same bf16 rounding).
-    h = (swiglu_oai(gu, cfg.swiglu_alpha, cfg.swiglu_limit)
-         * (routing.sorted_weights * s_down)[:, None])
+    kw_down = {}
+    if getattr(cfg, "moe_epilogue", False) and dot is jax_m3sparse.grouped_matmul:
+        h = dot(*a, w_gu.reshape(E, 2 * I, -1), sizes, *scales.get("gu", ()),
+                lhs_rows=routing.sorted_tokens, activation="swiglu_oai", alpha=cfg.swiglu_alpha,
+                limit=cfg.swiglu_limit, row_scale=routing.sorted_weights,
+                group_scale=p.get("gate_up_proj_scale_2"),
+                out_dtype=jnp.float32 if w8a8 else act, **kw)
+        kw_down = dict(group_scale=p.get("down_proj_scale_2"))
+    else:
+        gu = dot(*a, w_gu.reshape(E, 2 * I, -1), sizes, *scales.get("gu", ()),
+                 lhs_rows=routing.sorted_tokens, **kw).reshape(T * k, 2, I) * s_gu
+        # The routing weight before down_proj, as dense dispatch applies it (same bf16 rounding).
+        h = (swiglu_oai(gu, cfg.swiglu_alpha, cfg.swiglu_limit)
+             * (routing.sorted_weights * s_down)[:, None])
     # Each pair's output in the activations' dtype (bf16 models: rounded once, as transformers'
     # bf16 experts are; half the bytes the GEMM writes and the sum reads), summed in fp32.
     a, kw = rows(h)
-    y = dot(*a, w_down, sizes, *scales.get("down", ()), out_dtype=act, **kw)   # [T·k, H]
+    y = dot(*a, w_down, sizes, *scales.get("down", ()), out_dtype=act, **kw, **kw_down)   # [T·k, H]
     return jnp.sum(y[routing.inverse.reshape(-1)].reshape(T, k, H).astype(jnp.float32), axis=1)
 
 

@@ -395,6 +395,30 @@ def test_fp4_experts_match_oracle(rng, fmt, T, E, k, impl):
     assert rel < 0.25, rel
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8_w8a8", "nvfp4"])
+def test_moe_epilogue_equals_the_xla_swiglu(rng, fmt):
+    """cfg.moe_epilogue: the SwiGLU, routing weight (and NVFP4's scale_2, as group_scale) in
+    grouped_matmul's epilogue give the XLA path's sum — bf16 and W8A8 bit for bit on the CPU
+    (the reference's epilogue is the same fp32 arithmetic), NVFP4 to its one different bf16
+    rounding (scale_2 of down_proj on the product instead of in the routing weight)."""
+    T, E, k, H, I = 24, 8, 2, 64, 32
+    p, x, r = _experts(rng, T, E, k, H=H, I=I)
+    if fmt == "bf16":
+        q = {n: w.astype(jnp.bfloat16) for n, w in p.items()}
+    else:
+        q = {}
+        for name, w in p.items():
+            q.update(zip(moe.expert_leaves(fmt, name, w.shape), moe.quantize_expert(w, fmt, name)))
+    cfg = dataclasses.replace(CFG, expert_format=fmt)
+    run = lambda c: np.asarray(jax.jit(lambda p_, x_, r_: moe.experts(p_, x_, r_, c,  # noqa: E731
+                                                                      impl="grouped"))(q, x, r))
+    xla, fused = run(cfg), run(dataclasses.replace(cfg, moe_epilogue=True))
+    if fmt == "nvfp4":
+        assert np.linalg.norm(fused - xla) / np.linalg.norm(xla) < 1e-2
+    else:
+        np.testing.assert_array_equal(fused, xla)
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_fp4_model_plan_and_tensor_parallel(rng, fmt):
     """FP4 experts: param_dtypes carry packed uint8 weights beside their scales (NVFP4: E4M3
