@@ -131,7 +131,7 @@ def native_module(platform: str) -> tuple[str, str | None]:
 
 
 def cpu_attention_paths() -> tuple[tuple[str, ...], str] | None:
-    """The CPU module's attention paths (BUILD.md "CPU paths"): (every path this CPU supports,
+    """The CPU module's attention paths (BUILD.md "CPU attention paths"): (every path this CPU supports,
     narrowest first, from "generic", "avx2", "avx512", "amx"; the one a call takes now — the
     widest, capped by the environment variable ``M3SPARSE_CPU_ISA``), or None without the CPU
     module. Raises ValueError if ``M3SPARSE_CPU_ISA`` names no path.

@@ -29,7 +29,7 @@ ROOT=$PWD
 OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
 MODE=${1:-full}
-B=/tmp/m3build
+B=${M3_BUILD_DIR:-${TMPDIR:-/tmp}/m3build}   # build outputs (M3_BUILD_DIR; default under $TMPDIR)
 mkdir -p "$B"
 export PYTHONUNBUFFERED=1
 date -u
@@ -180,15 +180,15 @@ if [ "$MODE" = cpu ]; then  # the host CPU's attention paths (AVX-512 BF16, AMX)
     elif [ "$step" = sanitize ]; then  # ASan + UBSan: every path's tests, the fuzz and
       # reliability tests on avx512 (its vdpbf16ps operands are instrumented loads over the
       # same regions the AMX tile loads read, which ASan cannot see)
-      mkdir -p /tmp/bin && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" >/tmp/bin/python &&
-        chmod +x /tmp/bin/python  # sanitize.sh calls `python`; a link would lose the venv
+      mkdir -p "$B/bin" && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" >"$B/bin/python" &&
+        chmod +x "$B/bin/python"  # sanitize.sh calls `python`; a link would lose the venv
       # (the wider selection, every path's tests plus fuzz and reliability, ran past a 330 s
       # call on 2026-12-01 and returned nothing: keep to the bf16 paths and a short fuzz)
       echo "=== M3SPARSE_CPU_ISA=avx512 tools/sanitize.sh (avx512/amx path tests, fuzz)"
-      PATH=/tmp/bin:$PATH M3SPARSE_CPU_ISA=avx512 M3SPARSE_FUZZ_EXAMPLES=10 timeout 240 \
+      PATH="$B/bin:$PATH" M3SPARSE_CPU_ISA=avx512 M3SPARSE_FUZZ_EXAMPLES=10 timeout 240 \
         bash tools/sanitize.sh tests/library/test_cpu_paths.py -k "avx512 or amx" 2>&1 |
         tee "$OUT/sanitize.log" | tail -8
-      PATH=/tmp/bin:$PATH M3SPARSE_CPU_ISA=avx512 M3SPARSE_FUZZ_EXAMPLES=10 timeout 120 \
+      PATH="$B/bin:$PATH" M3SPARSE_CPU_ISA=avx512 M3SPARSE_FUZZ_EXAMPLES=10 timeout 120 \
         bash tools/sanitize.sh tests/library/test_fuzz.py 2>&1 | tee -a "$OUT/sanitize.log" |
         tail -4
     elif [ "$step" = suite ]; then  # the attention suites on this CPU's default (widest) path
