@@ -531,7 +531,7 @@ static HostCase sub_batch(const HostCase& c, int u0, int n) {
   return s;
 }
 
-// The reference bits are the whole batch with one CTA per row (the large-T shape); the batch
+// The expected bits are the whole batch with one CTA per row (the large-T shape); the batch
 // with a cluster of 2 and of 4 per row, every unit alone, the batches of the first 1, 2, 8 units
 // (the launch shape chosen from their grid: a cluster at small T) and the head slices must equal
 // them.

@@ -105,7 +105,7 @@ def test_harness_compiles(tmp_path, name):
 
 def test_pack_quantizer_matches_nvfp4_on_host(tmp_path):
     """pack.cu's quantizer (E2M1 rounding on the FP pipe, Markstein quotients, SWAR packing) run
-    through its host twins against nvfp4.h's reference, byte for byte, on 1.8 M groups built on
+    through its host twins against nvfp4.h, byte for byte, on 1.8 M groups built on
     and around every rounding threshold (no GPU needed; the harness repeats it on the device)."""
     exe = tmp_path / "pack_host_check"
     _nvcc(ROOT / "tests" / "cuda" / "pack_host_check.cu", exe, link=True)
