@@ -12,7 +12,7 @@ alike and a block's pooled index key is fixed). The model: block b of KV head g 
 r_gb ~ N(0, 1) shared by the request's tokens; token t scores r_gb + σ·n_tgb with n an AR(1)
 process along t (n_t = ρ·n_{t-1} + sqrt(1-ρ²)·ε); the token takes its local block and the top 15
 other visible blocks. `--sigma` / `--rho` set σ and ρ; the table prints the overlap they give
-(blocks shared by adjacent tokens). The decode case is the issue's: dql 4 rows sharing 12 of
+(blocks shared by adjacent tokens). The decode case is the usual MTP shape: dql 4 rows sharing 12 of
 their 16 blocks (4 own blocks per row).
 
 References per case: the per-token sum (each token's valid selected blocks, 18 KiB of K+V per
