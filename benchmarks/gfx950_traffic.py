@@ -81,7 +81,7 @@ def shared_topk(rng, hkv, rows_per_req, visible_blocks, common=12, k=16):
     return topk
 
 
-# ---- references -------------------------------------------------------------------------------
+# ---- expected counts ---------------------------------------------------------------------------
 
 def valid_keys(topk, req, pos, block_table, num_pages):
     """Per (head, token): the set of (request, block) keys of its valid slots (SPEC §5.2), as a list
@@ -102,7 +102,7 @@ def valid_keys(topk, req, pos, block_table, num_pages):
     return out
 
 
-def references(keys, block_table, pos, G=16):
+def expected_counts(keys, block_table, pos, G=16):
     """Per-token sum, tile-union sum, context (bytes), the union sizes' mean, the selections'
     minimum MFMAs (64·G/16 per row and valid slot: with G = 8 two rows could share an MFMA's 16
     columns), and the union kernel's MFMAs by formula: per tile entry and wave whose rows selected
@@ -242,7 +242,7 @@ def main(argv=None) -> int:
     for hkv, G, q_len, kv_len in prefill:
         p = prefill_case(rng, hkv, G, q_len, kv_len, args.sigma, args.rho, "float16")
         keys = valid_keys(p.topk, p.req, p.pos, p.block_table, p.cache.shape[0])
-        ref = references(keys, p.block_table, p.pos, G)
+        ref = expected_counts(keys, p.block_table, p.pos, G)
         q = np.asarray(p.q)
         case = f"prefill {q_len} @ {kv_len}, Hkv {hkv}, G {G}"
         want = np.asarray(m3.sparse_prefill(jnp.asarray(q), p.cache, p.topk, p.block_table, p.req, p.pos,
@@ -274,7 +274,7 @@ def main(argv=None) -> int:
         p = decode_problem(rng, 1, 16, seq_lens, 4, dtype=jnp.bfloat16, extra_pages=1)
         p.topk = shared_topk(rng, 1, 4, [n // 128 for n in seq_lens])
         keys = valid_keys(p.topk, p.req, p.pos, p.block_table, p.cache.shape[0])
-        ref = references(keys, p.block_table, p.pos)
+        ref = expected_counts(keys, p.block_table, p.pos)
         q = np.asarray(p.q)
         case = "decode T 32 (8 × dql 4), 12 of 16 shared, @ 8192"
         args_ = (q, p.cache, p.topk, p.block_table, p.seq_lens, p.k_scale, p.v_scale, 0, scale, 4)
@@ -300,7 +300,7 @@ def full_size(rng, sigma, rho, lds_per_mfma, hkv=4, q_len=2048, kv_len=8192, G=1
     topk = correlated_topk(rng, hkv, pos, M, sigma, rho)
     table = np.arange(M, dtype=np.int32)[None]
     keys = valid_keys(topk, np.zeros(q_len, np.int32), pos, table, M)
-    ref = references(keys, table, pos, G)
+    ref = expected_counts(keys, table, pos, G)
     q_bytes = q_len * hkv * G * 128 * 2
     lines = [f"Formula at prefill {q_len} @ {kv_len}, Hkv {hkv}, G {G} (σ {sigma}, ρ {rho}; adjacent tokens share "
              f"{adjacent_overlap(topk):.1f} of 16, a tile's union {ref['mean_union']:.1f} blocks):",

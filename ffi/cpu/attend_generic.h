@@ -1,5 +1,5 @@
 // The portable attention path (fp32, GCC/Clang vector extensions, no ISA assumptions):
-// what every CPU runs when it has no AVX2, and the reference the SIMD paths are tested
+// what every CPU runs when it has no AVX2, and the baseline the SIMD paths are tested
 // beside. The K tile is dequantized transposed ([D][N]) so the QK micro-kernel streams
 // 8 keys per load; V is dequantized token-major.
 #pragma once

@@ -1,6 +1,6 @@
 // Host check of pack.cu's quantizer (no GPU): its device arithmetic has host twins, so
 // quantize_group_words runs here and is compared with nvfp4.h's nvfp4_quantize_group (SPEC §2.2,
-// the reference the CPU backend runs) on groups built to sit on and around every E2M1 rounding
+// the code the CPU backend runs) on groups built to sit on and around every E2M1 rounding
 // threshold, on random groups and on special values, for several global scales r.
 //   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Iffi/include -Iffi/cuda \
 //     tests/cuda/pack_host_check.cu -o pack_host_check
