@@ -62,10 +62,10 @@ from .parallel import AXIS, leaf_spec
 
 def swiglu_oai(gate_up, alpha, limit):
     """``gate_up [..., 2, I]`` -> ``(clamp(up, ±limit) + 1) · g · sigmoid(alpha · g)``,
-    g = min(gate, limit) (transformers' ``_apply_gate``)."""
-    gate = jnp.minimum(gate_up[..., 0, :], limit)
-    up = jnp.clip(gate_up[..., 1, :], -limit, limit)
-    return (up + 1.0) * gate * jax.nn.sigmoid(gate * alpha)
+    g = min(gate, limit) (transformers' ``_apply_gate``): the arithmetic of
+    :func:`jax_m3sparse.grouped_matmul`'s ``"swiglu_oai"`` epilogue (SPEC §9 item 6)."""
+    return jax_m3sparse.reference.swiglu(gate_up[..., 0, :], gate_up[..., 1, :], "swiglu_oai",
+                                         alpha, limit)
 
 
 def dense_mlp(p, x, cfg):

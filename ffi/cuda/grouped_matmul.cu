@@ -403,7 +403,8 @@ __device__ __forceinline__ void store2(const GroupedMatmulParams& p, int64_t i, 
 }
 
 // Step 4 for a warp's 32 columns from c0 of the tile rows m0.. (< end): the accumulators as they
-// are (fp32, or rounded to bf16 when out_bf16).
+// are (fp32, or rounded to bf16 when out_bf16). Written out rather than through store1 / store2:
+// this is the plain kernels' code as it was measured (register-identical to before the epilogue).
 template <int kMTiles>
 __device__ __forceinline__ void store_tile(const GroupedMatmulParams& p, const float (*acc)[4][4],
                                            int64_t m0, int64_t end, int64_t c0, int lane) {
@@ -528,7 +529,9 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
     // FP4: thread tid copies chunk c & 3 of row 2 · (tid / 8) + c / 4 (+ 2 · j · kRowStep)
     const int rb = kFp4 ? 2 * r0 + (c >> 2) : r0;
     const uint8_t* pb = rhs + weight_row<kEpi>(p, n0 + rb) * wrow + 16 * (kFp4 ? c & 3 : c);
-    // tile rows a thread's copies step by (kRowStep, even), as weight rows: half that when paired
+    // tile rows a thread's copies step by (kRowStep, even), as weight rows: half that when paired.
+    // (The plain kernels keep their own expression below: `pb + j * bstep` there reorders their
+    // PTX, and their timings were measured as written.)
     const int64_t bstep = (kEpi && p.act != 0 ? kRowStep / 2 : kRowStep) * wrow;
     const int64_t live_b = p.n - n0 - rb;   // weight row j valid: j·step < live_b
     auto load = [&](int ks) {

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 
 import ml_dtypes
-
 import numpy as np
 
 E2M1_GRID = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
@@ -238,11 +237,8 @@ def grouped_epilogue(out, sizes, activation=None, row_scale=None, group_scale=No
     out = np.asarray(out, np.float64)
     M, N = out.shape
     group = np.full(M, -1)
-    start = 0
-    for g, s in enumerate(np.asarray(sizes)):
-        end = min(start + max(int(s), 0), M)
+    for g, (start, end) in enumerate(_group_rows(sizes, M)):
         group[start:end] = g
-        start = end
     width = N // 2 if activation else N
     res = np.zeros((M, width))
     for i in range(M):
@@ -278,12 +274,18 @@ def grouped_matmul(lhs, rhs, sizes, rhs_scale=None, lhs_rows=None, lhs_scale=Non
                      ).reshape(len(ids), a.shape[1])
     w = _weights(rhs, rhs_scale)
     out = np.zeros((a.shape[0], w.shape[1]))
-    start = 0
-    for g, s in enumerate(np.asarray(sizes)):
-        end = min(start + max(int(s), 0), a.shape[0])
+    for g, (start, end) in enumerate(_group_rows(sizes, a.shape[0])):
         out[start:end] = a[start:end] @ w[g].T
-        start = end
     return out
+
+
+def _group_rows(sizes, M):
+    """Each group's rows [start, end) (SPEC §9 item 1: negative sizes 0, rows past M dropped)."""
+    start = 0
+    for s in np.asarray(sizes):
+        end = min(start + max(int(s), 0), M)
+        yield start, end
+        start = end
 
 
 def route_experts(scores, bias, live, k, renormalize=True):
