@@ -44,6 +44,7 @@ def define_primitive(op: str, *, abstract_eval: Callable, reference: Callable,
                      operand_output_aliases: dict[int, int] | None = None,
                      native_platforms=("cpu", "rocm", "cuda"),
                      platform_reason: Callable | None = None,
+                     reference_when: Callable | None = None,
                      head_axes: HeadAxes | None = None,
                      lowerings: dict[str, Callable] | None = None) -> Primitive:
     """Defines primitive ``m3sparse_<op>``.
@@ -58,6 +59,9 @@ def define_primitive(op: str, *, abstract_eval: Callable, reference: Callable,
       native_platforms: platforms that may have an FFI target for this op.
       platform_reason: ``(platform, *avals, **params) -> str | None``: why that platform's
         kernels cannot serve these shapes; raised as ValueError when lowering for it.
+      reference_when: ``(platform, *avals, **params) -> bool``: calls that platform's kernels
+        do not serve and that lower to the reference there instead (a kernel that covers the
+        common shapes of an op whose reference is cheap enough for the rest).
       head_axes: where each operand's KV-head axis is; None for ops without one (their
         operands are small and replicated).
       lowerings: ``{platform: fn}`` for platforms without this op's FFI target that serve it
@@ -78,7 +82,9 @@ def define_primitive(op: str, *, abstract_eval: Callable, reference: Callable,
             mlir.register_lowering(
                 prim, _ffi_rule(target, attributes, operand_output_aliases,
                                 functools.partial(platform_reason, platform) if platform_reason
-                                else None, head_axes),
+                                else None, head_axes,
+                                functools.partial(reference_when, platform) if reference_when
+                                else None, reference_rule),
                 platform=platform)
             if head_axes is not None:
                 _partitioning.register(target, platform, head_axes, operand_output_aliases)
@@ -100,10 +106,13 @@ def _no_derivative(op, primals, tangents, **params):
 
 
 def _ffi_rule(target: str, attributes: Callable, aliases, reason: Callable | None,
-              head_axes: HeadAxes | None):
+              head_axes: HeadAxes | None, fallback: Callable | None = None,
+              reference_rule: Callable | None = None):
     rule = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases)
 
     def lower(ctx, *args, **params):
+        if fallback is not None and fallback(*ctx.avals_in, **params):
+            return reference_rule(ctx, *args, **params)
         why = reason(*ctx.avals_in, **params) if reason else None
         if why:
             raise ValueError(why)

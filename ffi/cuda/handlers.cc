@@ -255,72 +255,36 @@ ffi::Error GroupedMatmul(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer
                          ffi::Buffer<ffi::F32> row_scale, ffi::Buffer<ffi::F32> group_scale,
                          ffi::Result<ffi::AnyBuffer> out, int64_t gather, int64_t activation,
                          float alpha, float limit) {
-  auto ld = lhs.dimensions(), rd = rhs.dimensions(), gd = group_sizes.dimensions();
-  auto id = lhs_rows.dimensions();
-  if (id.size() != 1 || (!gather && id[0] != 0))
-    return invalid("grouped_matmul: lhs_rows must be [M] (gather) or [0]");
-  const int64_t m = gather ? id[0] : ld[0];
-  auto sd = rhs_scale.dimensions();
-  const bool mxfp8 = rhs.element_type() == ffi::F8E4M3FN, fp4 = rhs.element_type() == ffi::U8;
-  if (!mxfp8 && !fp4 && rhs.element_type() != ffi::BF16)
-    return invalid("grouped_matmul: rhs must be bf16, float8_e4m3fn (MXFP8) or uint8 (FP4)");
-  if (ld.size() != 2 || rd.size() != 3 || gd.size() != 1 || gd[0] != rd[0] ||
-      (fp4 ? 2 * rd[2] : rd[2]) != ld[1])
-    return invalid("grouped_matmul: lhs [M, K], rhs [G, N, K] (FP4: [G, N, K / 2]), "
-                   "group_sizes [G]");
-  // FP4 scales: E8M0 bytes per 32 k (MXFP4) or E4M3 per 16 (NVFP4), told apart by their dtype
-  const bool nv = fp4 && rhs_scale.element_type() == ffi::F8E4M3FN;
-  if (rhs_scale.element_type() != ffi::U8 && !nv)
-    return invalid("grouped_matmul: rhs_scale must be uint8 (E8M0), or float8_e4m3fn with FP4 rhs");
-  if (sd.size() != 3 || sd[0] != rd[0] || sd[1] != rd[1] ||
-      sd[2] != (nv ? ld[1] / 16 : mxfp8 || fp4 ? ld[1] / 32 : 0))
-    return invalid("grouped_matmul: rhs_scale must be [G, N, K / 32] for MXFP8 or MXFP4 rhs, "
-                   "[G, N, K / 16] for NVFP4, [G, N, 0] for bf16");
-  if (activation < 0 || activation > 2 || (activation != 0 && rd[1] % 2 != 0))
-    return invalid("grouped_matmul: activation must be 0, 1 (swiglu) or 2 (swiglu_oai), "
-                   "with an even N");
-  auto rsd = row_scale.dimensions(), gsd = group_scale.dimensions();
-  if (rsd.size() != 1 || (rsd[0] != 0 && rsd[0] != m) || gsd.size() != 1 ||
-      (gsd[0] != 0 && gsd[0] != rd[0]))
-    return invalid("grouped_matmul: row_scale must be [M] or [0], group_scale [G] or [0]");
-  auto od = out->dimensions();
-  if (od.size() != 2 || od[0] != m || od[1] != (activation != 0 ? rd[1] / 2 : rd[1]))
-    return invalid("grouped_matmul: out must be [M, N] ([M, N / 2] with an activation)");
-  const bool out_bf16 = out->element_type() == ffi::BF16;
-  if (!out_bf16 && out->element_type() != ffi::F32)
-    return invalid("grouped_matmul: out must be float32 or bfloat16");
-  const bool w8a8 = lhs.element_type() == ffi::F8E4M3FN;
-  if (!w8a8 && lhs.element_type() != ffi::BF16)
-    return invalid("grouped_matmul: lhs must be bf16 or float8_e4m3fn (MXFP8)");
-  if (w8a8 && !mxfp8) return invalid("grouped_matmul: an MXFP8 lhs needs MXFP8 rhs");
-  auto ad = lhs_scale.dimensions();
-  if (ad.size() != 2 || ad[0] != ld[0] || ad[1] != (w8a8 ? ld[1] / 32 : 0))
-    return invalid("grouped_matmul: lhs_scale must be [rows of lhs, K / 32] for an MXFP8 lhs, "
-                   "[rows of lhs, 0] for bf16");
-  const char* why = w8a8 ? grouped_matmul_w8a8_unsupported(ld[1])
-                         : grouped_matmul_unsupported(ld[1], mxfp8 || fp4);
+  GroupedGeometry g;
+  if (auto e = decode_grouped_geometry(lhs, rhs, group_sizes, rhs_scale, lhs_rows, lhs_scale,
+                                       row_scale, group_scale, *out, gather, activation, &g);
+      e.failure())
+    return e;
+  const bool quantized = g.weights != kGroupedBf16;
+  const char* why = g.w8a8 ? grouped_matmul_w8a8_unsupported(g.k)
+                           : grouped_matmul_unsupported(g.k, quantized);
   if (why[0] != '\0') return invalid(why);
-  if (rd[0] > 65534) return invalid("grouped_matmul: G must be below 65535");
+  if (g.num_groups > 65534) return invalid("grouped_matmul: G must be below 65535");
   GroupedMatmulParams p = {};
   p.lhs = lhs.untyped_data();
   p.rhs = rhs.untyped_data();
-  p.rhs_scale = mxfp8 || fp4 ? static_cast<const uint8_t*>(rhs_scale.untyped_data()) : nullptr;
-  p.fp4 = fp4 ? (nv ? 2 : 1) : 0;
-  p.lhs_scale = w8a8 ? lhs_scale.typed_data() : nullptr;
+  p.rhs_scale = quantized ? static_cast<const uint8_t*>(rhs_scale.untyped_data()) : nullptr;
+  p.fp4 = g.weights == kGroupedNvfp4 ? 2 : g.weights == kGroupedMxfp4 ? 1 : 0;
+  p.lhs_scale = g.w8a8 ? lhs_scale.typed_data() : nullptr;
   p.group_sizes = group_sizes.typed_data();
   p.out = out->untyped_data();
-  p.out_bf16 = out_bf16;
+  p.out_bf16 = g.out_bf16;
   p.lhs_rows = gather ? lhs_rows.typed_data() : nullptr;
-  p.lhs_count = ld[0];
-  p.row_scale = rsd[0] != 0 ? row_scale.typed_data() : nullptr;
-  p.group_scale = gsd[0] != 0 ? group_scale.typed_data() : nullptr;
+  p.lhs_count = g.lhs_count;
+  p.row_scale = g.row_scaled ? row_scale.typed_data() : nullptr;
+  p.group_scale = g.group_scaled ? group_scale.typed_data() : nullptr;
   p.act = int32_t(activation);
   p.alpha = alpha;
   p.limit = limit;
-  p.m = m;
-  p.n = rd[1];
-  p.k = ld[1];
-  p.num_groups = int32_t(rd[0]);
+  p.m = g.m;
+  p.n = g.n;
+  p.k = g.k;
+  p.num_groups = int32_t(g.num_groups);
   if (p.n == 0) return ffi::Error::Success();
   return cuda_error(launch_grouped_matmul(p, stream), "grouped_matmul launch");
 }

@@ -55,6 +55,9 @@ KERNELS = {
     # the indexer's block selection (SPEC §8): idx_q dtype × index-key dtype (fp8 = float8_e4m3fn)
     **{f"select_blocks_{q}_{k}": ("select_blocks", "compile_select_blocks", {"qdt": q, "kdt": k})
        for q in ("bf16", "f32") for k in ("bf16", "fp8")},
+    # grouped_matmul (SPEC §9): weight format × output dtype (bf16 rows)
+    **{f"grouped_matmul_{w}_{o}": ("grouped_matmul", "compile_grouped_matmul", {"weights": w, "out": o})
+       for w in ("bf16", "mxfp8", "mxfp4", "nvfp4") for o in ("f32", "bf16")},
     # G = 8 (MiniMax M3 at TP8: 8 query heads per KV head)
     **{f"{op}_g8_{dt}": (mod, f"compile_{mod}{sfx}", {"dtype": dt, "group": 8})
        for op, mod, sfx in (("sparse_decode", "sparse_decode", ""), ("sparse_decode_split", "sparse_decode", "_split"),

@@ -410,6 +410,61 @@ ffi::Error SelectBlocks(hipStream_t stream, int32_t device, ffi::ScratchAllocato
   return launch_status(kSelectTarget, v.kernel, st);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// m3sparse_grouped_matmul_rocm (SPEC §9)
+// ---------------------------------------------------------------------------------------------
+constexpr const char* kGroupedTarget = "m3sparse_grouped_matmul_rocm";
+constexpr int64_t kGroupedTileRows = 16;   // grouped_matmul.py: rows a tile, the MFMA's 16 columns
+constexpr int64_t kGroupedWaves = 4;       // waves a workgroup, 64 output columns each (32 with an activation)
+constexpr int64_t kGroupedStepK = 32;      // k a step
+
+// One entry point per (weight format, output dtype); all eight have the same signature.
+using GroupedCall = decltype(&grouped_matmul_bf16_f32_call);
+#define M3SPARSE_GROUPED_VARIANT(W, O) \
+  Variant<GroupedCall> { M3SPARSE_KERNEL_MODULE(grouped_matmul_##W##_##O), grouped_matmul_##W##_##O##_call }
+Variant<GroupedCall> grouped_variant(int weights, bool out_bf16) {
+  switch (weights) {
+    case kGroupedMxfp8: return out_bf16 ? M3SPARSE_GROUPED_VARIANT(mxfp8, bf16) : M3SPARSE_GROUPED_VARIANT(mxfp8, f32);
+    case kGroupedMxfp4: return out_bf16 ? M3SPARSE_GROUPED_VARIANT(mxfp4, bf16) : M3SPARSE_GROUPED_VARIANT(mxfp4, f32);
+    case kGroupedNvfp4: return out_bf16 ? M3SPARSE_GROUPED_VARIANT(nvfp4, bf16) : M3SPARSE_GROUPED_VARIANT(nvfp4, f32);
+    default: return out_bf16 ? M3SPARSE_GROUPED_VARIANT(bf16, bf16) : M3SPARSE_GROUPED_VARIANT(bf16, f32);
+  }
+}
+
+ffi::Error GroupedMatmul(hipStream_t stream, int32_t device, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                         ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer rhs_scale,
+                         ffi::Buffer<ffi::S32> lhs_rows, ffi::Buffer<ffi::U8> lhs_scale,
+                         ffi::Buffer<ffi::F32> row_scale, ffi::Buffer<ffi::F32> group_scale,
+                         ffi::Result<ffi::AnyBuffer> out, int64_t gather, int64_t activation, float alpha,
+                         float limit) {
+  GroupedGeometry g;
+  if (auto e = decode_grouped_geometry(lhs, rhs, group_sizes, rhs_scale, lhs_rows, lhs_scale, row_scale,
+                                       group_scale, *out, gather, activation, &g);
+      e.failure())
+    return e;
+  // The kernel's limits (jax_m3sparse lowers anything else to the reference): bf16 rows, whole
+  // 32-k steps, whole 16-column output tiles, 32-bit byte offsets.
+  const int64_t cols = activation != 0 ? g.n / 2 : g.n;
+  if (g.w8a8) return refuse(kGroupedTarget, "an MXFP8 lhs (W8A8) has no gfx950 kernel");
+  if (g.k % kGroupedStepK != 0 || cols % 16 != 0)
+    return refuse(kGroupedTarget, "K must be a multiple of 32 and the output columns of 16 on gfx950");
+  const int64_t slots = (g.m + kGroupedTileRows - 1) / kGroupedTileRows + g.num_groups + 1;
+  const int64_t per_group = kGroupedWaves * (activation != 0 ? 32 : 64);
+  if (!fits_i32(g.lhs_count * g.k * 2) || !fits_i32(g.n * g.k * 2) || !fits_i32(g.m * cols * 4) ||
+      g.num_groups > kI32Max || slots > kMaxGridYZ)
+    return refuse(kGroupedTarget, "an operand is too large for the kernel's 32-bit indexing");
+  if (g.m == 0 || cols == 0) return ffi::Error::Success();
+  const auto v = grouped_variant(g.weights, g.out_bf16);
+  if (auto e = prepare_launch(kGroupedTarget, v.kernel, device); e.failure()) return e;
+  int32_t st = v.call(lhs.untyped_data(), rhs.untyped_data(), rhs_scale.untyped_data(), group_sizes.typed_data(),
+                      lhs_rows.typed_data(), row_scale.typed_data(), group_scale.typed_data(), out->untyped_data(),
+                      int32_t(g.m), int32_t(g.lhs_count), int32_t(g.k), int32_t(g.n), int32_t(g.num_groups),
+                      int32_t(gather != 0), int32_t(activation), int32_t(g.row_scaled), int32_t(g.group_scaled),
+                      alpha, limit, int32_t((cols + per_group - 1) / per_group), int32_t(slots), stream);
+  return launch_status(kGroupedTarget, v.kernel, st);
+}
+
 }  // namespace
 }  // namespace m3sparse::rocm
 
@@ -506,3 +561,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_select_blocks_rocm, m3sparse::rocm::Selec
                                   .Ret<ffi::Buffer<ffi::S32>>()        // topk_indices
                                   .Attr<int64_t>("topk_blocks")
                                   .Attr<int64_t>("local_blocks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_grouped_matmul_rocm, m3sparse::rocm::GroupedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<hipStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()               // lhs
+                                  .Arg<ffi::AnyBuffer>()               // rhs
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // group_sizes
+                                  .Arg<ffi::AnyBuffer>()               // rhs_scale
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // lhs_rows
+                                  .Arg<ffi::Buffer<ffi::U8>>()         // lhs_scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // row_scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // group_scale
+                                  .Ret<ffi::AnyBuffer>()               // out
+                                  .Attr<int64_t>("gather")
+                                  .Attr<int64_t>("activation")
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("limit"));

@@ -48,6 +48,14 @@ extern "C" {
 #include "select_blocks_bf16_fp8.h"
 #include "select_blocks_f32_bf16.h"
 #include "select_blocks_f32_fp8.h"
+#include "grouped_matmul_bf16_f32.h"
+#include "grouped_matmul_bf16_bf16.h"
+#include "grouped_matmul_mxfp8_f32.h"
+#include "grouped_matmul_mxfp8_bf16.h"
+#include "grouped_matmul_mxfp4_f32.h"
+#include "grouped_matmul_mxfp4_bf16.h"
+#include "grouped_matmul_nvfp4_f32.h"
+#include "grouped_matmul_nvfp4_bf16.h"
 }
 
 namespace m3sparse::rocm {

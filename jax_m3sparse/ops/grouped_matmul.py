@@ -33,16 +33,36 @@ def _platform_reason(platform, lhs, rhs, *_, **__):
     return None
 
 
-# CUDA only: CPU and rocm lower to the reference (a product per group, each row selected).
+_I32_MAX = 2**31 - 1
+
+
+def _rocm_reference(platform, lhs, rhs, group_sizes, rhs_scale, lhs_rows, *_, gather, activation,
+                    **__):
+    """Calls the gfx950 kernel (ffi/flydsl/grouped_matmul.py) does not serve, lowered to the
+    reference on rocm: an MXFP8 lhs (W8A8), K not a multiple of 32, output columns not a multiple
+    of 16, byte offsets past 32 bits or more tiles than a launch's grid holds."""
+    if platform != "rocm":
+        return False
+    K, N = lhs.shape[1], rhs.shape[1]
+    cols = N // 2 if activation else N
+    M = (lhs_rows if gather else lhs).shape[0]
+    return (lhs.dtype != jnp.bfloat16 or K % 32 or cols % 16 or lhs.shape[0] * K * 2 > _I32_MAX
+            or N * K * 2 > _I32_MAX or M * cols * 4 > _I32_MAX
+            or -(-M // 16) + rhs.shape[0] + 1 > 65535)
+
+
+# CUDA and rocm (gfx950, the shapes _rocm_reference leaves it); the CPU lowers to the reference
+# (a product per group, each row selected).
 grouped_matmul_p = define_primitive(
     "grouped_matmul",
     abstract_eval=_abstract_eval,
     reference=reference.grouped_matmul_impl,
     platform_reason=_platform_reason,
+    reference_when=_rocm_reference,
     attributes=lambda gather, out_dtype, activation, alpha, limit: {   # out's dtype is its own
         "gather": i64(gather), "activation": i64(ACTIVATIONS[activation]), "alpha": f32(alpha),
         "limit": f32(limit)},
-    native_platforms=("cuda",),
+    native_platforms=("cuda", "rocm"),
 )
 
 
@@ -80,7 +100,8 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
     group 1 the next ``group_sizes[1]``, and so on (XLA's ``ragged_dot`` convention, with
     ``rhs`` in PyTorch's ``[out, in]`` orientation per group). A mixture of experts sorts its
     (token, expert) pairs by expert and calls this once per projection: each routed expert's
-    weights are read once, unrouted experts not at all (on CUDA; elsewhere the reference: every
+    weights are read once per tile of its rows, unrouted experts not at all (CUDA; gfx950 for
+    bf16 rows with K % 32 == 0 and output columns % 16 == 0; elsewhere the reference: every
     group's product over all rows, each row's selected — G times the work, for correctness).
 
     The weights may be MXFP8 (SPEC §9.1; :func:`jax_m3sparse.mxfp8_quantize`): ``rhs`` fp8

@@ -8,7 +8,9 @@ The same inputs go through the CPU backend (fp32 compute) and the gfx950 kernels
 * query_token_positions: exactly;
 * sparse_decode (bf16 MFMA) / sparse_prefill (fp16 MFMA) / full_attention (bf16): SPEC §6 GPU bars against the CPU result
   (cosine >= 0.99, relative Frobenius error <= 0.06), exact zeros wherever the CPU gives a row of
-  zeros (nothing attended, padding, bad layer), no NaN leaking from poisoned page tails.
+  zeros (nothing attended, padding, bad layer), no NaN leaking from poisoned page tails;
+* grouped_matmul (bf16, MXFP8, MXFP4, NVFP4 weights, the swiglu_oai epilogue): cosine >= 0.9999,
+  relative Frobenius error <= 1e-4 against the CPU (fp32 sums in another order).
 
 M3SPARSE_DEVICE_TEST_PLATFORM=cpu runs the suite with the CPU on both sides (a self-check of this
 file on machines without a GPU).
@@ -277,3 +279,31 @@ def test_sparse_decode_layers(gpu, cpu, rng, layout):
         check_attention(outs[0], outs[1])
         if lay != layer:
             assert np.all(np.asarray(outs[0], np.float32) == 0)
+
+
+# ---- grouped_matmul (SPEC §9) -------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8", "mxfp4", "nvfp4"])
+def test_grouped_matmul_matches_cpu(gpu, cpu, rng, fmt):
+    """M3's gate_up at a decode step's shape (K 6144, N 768, 128 experts, 16 routed pairs), with the
+    swiglu_oai epilogue and both scales, against the CPU backend: fp32 sums in another order."""
+    T, K, N, E = 4, 6144, 768, 128
+    w = jnp.asarray(rng.standard_normal((E, N, K)) * 0.02, jnp.float32)
+    quant = {"bf16": lambda x: (x.astype(jnp.bfloat16), None), "mxfp8": m3.mxfp8_quantize,
+             "mxfp4": m3.mxfp4_quantize, "nvfp4": lambda x: m3.nvfp4_quantize(x, 1.0)}[fmt]
+    rhs, scale = quant(w)
+    x = jnp.asarray(rng.standard_normal((T, K)), jnp.bfloat16)
+    sizes = np.zeros(E, np.int32)
+    sizes[rng.choice(E, 10, replace=False)] = [1, 2, 1, 3, 1, 1, 2, 2, 2, 1]
+    rows = rng.integers(0, T, 16).astype(np.int32)
+    rs = rng.uniform(0.1, 1.0, 16).astype(np.float32)
+    gs = rng.uniform(0.5, 2.0, E).astype(np.float32)
+
+    def run(device):
+        ops = on(device, x, rhs, sizes, rows, rs, gs) + ([] if scale is None else on(device, scale))
+        f = jax.jit(lambda x, w, s, r, rs, gs, *sc: m3.grouped_matmul(
+            x, w, s, *sc, lhs_rows=r, row_scale=rs, group_scale=gs, activation="swiglu_oai"))
+        return np.asarray(f(*ops))
+
+    got, want = run(gpu), run(cpu)
+    cos, relf = metrics(got, want)
+    assert cos >= 0.9999 and relf <= 1e-4, (fmt, cos, relf)

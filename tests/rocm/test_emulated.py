@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import jax_m3sparse as m3
+import oracle
 from attention_problems import decode_problem, prefill_problem
 from tools.rocm import emu_launch
 
@@ -526,3 +527,95 @@ def test_select_blocks_reads_each_run_keys_once(gpu, rng):
                     f"keys {c.read['idx_k_cache']} B = each run's blocks once", 0.0))
     check_select("select_blocks_bf16_bf16", "T=70 (3 runs, tile-crossing)", got, q, keys, bt, req, pos, 0, 4, 1,
                  0.0, brute=False)
+
+
+# ---- grouped_matmul (SPEC §9): the routed experts' grouped GEMM ----------------------------------
+ACTIVATIONS = {0: None, 1: "swiglu", 2: "swiglu_oai"}
+NAN_BYTES = {"mxfp8": 255, "mxfp4": 255, "nvfp4": 0x7F}          # a NaN scale of each format
+
+
+def grouped_weights(rng, fmt, G, N, K):
+    """(rhs, rhs_scale) of random weights in format `fmt` (rows of varied magnitude)."""
+    w = jnp.asarray(rng.standard_normal((G, N, K)) * rng.uniform(0.2, 2.0, (G, N, 1)), jnp.float32)
+    if fmt == "bf16":
+        return np.array(w.astype(jnp.bfloat16)), None
+    quantize = {"mxfp8": m3.mxfp8_quantize, "mxfp4": m3.mxfp4_quantize,
+                "nvfp4": lambda x: m3.nvfp4_quantize(x, 1.0)}[fmt]
+    return tuple(np.array(a) for a in quantize(w))
+
+
+def check_grouped(kernel, case, got, want, sec):
+    """Each element within fp32 summation error (1e-5 of the largest result) of the float64
+    oracle, plus one bf16 rounding for bf16 output; NaN exactly where the oracle has it."""
+    got64 = np.asarray(got, np.float64)
+    assert np.array_equal(np.isnan(got64), np.isnan(want)), f"{kernel} {case}: NaN where the oracle has none"
+    ok = ~np.isnan(want)
+    rel = 2.0 ** -8 if np.dtype(got.dtype).itemsize == 2 else 0.0
+    err = np.abs(got64[ok] - want[ok])
+    bound = 1e-5 * np.abs(want[ok]).max() + rel * np.abs(want[ok])
+    RESULTS.append((kernel, case, f"max err {err.max():.2e} (bound {bound.max():.2e})", sec))
+    assert (err <= bound).all(), f"{kernel} {case}: max error {err.max():.3e}"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8", "mxfp4", "nvfp4"])
+def test_grouped_matmul_formats(gpu, rng, fmt):
+    """Against the float64 oracle (tests/support/oracle.py): gathered rows with ids outside [0, T),
+    a negative and an empty group whose weights are NaN (never read: no NaN reaches a row), rows
+    after the last group (zeros), N not a multiple of a workgroup's columns; plain f32 output,
+    then bf16 output with swiglu_oai, row and group scales, then swiglu with f32 output."""
+    T, K, N, G = 13, 128, 96, 5
+    lhs = np.array(jnp.asarray(rng.standard_normal((T, K)), jnp.bfloat16))
+    rhs, scale = grouped_weights(rng, fmt, G, N, K)
+    if scale is None:
+        rhs[1:3] = np.nan
+    else:
+        scale.view(np.uint8)[1:3] = NAN_BYTES[fmt]
+    sizes = np.array([7, -3, 0, 9, 2], np.int32)                       # rows 18 .. 21: no group
+    rows = rng.integers(0, T, 22).astype(np.int32)
+    rows[[0, 8, 19]] = -1, T, INT32_MAX                              # zero rows
+    row_scale = rng.uniform(0.1, 1.0, 22).astype(np.float32)
+    group_scale = rng.uniform(0.5, 2.0, G).astype(np.float32)
+    product = oracle.grouped_matmul(lhs, rhs, sizes, scale, lhs_rows=rows)
+    kernel = f"grouped_matmul_{fmt}"
+    got, sec = timed(gpu.grouped_matmul, lhs, rhs, sizes, scale, lhs_rows=rows)
+    check_grouped(f"{kernel}_f32", "M=22 G=5 gather, NaN unrouted", got, oracle.grouped_epilogue(product, sizes), sec)
+    assert (got[18:] == 0).all()
+    got, sec = timed(gpu.grouped_matmul, lhs, rhs, sizes, scale, lhs_rows=rows, row_scale=row_scale,
+                     group_scale=group_scale, out_dtype=np.dtype(jnp.bfloat16), activation=2)
+    want = oracle.grouped_epilogue(product, sizes, "swiglu_oai", row_scale, group_scale)
+    check_grouped(f"{kernel}_bf16", "swiglu_oai, row + group scales", got, want, sec)
+    got, sec = timed(gpu.grouped_matmul, lhs, rhs, sizes, scale, lhs_rows=rows, activation=1)
+    check_grouped(f"{kernel}_f32", "swiglu", got, oracle.grouped_epilogue(product, sizes, "swiglu"), sec)
+
+
+def test_grouped_matmul_row_alone_equals_batch(gpu, rng):
+    """A row's bits depend only on its row, its group's weights and scales (SPEC §9): a group's
+    rows run alone (every other group empty, the rows at other offsets) equal the batch's."""
+    T, K, N, G = 40, 64, 64, 3
+    lhs = np.array(jnp.asarray(rng.standard_normal((T, K)), jnp.bfloat16))
+    rhs, scale = grouped_weights(rng, "mxfp4", G, N, K)
+    sizes = np.array([10, 21, 9], np.int32)
+    batch = gpu.grouped_matmul(lhs, rhs, sizes, scale)
+    alone = gpu.grouped_matmul(lhs[10:31], rhs, np.array([0, 21, 0], np.int32), scale)
+    assert np.array_equal(alone, batch[10:31])
+    RESULTS.append(("grouped_matmul_mxfp4_f32", "group 1 alone = in the batch", "bit-identical", 0.0))
+
+
+def test_grouped_matmul_reads_routed_weights_once(gpu, rng):
+    """Counted on the emulator (emu_traffic): each routed group's weights (and scales) are read once
+    per tile of 16 of its rows, an unrouted group's never — the work of the routed rows only."""
+    from tools.rocm import emu_traffic
+    T, K, N, G = 23, 64, 96, 6
+    lhs = np.array(jnp.asarray(rng.standard_normal((T, K)), jnp.bfloat16))
+    sizes = np.array([0, 20, 0, 3, 0, 0], np.int32)                   # group 1: 2 tiles, group 3: 1
+    for fmt in ("bf16", "mxfp4"):
+        rhs, scale = grouped_weights(rng, fmt, G, N, K)
+        regions = {"rhs": rhs} if scale is None else {"rhs": rhs, "rhs_scale": scale}
+        with emu_traffic.counting(regions) as c:
+            gpu.grouped_matmul(lhs, rhs, sizes, scale)
+        per_group = rhs[0].nbytes
+        assert c.read["rhs"] == 3 * per_group, (fmt, c.read["rhs"], per_group)
+        if scale is not None:
+            assert c.read["rhs_scale"] == 3 * scale[0].nbytes
+        RESULTS.append((f"grouped_matmul_{fmt}_f32", "traffic G=6, 2 routed",
+                        f"weights {c.read['rhs']} B = 3 tiles' groups once", 0.0))

@@ -46,6 +46,11 @@ EXPECTED = {
         "buffer_store_dword",           # half-block scores, then the ids
         "v_readfirstlane_b32",          # uniform run / row / page values in SGPRs
     ],
+    "grouped_matmul": [
+        "v_mfma_f32_16x16x32_bf16",     # bf16 products, fp32 sums (SPEC §9)
+        "buffer_load_dwordx4",          # 16-byte row loads
+        "v_readfirstlane_b32",          # the walk over group_sizes to the slot's tile, uniform
+    ],
 }
 EXPECTED["sparse_decode_split"] = EXPECTED["sparse_decode"]
 EXPECTED["full_attention"] = EXPECTED["sparse_decode"]     # the per-token decode body over parts of 16 blocks
@@ -59,7 +64,14 @@ FORBIDDEN = {
     "full_attention": ["v_mfma_f32_16x16x32_f16"],
     # fp32 products of exactly widened operands: no bf16/fp16 MFMA, no LDS staging
     "select_blocks": ["v_mfma_f32_16x16x32_bf16", "v_mfma_f32_16x16x32_f16", "ds_write_b32", "ds_read_b32"],
+    # operands straight from memory into registers: no LDS
+    "grouped_matmul": ["v_mfma_f32_16x16x32_f16", "ds_write_b32", "ds_read_b32", "ds_read_b128"],
 }
+# The weights' widening per format (grouped_matmul.py weight_operand): E2M1 by the unit-scale
+# conversion, E4M3 (MXFP8 data, NVFP4 scales) by v_cvt_pk_f32_fp8, then fp32 -> bf16.
+GROUPED_WIDENING = {"bf16": [], "mxfp8": ["v_cvt_pk_f32_fp8", "v_cvt_pk_bf16_f32"],
+                    "mxfp4": ["v_cvt_scalef32_pk_f32_fp4", "v_cvt_pk_bf16_f32"],
+                    "nvfp4": ["v_cvt_scalef32_pk_f32_fp4", "v_cvt_pk_f32_fp8", "v_cvt_pk_bf16_f32"]}
 # 4 selected blocks per wave, each 8 QK tiles × 4 MFMAs + 4 PV steps × 8 d-tiles.
 ATTENTION_MFMAS = 4 * (8 * 4 + 4 * 8)
 # Union tiles (per part of a block: 2 parts for G = 16, 4 for G = 8): QK tiles × 4 MFMAs × 2 column
@@ -71,6 +83,8 @@ UNION_MFMAS = {16: 2 * (4 * 4 * 2 + 2 * 8 * 2 + 2 * 8 * 2 * 1), 8: 4 * (2 * 4 * 
 def family(name: str) -> str:
     if name.startswith("select_blocks_"):      # select_blocks_<q dtype>_<key dtype>
         return "select_blocks"
+    if name.startswith("grouped_matmul_"):     # grouped_matmul_<weights>_<out dtype>
+        return "grouped_matmul"
     return re.sub(r"(_g8)?_(bf16|f16|f32)$", "", name)
 
 
@@ -130,6 +144,23 @@ def test_attention_mfma_counts(exported):
             assert exported[name].count("v_mfma_f32_16x16x32_bf16") == ATTENTION_MFMAS, name
             assert sorted(exported[name].resources) == ["full_attention_merge_kernel_1",
                                                         "full_attention_part_kernel_0"], name
+
+
+def test_grouped_matmul_step(exported):
+    """Each variant: K steps of 4 MFMAs (a wave's 4 weight tiles against its 16 rows; LLVM
+    unrolls the bf16 loop 4 times beside its remainder), the widening its weight format needs,
+    and no fp4 conversion where there is no FP4."""
+    names = [n for n in exported.names if family(n) == "grouped_matmul"]
+    assert len(names) == 8, names
+    for name in names:
+        k = exported[name]
+        fmt = name.split("_")[2]
+        mfmas = k.count("v_mfma_f32_16x16x32_bf16")
+        assert mfmas >= 4 and mfmas % 4 == 0, (name, mfmas)
+        for mnemonic in GROUPED_WIDENING[fmt]:
+            assert k.count(mnemonic) > 0, f"{name}: no {mnemonic}"
+        if fmt in ("bf16", "mxfp8"):
+            assert k.count("v_cvt_scalef32_pk_f32_fp4") == 0, name
 
 
 def test_select_blocks_dot_is_one_fma_chain(exported):

@@ -125,6 +125,49 @@ def test_select_blocks_rocm_refuses_other_geometry():
         lowered(lambda *a: m3.select_blocks(*a), *args)
 
 
+# grouped_matmul (SPEC §9): the gfx950 kernel for bf16 rows, every weight format
+GM, GK, GN, GG = 24, 64, 96, 4
+GROUPED_WEIGHTS = {"bf16": ((GG, GN, GK), jnp.bfloat16, None), "mxfp8": ((GG, GN, GK), jnp.float8_e4m3fn, 32),
+                   "mxfp4": ((GG, GN, GK // 2), jnp.uint8, 32), "nvfp4": ((GG, GN, GK // 2), jnp.uint8, 16)}
+
+
+@pytest.mark.parametrize("fmt", sorted(GROUPED_WEIGHTS))
+def test_grouped_matmul_lowers_to_rocm_target(fmt):
+    shape, dtype, block = GROUPED_WEIGHTS[fmt]
+    scale = None if block is None else spec((GG, GN, GK // block), jnp.float8_e4m3fn if block == 16 else jnp.uint8)
+
+    def fn(x, w, sizes, rows, rs, gs, *sc):
+        return m3.grouped_matmul(x, w, sizes, *sc, lhs_rows=rows, row_scale=rs, group_scale=gs,
+                                 activation="swiglu_oai", out_dtype=jnp.bfloat16)
+
+    args = [spec((10, GK), jnp.bfloat16), spec(shape, dtype), spec((GG,), jnp.int32), spec((GM,), jnp.int32),
+            spec((GM,), jnp.float32), spec((GG,), jnp.float32)] + ([scale] if scale else [])
+    calls = custom_calls(lowered(fn, *args))
+    assert len(calls) == 1 and "@m3sparse_grouped_matmul_rocm" in calls[0]
+    assert operand_count(calls[0]) == 8
+    assert "activation = 2 : i64" in calls[0] and "gather = 1 : i64" in calls[0]
+
+
+@pytest.mark.parametrize("case", ["w8a8", "k48", "cols8"])
+def test_grouped_matmul_rocm_falls_back_to_the_reference(case):
+    """Calls the gfx950 kernel does not serve lower to the reference on rocm (no custom call):
+    an MXFP8 lhs, K % 32 != 0, output columns % 16 != 0."""
+    K = 48 if case == "k48" else GK
+    N = 24 if case == "cols8" else GN
+    x = spec((GM, K), jnp.float8_e4m3fn if case == "w8a8" else jnp.bfloat16)
+    args = [x, spec((GG, N, K), jnp.float8_e4m3fn if case == "w8a8" else jnp.bfloat16), spec((GG,), jnp.int32)]
+    kw = {}
+    if case == "w8a8":
+        args += [spec((GG, N, K // 32), jnp.uint8), spec((GM, K // 32), jnp.uint8)]
+
+    def fn(x, w, sizes, *sc):
+        if sc:
+            return m3.grouped_matmul(x, w, sizes, sc[0], lhs_scale=sc[1])
+        return m3.grouped_matmul(x, w, sizes, activation="swiglu" if case == "cols8" else None, **kw)
+
+    assert custom_calls(lowered(fn, *args)) == []
+
+
 def test_export_for_rocm_serializes():
     args = (spec((T, HKV * G, D), jnp.bfloat16), spec((P, 2 * HKV, 128, 72), jnp.uint8),
             spec((HKV, T, K), jnp.int32), spec((R, M), jnp.int32), spec((R,), jnp.int32),

@@ -421,3 +421,43 @@ class Handlers:
                    [req[t0:t0 + rows], pos[t0:t0 + rows], common[1], view, ws, i32(rows), i32(geo.hkv),
                     i32(block_table.shape[0]), i32(parts)])
         return out
+
+    def grouped_matmul(self, lhs, rhs, group_sizes, rhs_scale=None, lhs_rows=None, row_scale=None,
+                       group_scale=None, out_dtype=np.float32, activation=0, alpha=1.702, limit=7.0):
+        """m3sparse_grouped_matmul_rocm (SPEC §9; ffi/flydsl/grouped_matmul.py): one launch over
+        (column groups, ceil(M / 16) + G + 1 tile slots), 4 waves a workgroup."""
+        T, K = lhs.shape
+        G, N = rhs.shape[:2]
+        weights = grouped_weights(rhs, rhs_scale)
+        M = T if lhs_rows is None else len(lhs_rows)
+        cols = N // 2 if activation else N
+        out_name = io_name(out_dtype)
+        out = np.full((M, cols), np.nan, out_dtype)                 # every element must be written
+        if M == 0 or cols == 0:
+            return out
+        (kernel,) = self._kernels(f"grouped_matmul_{weights}_{out_name}")
+        dummy = np.zeros(4, np.uint8)                               # absent operands: 0-byte descriptors
+        args = [np.ascontiguousarray(lhs), np.ascontiguousarray(rhs),
+                dummy if rhs_scale is None else np.ascontiguousarray(rhs_scale),
+                np.ascontiguousarray(group_sizes, np.int32),
+                dummy if lhs_rows is None else np.ascontiguousarray(lhs_rows, np.int32),
+                dummy if row_scale is None else np.ascontiguousarray(row_scale, np.float32),
+                dummy if group_scale is None else np.ascontiguousarray(group_scale, np.float32), out,
+                i32(M), i32(T), i32(K), i32(N), i32(G), i32(lhs_rows is not None), i32(activation),
+                i32(row_scale is not None), i32(group_scale is not None), f32(alpha), f32(limit)]
+        per_group = GROUPED_WAVES * (32 if activation else 64)
+        launch(kernel, (-(-cols // per_group), -(-M // 16) + G + 1, 1), (64 * GROUPED_WAVES, 1, 1), args)
+        return out
+
+
+GROUPED_WAVES = 4                                 # grouped_matmul.py: waves per workgroup
+
+
+def grouped_weights(rhs, rhs_scale) -> str:
+    """The grouped_matmul variant's weight format: bf16, mxfp8, mxfp4 or nvfp4."""
+    name = np.dtype(rhs.dtype).name
+    if name == "bfloat16":
+        return "bf16"
+    if name == "float8_e4m3fn":
+        return "mxfp8"
+    return "nvfp4" if np.dtype(rhs_scale.dtype).name == "float8_e4m3fn" else "mxfp4"

@@ -88,4 +88,72 @@ inline ffi::Error decode_select_geometry(const ffi::AnyBuffer& idx_q,
   return ffi::Error::Success();
 }
 
+// The shapes and formats of a grouped_matmul call (SPEC §9; docs/ffi_targets.md).
+struct GroupedGeometry {
+  int64_t m, n, k, num_groups;   // product rows M, rhs [G, N, K] (K in elements)
+  int64_t lhs_count;             // rows of lhs (T with gather, else M)
+  int weights;                   // 0 bf16, 1 MXFP8, 2 MXFP4, 3 NVFP4 (kGroupedBf16 ...)
+  bool w8a8, out_bf16, row_scaled, group_scaled;
+};
+enum GroupedWeights : int { kGroupedBf16 = 0, kGroupedMxfp8 = 1, kGroupedMxfp4 = 2, kGroupedNvfp4 = 3 };
+
+// Checks a grouped_matmul call's operands against each other and decodes them: the one
+// contract every backend's handler serves (backends add their own kernel limits after).
+inline ffi::Error decode_grouped_geometry(const ffi::AnyBuffer& lhs, const ffi::AnyBuffer& rhs,
+                                          const ffi::Buffer<ffi::S32>& group_sizes,
+                                          const ffi::AnyBuffer& rhs_scale,
+                                          const ffi::Buffer<ffi::S32>& lhs_rows,
+                                          const ffi::Buffer<ffi::U8>& lhs_scale,
+                                          const ffi::Buffer<ffi::F32>& row_scale,
+                                          const ffi::Buffer<ffi::F32>& group_scale,
+                                          const ffi::AnyBuffer& out, int64_t gather,
+                                          int64_t activation, GroupedGeometry* geo) {
+  auto ld = lhs.dimensions(), rd = rhs.dimensions(), gd = group_sizes.dimensions();
+  auto id = lhs_rows.dimensions();
+  if (id.size() != 1 || (!gather && id[0] != 0))
+    return invalid("grouped_matmul: lhs_rows must be [M] (gather) or [0]");
+  auto sd = rhs_scale.dimensions();
+  const bool mxfp8 = rhs.element_type() == ffi::F8E4M3FN, fp4 = rhs.element_type() == ffi::U8;
+  if (!mxfp8 && !fp4 && rhs.element_type() != ffi::BF16)
+    return invalid("grouped_matmul: rhs must be bf16, float8_e4m3fn (MXFP8) or uint8 (FP4)");
+  if (ld.size() != 2 || rd.size() != 3 || gd.size() != 1 || gd[0] != rd[0] ||
+      (fp4 ? 2 * rd[2] : rd[2]) != ld[1])
+    return invalid("grouped_matmul: lhs [M, K], rhs [G, N, K] (FP4: [G, N, K / 2]), "
+                   "group_sizes [G]");
+  const int64_t m = gather ? id[0] : ld[0];
+  // FP4 scales: E8M0 bytes per 32 k (MXFP4) or E4M3 per 16 (NVFP4), told apart by their dtype
+  const bool nv = fp4 && rhs_scale.element_type() == ffi::F8E4M3FN;
+  if (rhs_scale.element_type() != ffi::U8 && !nv)
+    return invalid("grouped_matmul: rhs_scale must be uint8 (E8M0), or float8_e4m3fn with FP4 rhs");
+  if (sd.size() != 3 || sd[0] != rd[0] || sd[1] != rd[1] ||
+      sd[2] != (nv ? ld[1] / 16 : mxfp8 || fp4 ? ld[1] / 32 : 0))
+    return invalid("grouped_matmul: rhs_scale must be [G, N, K / 32] for MXFP8 or MXFP4 rhs, "
+                   "[G, N, K / 16] for NVFP4, [G, N, 0] for bf16");
+  if (activation < 0 || activation > 2 || (activation != 0 && rd[1] % 2 != 0))
+    return invalid("grouped_matmul: activation must be 0, 1 (swiglu) or 2 (swiglu_oai), "
+                   "with an even N");
+  auto rsd = row_scale.dimensions(), gsd = group_scale.dimensions();
+  if (rsd.size() != 1 || (rsd[0] != 0 && rsd[0] != m) || gsd.size() != 1 ||
+      (gsd[0] != 0 && gsd[0] != rd[0]))
+    return invalid("grouped_matmul: row_scale must be [M] or [0], group_scale [G] or [0]");
+  auto od = out.dimensions();
+  if (od.size() != 2 || od[0] != m || od[1] != (activation != 0 ? rd[1] / 2 : rd[1]))
+    return invalid("grouped_matmul: out must be [M, N] ([M, N / 2] with an activation)");
+  const bool out_bf16 = out.element_type() == ffi::BF16;
+  if (!out_bf16 && out.element_type() != ffi::F32)
+    return invalid("grouped_matmul: out must be float32 or bfloat16");
+  const bool w8a8 = lhs.element_type() == ffi::F8E4M3FN;
+  if (!w8a8 && lhs.element_type() != ffi::BF16)
+    return invalid("grouped_matmul: lhs must be bf16 or float8_e4m3fn (MXFP8)");
+  if (w8a8 && !mxfp8) return invalid("grouped_matmul: an MXFP8 lhs needs MXFP8 rhs");
+  auto ad = lhs_scale.dimensions();
+  if (ad.size() != 2 || ad[0] != ld[0] || ad[1] != (w8a8 ? ld[1] / 32 : 0))
+    return invalid("grouped_matmul: lhs_scale must be [rows of lhs, K / 32] for an MXFP8 lhs, "
+                   "[rows of lhs, 0] for bf16");
+  *geo = GroupedGeometry{m, rd[1], ld[1], rd[0], ld[0],
+                         mxfp8 ? kGroupedMxfp8 : !fp4 ? kGroupedBf16 : nv ? kGroupedNvfp4 : kGroupedMxfp4,
+                         w8a8, out_bf16, rsd[0] != 0, gsd[0] != 0};
+  return ffi::Error::Success();
+}
+
 }  // namespace m3sparse

@@ -1,0 +1,284 @@
+"""grouped_matmul for gfx950 (SPEC §9), compiled as `grouped_matmul_<w>_<o>`.
+
+Compiled variants: weights <w> in {bf16, mxfp8, mxfp4, nvfp4} × output <o> in {f32, bf16}; the
+rows (lhs) are bf16 (an MXFP8 lhs, SPEC §9.2, lowers to the reference on rocm). Never run on
+hardware: compiled ahead of time and executed on the ISA emulator in CI (tests/rocm).
+Launcher arguments, in order (ffi/rocm/handlers.cc passes them):
+
+    lhs          bf16 [T, K]  (the rows; with gather, any T rows read through lhs_rows)
+    rhs          bf16 | e4m3 [G, N, K], or uint8 [G, N, K/2] (two E2M1 codes a byte, low first)
+    rhs_scale    uint8 [G, N, K/32] (E8M0: MXFP8, MXFP4) | e4m3 [G, N, K/16] (NVFP4) | unused
+    group_sizes  int32 [G];  lhs_rows  int32 [M] (gather) or unused
+    row_scale    float32 [M] or unused;  group_scale  float32 [G] or unused
+    out          float32 | bf16 [M, N] ([M, N/2] with an activation)
+    M, T, K, N, G, gather, activation (0 none, 1 swiglu, 2 swiglu_oai), has_row_scale,
+    has_group_scale (int32), alpha, limit (float32), stream.
+
+Grid (ceil(out_cols / columns per workgroup), ceil(M / 16) + G + 1), 4 waves a workgroup. The y
+index is a *tile slot*: group g's rows [start_g, end_g) (sizes clipped to [0, M], the running end
+clipped to M: SPEC §9 item 1) are cut into tiles of 16 rows, the groups' tiles numbered in group
+order, then the rows no group covers ([end_{G-1}, M), written as zeros). A workgroup finds its
+tile with one scalar walk over group_sizes (G loads, no scratch, no second kernel); slots past
+the last tile return at once. So each routed group's weights are read once per 16 of its rows,
+an empty group's never, and the work is the routed rows' only.
+
+Each wave owns 4 tiles of 16 weight rows (no activation: output columns c0 .. c0 + 63; with an
+activation: the gate rows c0 .. c0 + 31 and the up rows N/2 + c0 .. +31, so a lane holds the
+gate and up values of the same output column). Per 32 k, v_mfma_f32_16x16x32_bf16 with A = 16
+weight rows (lane: row lane16, k = 8·quad .. +7, widened to bf16 exactly as SPEC §9.1 / §9.3
+say: bf16 as stored; fp8 · 2^(e−127) and e2m1 · 2^(e−127) through two normal fp32 factors, below
+2^-126 → ±0, e = 255 → NaN; e2m1 · e4m3 exact) and B = the tile's 16 rows (lane: row lane16,
+the same k; a row past the tile or a gathered id outside [0, T) reads zeros). C gives each lane
+4 consecutive output columns of one row, summed in fp32 over K in a fixed order (32-k steps in
+k order): a row's result depends only on its row, its group's weights and its scales.
+
+Epilogue (SPEC §9 item 6), in fp32 in the lane: × group_scale[g], the activation (the reference's
+formulas; NaN kept), × row_scale[row], rounded to nearest even for bf16 output. Every load and
+store goes through a buffer descriptor sized to its array (per-group descriptors for the
+weights and their scales), so ids out of range read zeros and stores past a tile are dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl.expr import arith
+from flydsl.expr import range_constexpr
+from flydsl.expr.typing import T
+
+from common import LOG2E, WAVE, buffer_rsrc, e2m1_pair_f32, exp2_fast, load_dwords, store_dwords, uniform
+from select_blocks import dyn_while
+from union_tile import dyn_for, when
+
+TILE_ROWS = 16                  # rows of lhs per tile (the MFMA's 16 columns)
+WAVES = 4
+STEP_K = 32                     # k per MFMA
+FP32_NORMAL_MIN = 2.0 ** -126
+OFF = 0x7FFFFFF0                # a byte offset past every descriptor: loads give 0, stores drop
+
+WEIGHTS = ("bf16", "mxfp8", "mxfp4", "nvfp4")
+OUTS = {"f32": fx.Float32, "bf16": fx.BFloat16}
+# bytes of one weight row per k (numerator, denominator) and k per scale
+ROW_BYTES = {"bf16": (2, 1), "mxfp8": (1, 1), "mxfp4": (1, 2), "nvfp4": (1, 2)}
+SCALE_K = {"bf16": 0, "mxfp8": 32, "mxfp4": 32, "nvfp4": 16}
+
+
+def load_u8(rsrc, byte_offset):
+    """One byte, zero-extended into an int32: buffer_load_ubyte."""
+    v = fx.rocdl.raw_ptr_buffer_load(T.i8, rsrc, fx.Int32(byte_offset).ir_value(), fx.Int32(0).ir_value(), 0)
+    return fx.Int32(arith.extui(T.i32, v))
+
+
+def e8m0_factors(e):
+    """2^(e − 127) as two normal fp32 factors (jax_m3sparse.mxfp8._exponent_factors): (2^-64, 2^-63)
+    for e = 0, (NaN, 1) for e = 255, else (2^(e − 127), 1)."""
+    hi = (e << 23).bitcast(fx.Float32)
+    hi = (e == 0).select(fx.Float32(2.0 ** -64), hi)
+    hi = (e == 255).select(fx.Float32(float("nan")), hi)
+    lo = (e == 0).select(fx.Float32(2.0 ** -63), fx.Float32(1.0))
+    return hi, lo
+
+
+def e8m0_scaled(vals, e):
+    """vals (exact fp32) · 2^(e − 127), products below 2^-126 → ±0 (SPEC §9.1)."""
+    hi, lo = e8m0_factors(e)
+    out = []
+    for v in vals:
+        x = fx.Float32((v * hi) * lo)
+        tiny = (x.bitcast(fx.Int32) & fx.Int32(0x7FFFFFFF)) < fx.Int32(0x00800000)
+        out.append(tiny.select((x.bitcast(fx.Int32) & fx.Int32(-2147483648)).bitcast(fx.Float32), x))
+    return out
+
+
+def fp8_quad(word):
+    """The four e4m3 values of a dword (byte 0 first), exact fp32 (v_cvt_pk_f32_fp8)."""
+    w = fx.Int32(word)
+    lo = fx.Vector(fx.rocdl.cvt_pk_f32_fp8(T.vec(2, T.f32), w.ir_value(), False))
+    hi = fx.Vector(fx.rocdl.cvt_pk_f32_fp8(T.vec(2, T.f32), fx.Int32(w >> 16).ir_value(), False))
+    return [lo[0], lo[1], hi[0], hi[1]]
+
+
+def e2m1_eight(word):
+    """The eight E2M1 codes of a dword (element 2i in the low nibble of byte i), exact fp32."""
+    vals = []
+    for sel in range(4):
+        pair = e2m1_pair_f32(word, sel)
+        vals += [pair[0], pair[1]]
+    return vals
+
+
+def weight_operand(w, rsrc, srsrc, n, k, K):
+    """Weight row n, k .. k + 7 (k a multiple of 8) as vector<8 x bf16>, exactly SPEC §9.1 / §9.3's
+    values (every one is exact in bf16; the final conversion rounds nothing)."""
+    if w == "bf16":
+        return load_dwords(rsrc, (n * K + k) * 2, 4).bitcast(fx.BFloat16)
+    if w == "mxfp8":
+        words = load_dwords(rsrc, n * K + k, 2)
+        vals = fp8_quad(words[0]) + fp8_quad(words[1])
+        vals = e8m0_scaled(vals, load_u8(srsrc, n * (K // 32) + k // 32))
+    elif w == "mxfp4":
+        vals = e2m1_eight(load_dwords(rsrc, n * (K // 2) + k // 2, 1))
+        vals = e8m0_scaled(vals, load_u8(srsrc, n * (K // 32) + k // 32))
+    else:   # nvfp4: one E4M3 scale per 16 k, an exact fp32 product
+        vals = e2m1_eight(load_dwords(rsrc, n * (K // 2) + k // 2, 1))
+        sc = fx.Vector(fx.rocdl.cvt_pk_f32_fp8(T.vec(2, T.f32), load_u8(srsrc, n * (K // 16) + k // 16).ir_value(),
+                                               False))[0]
+        vals = [fx.Float32(v * sc) for v in vals]
+    return fx.Vector.from_elements(vals, dtype=fx.Float32).to(fx.BFloat16)
+
+
+def sigmoid(x):
+    """1 / (1 + 2^(−x·log2 e)), fp32 (v_exp_f32)."""
+    return fx.Float32(1.0) / (fx.Float32(1.0) + exp2_fast(x * fx.Float32(-LOG2E)))
+
+
+def activate(gate, up, activation, alpha, limit):
+    """SPEC §9 item 6 (jax_m3sparse.reference.swiglu): 1 swiglu silu(gate)·up; 2 swiglu_oai
+    (clip(up, ±limit) + 1)·g·sigmoid(alpha·g), g = min(gate, limit), NaN kept (selects)."""
+    silu = fx.Float32(gate * sigmoid(gate) * up)
+    neg = fx.Float32(0.0) - limit
+    g = (gate > limit).select(limit, gate)
+    u = (up > limit).select(limit, up)
+    u = (u < neg).select(neg, u)
+    oai = fx.Float32((u + fx.Float32(1.0)) * g * sigmoid(g * alpha))
+    return (activation == 1).select(silu, oai)
+
+
+@functools.lru_cache(maxsize=None)
+def compile_grouped_matmul(weights: str = "bf16", out: str = "f32"):
+    """Launcher for weight format `weights` (WEIGHTS) and output dtype `out` ("f32", "bf16")."""
+    if weights not in WEIGHTS or out not in OUTS:
+        raise ValueError(f"grouped_matmul: no variant weights={weights!r}, out={out!r}")
+    num, den = ROW_BYTES[weights]
+    out_bytes = 4 if out == "f32" else 2
+    sk = SCALE_K[weights]
+
+    @flyc.kernel(known_block_size=(WAVE * WAVES, 1, 1))
+    def grouped_matmul_tiles(
+        lhs: fx.Pointer, rhs: fx.Pointer, rhs_scale: fx.Pointer, group_sizes: fx.Pointer,
+        lhs_rows: fx.Pointer, row_scale: fx.Pointer, group_scale: fx.Pointer, out_ptr: fx.Pointer,
+        M: fx.Int32, T_rows: fx.Int32, K: fx.Int32, N: fx.Int32, G: fx.Int32, gather: fx.Int32,
+        activation: fx.Int32, has_row_scale: fx.Int32, has_group_scale: fx.Int32,
+        alpha: fx.Float32, limit: fx.Float32,
+    ):
+        slot = fx.Int32(fx.block_idx.y)
+        tid = fx.Int32(fx.thread_idx.x)
+        wave = uniform(tid // WAVE)
+        lane = tid % WAVE
+        lane16, quad = lane % 16, lane // 16
+        act = activation != 0
+        out_cols = act.select(N // 2, N)
+        sizes_rsrc = buffer_rsrc(group_sizes, fx.Int64(G) * 4)
+
+        # the tile of this slot: walk the groups' tile counts in order (scalar, uniform)
+        def walk(st):
+            g, end, before = fx.Int32(st["g"]), fx.Int32(st["end"]), fx.Int32(st["before"])
+            size = uniform(load_dwords(sizes_rsrc, g * 4, 1))
+            size = (size > 0).select(size, 0)
+            room = M - end
+            stop = end + (size < room).select(size, room)
+            tiles = (stop - end + (TILE_ROWS - 1)) // TILE_ROWS
+            hit = slot < before + tiles
+            return {"g": hit.select(g, g + 1), "end": hit.select(end, stop),
+                    "before": hit.select(before, before + tiles), "stop": stop, "hit": hit}
+
+        found = dyn_while(lambda st: (fx.Int32(st["g"]) < G) & ~fx.Boolean(st["hit"]),
+                          {"g": fx.Int32(0), "end": fx.Int32(0), "before": fx.Int32(0), "stop": fx.Int32(0),
+                           "hit": fx.Boolean(False)}, walk)
+        hit = fx.Boolean(found["hit"])
+        g = fx.Int32(found["g"])
+        start = fx.Int32(found["end"]) + (slot - fx.Int32(found["before"])) * TILE_ROWS
+        # past the last group: rows [end, M) are no group's and are written as zeros
+        stop = hit.select(fx.Int32(found["stop"]), M)
+        live = hit | (start < M)
+
+        def tile():
+            col0 = fx.Int32(fx.block_idx.x) * (WAVES * 64) + wave * 64    # without an activation
+            col0 = act.select(col0 // 2, col0)                             # 32 output columns a wave
+            bases = [act.select(col0 + 16 * (j % 2) + (j // 2) * (N // 2), col0 + 16 * j) for j in range(4)]
+            gg = hit.select(g, 0)
+            row_bytes = fx.Int64(K) * num // den
+            rsrc = buffer_rsrc(rhs + fx.Int64(gg) * fx.Int64(N) * row_bytes,
+                               hit.select(fx.Int64(N) * row_bytes, fx.Int64(0)))
+            srsrc = (buffer_rsrc(rhs_scale + fx.Int64(gg) * fx.Int64(N) * fx.Int64(K // sk),
+                                 hit.select(fx.Int64(N) * fx.Int64(K // sk), fx.Int64(0))) if sk else rsrc)
+            # this lane's row of the tile (the B operand's column lane16)
+            row = start + lane16
+            in_tile = row < stop
+            rows_rsrc = buffer_rsrc(lhs_rows, (gather != 0).select(fx.Int64(M) * 4, fx.Int64(0)))
+            src = (gather != 0).select(load_dwords(rows_rsrc, row * 4, 1), row)
+            ok = in_tile & (src >= 0) & (src < T_rows)
+            lhs_rsrc = buffer_rsrc(lhs, fx.Int64(T_rows) * fx.Int64(K) * 2)
+            lhs_base = ok.select(src * K * 2, fx.Int32(OFF))
+            zero = fx.Vector.from_elements([fx.Float32(0.0)] * 4, dtype=fx.Float32)
+
+            def step(s, st):
+                k = s * STEP_K + 8 * quad
+                b = load_dwords(lhs_rsrc, ok.select(lhs_base + k * 2, fx.Int32(OFF)), 4).bitcast(fx.BFloat16)
+                accs = {}
+                for j in range_constexpr(4):
+                    a = weight_operand(weights, rsrc, srsrc, bases[j] + lane16, k, K)
+                    accs[f"a{j}"] = fx.Vector(fx.rocdl.mfma_f32_16x16x32_bf16(
+                        T.f32x4, [a, b, fx.Vector(st[f"a{j}"]), 0, 0, 0]))
+                return accs
+
+            steps = hit.select(K // STEP_K, 0)
+            acc = dyn_for(0, steps, {f"a{j}": zero for j in range(4)}, step)
+            gs = ((has_group_scale != 0) & hit).select(
+                load_dwords(buffer_rsrc(group_scale, (has_group_scale != 0).select(fx.Int64(G) * 4, fx.Int64(0))),
+                            gg * 4, 1).bitcast(fx.Float32),
+                fx.Float32(1.0))
+            rs = (has_row_scale != 0).select(
+                load_dwords(buffer_rsrc(row_scale, (has_row_scale != 0).select(fx.Int64(M) * 4, fx.Int64(0))),
+                            row * 4, 1).bitcast(fx.Float32),
+                fx.Float32(1.0))
+            out_rsrc = buffer_rsrc(out_ptr, fx.Int64(M) * fx.Int64(out_cols) * out_bytes)
+            for j in range_constexpr(4):
+                a = fx.Vector(acc[f"a{j}"])
+                u = fx.Vector(acc[f"a{j + 2}"]) if j < 2 else a
+                vals = []
+                for i in range_constexpr(4):
+                    plain = fx.Float32(a[i] * gs)
+                    joined = activate(plain, fx.Float32(u[i] * gs), activation, alpha, limit)
+                    v = (act.select(joined, plain) * rs) if j < 2 else plain * rs
+                    vals.append(hit.select(fx.Float32(v), fx.Float32(0.0)))
+                col = act.select(col0 + 16 * j, bases[j]) + 4 * quad
+                keep = in_tile & (col < out_cols)
+                if j >= 2:          # the up tiles of an activation are not outputs
+                    keep = keep & ~act
+                off = keep.select((row * out_cols + col) * out_bytes, fx.Int32(OFF))
+                v4 = fx.Vector.from_elements(vals, dtype=fx.Float32)
+                bits = v4.bitcast(fx.Int32) if out == "f32" else v4.to(fx.BFloat16).bitcast(fx.Int32)
+                store_dwords(out_rsrc, off, bits)
+
+        when(live, tile)
+
+    @flyc.jit
+    def launch(
+        lhs: fx.Pointer, rhs: fx.Pointer, rhs_scale: fx.Pointer, group_sizes: fx.Pointer, lhs_rows: fx.Pointer,
+        row_scale: fx.Pointer, group_scale: fx.Pointer, out_ptr: fx.Pointer,
+        M: fx.Int32, T_rows: fx.Int32, K: fx.Int32, N: fx.Int32, G: fx.Int32, gather: fx.Int32,
+        activation: fx.Int32, has_row_scale: fx.Int32, has_group_scale: fx.Int32,
+        alpha: fx.Float32, limit: fx.Float32, col_groups: fx.Int32, slots: fx.Int32,
+        stream: fx.Stream = fx.Stream(None),
+    ):
+        grouped_matmul_tiles(
+            lhs, rhs, rhs_scale, group_sizes, lhs_rows, row_scale, group_scale, out_ptr,
+            M, T_rows, K, N, G, gather, activation, has_row_scale, has_group_scale, alpha, limit,
+        ).launch(grid=(col_groups, slots, 1), block=(WAVE * WAVES, 1, 1), stream=stream)
+
+    return launch
+
+
+def placeholders(weights: str = "bf16", out: str = "f32"):
+    """Arguments for flyc.compile without a GPU (null pointers, dummy scalars)."""
+    ptr = flyc.from_c_void_p
+    return (
+        ptr(fx.BFloat16, None, assumed_align=16), ptr(fx.Uint8, None, assumed_align=16),
+        ptr(fx.Uint8, None, assumed_align=4), ptr(fx.Int32, None, assumed_align=4),
+        ptr(fx.Int32, None, assumed_align=4), ptr(fx.Float32, None, assumed_align=4),
+        ptr(fx.Float32, None, assumed_align=4), ptr(OUTS[out], None, assumed_align=16),
+        *(fx.Int32(1) for _ in range(9)), fx.Float32(1.702), fx.Float32(7.0), fx.Int32(1), fx.Int32(1),
+    )
