@@ -78,8 +78,8 @@ def dense_mlp(p, x, cfg):
 def route(p, x, cfg, live=None):
     """``MiniMaxM3VLTopKRouter``: sigmoid scores; the correction bias only chooses; the weights
     renormalised to sum 1. One :func:`jax_m3sparse.route_experts` call, which also groups the
-    (token, expert) pairs by expert for the grouped formulations (on CUDA one kernel in place of
-    XLA's top-k, argsort, scatters and gathers). ``live bool[T]``: padding rows (False) join no
+    (token, expert) pairs by expert for the grouped formulations (on CUDA one kernel, on gfx950
+    two, in place of XLA's top-k, argsort, scatters and gathers). ``live bool[T]``: padding rows (False) join no
     expert's group. Returns a :class:`jax_m3sparse.ExpertRouting` (``weights``, ``experts``
     ``[T, k]``, the grouping fields)."""
     scores = jax.nn.sigmoid(linear(x, p["gate"], cfg).astype(jnp.float32))

@@ -58,6 +58,8 @@ KERNELS = {
     # grouped_matmul (SPEC §9): weight format × output dtype (bf16 rows)
     **{f"grouped_matmul_{w}_{o}": ("grouped_matmul", "compile_grouped_matmul", {"weights": w, "out": o})
        for w in ("bf16", "mxfp8", "mxfp4", "nvfp4") for o in ("f32", "bf16")},
+    # route_experts (SPEC §10): the choice and the grouping
+    "route_experts": ("route_experts", "compile_route_experts", {}),
     # G = 8 (MiniMax M3 at TP8: 8 query heads per KV head)
     **{f"{op}_g8_{dt}": (mod, f"compile_{mod}{sfx}", {"dtype": dt, "group": 8})
        for op, mod, sfx in (("sparse_decode", "sparse_decode", ""), ("sparse_decode_split", "sparse_decode", "_split"),

@@ -465,6 +465,44 @@ ffi::Error GroupedMatmul(hipStream_t stream, int32_t device, ffi::AnyBuffer lhs,
   return launch_status(kGroupedTarget, v.kernel, st);
 }
 
+// ---------------------------------------------------------------------------------------------
+// m3sparse_route_experts_rocm (SPEC §10)
+// ---------------------------------------------------------------------------------------------
+constexpr const char* kRouteTarget = "m3sparse_route_experts_rocm";
+constexpr int64_t kRouteMaxExperts = 4096;   // route_experts.py: the grouping kernel's LDS counters
+constexpr int64_t kRouteMaxK = 8;            // its unrolled choice rounds
+
+ffi::Error RouteExperts(hipStream_t stream, int32_t device, ffi::Buffer<ffi::F32> scores,
+                        ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::PRED> live,
+                        ffi::Result<ffi::Buffer<ffi::F32>> weights, ffi::Result<ffi::Buffer<ffi::S32>> experts,
+                        ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
+                        ffi::Result<ffi::Buffer<ffi::S32>> sorted_tokens,
+                        ffi::Result<ffi::Buffer<ffi::F32>> sorted_weights,
+                        ffi::Result<ffi::Buffer<ffi::S32>> inverse, int64_t k, int64_t renormalize) {
+  auto sd = scores.dimensions();
+  if (sd.size() != 2 || bias.dimensions().size() != 1 || bias.dimensions()[0] != sd[1] ||
+      live.dimensions().size() != 1 || live.dimensions()[0] != sd[0])
+    return refuse(kRouteTarget, "scores [T, E], bias [E], live [T]");
+  const int64_t T = sd[0], E = sd[1];
+  if (E < 1 || E > kRouteMaxExperts || k < 1 || k > std::min(E, kRouteMaxK))
+    return refuse(kRouteTarget, "needs 1 <= E <= 4096 and 1 <= k <= min(E, 8) on gfx950");
+  if (!fits_i32(T * E * 4) || !fits_i32(T * k * 4)) return refuse(kRouteTarget, "T·E must fit 32-bit offsets");
+  if (T == 0) {  // no token: every group empty
+    hipError_t err = hipMemsetAsync(group_sizes->typed_data(), 0, size_t(E) * 4, stream);
+    if (err != hipSuccess)
+      return ffi::Error(ffi::ErrorCode::kInternal,
+                        std::string(kRouteTarget) + ": hipMemsetAsync failed: " + hipGetErrorString(err));
+    return ffi::Error::Success();
+  }
+  const KernelModule kernel = M3SPARSE_KERNEL_MODULE(route_experts);
+  if (auto e = prepare_launch(kRouteTarget, kernel, device); e.failure()) return e;
+  int32_t st = route_experts_call(scores.typed_data(), bias.typed_data(), live.typed_data(), weights->typed_data(),
+                                  experts->typed_data(), group_sizes->typed_data(), sorted_tokens->typed_data(),
+                                  sorted_weights->typed_data(), inverse->typed_data(), int32_t(T), int32_t(E),
+                                  int32_t(k), int32_t(renormalize != 0), stream);
+  return launch_status(kRouteTarget, kernel, st);
+}
+
 }  // namespace
 }  // namespace m3sparse::rocm
 
@@ -579,3 +617,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_grouped_matmul_rocm, m3sparse::rocm::Grou
                                   .Attr<int64_t>("activation")
                                   .Attr<float>("alpha")
                                   .Attr<float>("limit"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(m3sparse_route_experts_rocm, m3sparse::rocm::RouteExperts,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<hipStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // scores
+                                  .Arg<ffi::Buffer<ffi::F32>>()        // bias
+                                  .Arg<ffi::Buffer<ffi::PRED>>()       // live
+                                  .Ret<ffi::Buffer<ffi::F32>>()        // weights
+                                  .Ret<ffi::Buffer<ffi::S32>>()        // experts
+                                  .Ret<ffi::Buffer<ffi::S32>>()        // group_sizes
+                                  .Ret<ffi::Buffer<ffi::S32>>()        // sorted_tokens
+                                  .Ret<ffi::Buffer<ffi::F32>>()        // sorted_weights
+                                  .Ret<ffi::Buffer<ffi::S32>>()        // inverse
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("renormalize"));

@@ -48,6 +48,7 @@ extern "C" {
 #include "select_blocks_bf16_fp8.h"
 #include "select_blocks_f32_bf16.h"
 #include "select_blocks_f32_fp8.h"
+#include "route_experts.h"
 #include "grouped_matmul_bf16_f32.h"
 #include "grouped_matmul_bf16_bf16.h"
 #include "grouped_matmul_mxfp8_f32.h"

@@ -15,6 +15,7 @@ XLA_FFI_Error* m3sparse_sparse_prefill_rocm(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_full_attention_rocm(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_select_blocks_rocm(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_grouped_matmul_rocm(XLA_FFI_CallFrame*);
+XLA_FFI_Error* m3sparse_route_experts_rocm(XLA_FFI_CallFrame*);
 }
 
 namespace {
@@ -34,6 +35,7 @@ NB_MODULE(_m3sparse_rocm, m) {
     d["m3sparse_full_attention_rocm"] = capsule(m3sparse_full_attention_rocm);
     d["m3sparse_select_blocks_rocm"] = capsule(m3sparse_select_blocks_rocm);
     d["m3sparse_grouped_matmul_rocm"] = capsule(m3sparse_grouped_matmul_rocm);
+    d["m3sparse_route_experts_rocm"] = capsule(m3sparse_route_experts_rocm);
     return d;
   });
   m.attr("XLA_FFI_API_VERSION") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);

@@ -14,6 +14,8 @@ from jax_m3sparse._primitives import define_primitive, i64
 
 MAX_EXPERTS_CUDA = 512   # the CUDA kernel's per-warp expert counters live in shared memory
 MAX_K_CUDA = 8           # its per-lane top-k lists are 8 long
+MAX_EXPERTS_ROCM = 4096  # the gfx950 grouping kernel's per-bucket counters live in LDS
+MAX_K_ROCM = 8           # its choice kernel unrolls 8 rounds
 
 
 class ExpertRouting(NamedTuple):
@@ -54,16 +56,24 @@ def _platform_reason(platform, scores, *_, k, **__):
     return None
 
 
-# CUDA only: one launch at decode sizes (two for long prefill chunks) in place of XLA's top-k,
-# argsort, scatters and gathers. CPU and rocm lower to the reference.
+def _rocm_reference(platform, scores, *_, k, **__):
+    """Calls the gfx950 kernels (ffi/flydsl/route_experts.py) do not serve, lowered to the
+    reference on rocm: more than MAX_EXPERTS_ROCM experts or k > MAX_K_ROCM."""
+    return platform == "rocm" and (scores.shape[1] > MAX_EXPERTS_ROCM or k > MAX_K_ROCM)
+
+
+# CUDA: one launch at decode sizes (two for long prefill chunks) in place of XLA's top-k,
+# argsort, scatters and gathers; rocm (gfx950): two launches (the choice, the grouping). The
+# CPU lowers to the reference.
 route_experts_p = define_primitive(
     "route_experts",
     abstract_eval=_abstract_eval,
     reference=reference.route_experts_impl,
     platform_reason=_platform_reason,
+    reference_when=_rocm_reference,
     attributes=lambda k, renormalize: {"k": i64(k), "renormalize": i64(renormalize)},
     multiple_results=True,
-    native_platforms=("cuda",),
+    native_platforms=("cuda", "rocm"),
 )
 
 

@@ -619,3 +619,31 @@ def test_grouped_matmul_reads_routed_weights_once(gpu, rng):
             assert c.read["rhs_scale"] == 3 * scale[0].nbytes
         RESULTS.append((f"grouped_matmul_{fmt}_f32", "traffic G=6, 2 routed",
                         f"weights {c.read['rhs']} B = 3 tiles' groups once", 0.0))
+
+
+# ---- route_experts (SPEC §10): the routing and the pairs grouped by expert --------------------------
+ROUTE_FIELDS = ("weights", "experts", "group_sizes", "sorted_tokens", "sorted_weights", "inverse")
+
+
+@pytest.mark.parametrize("T,E,k,ties,renormalize", [
+    (5, 16, 2, False, True),
+    (9, 130, 4, True, True),       # E past two 64-lane sweeps; exact ties, NaN, ±0, ±inf scores
+    (70, 8, 4, True, False),       # 280 pairs: past one 256-pair chunk of the grouping
+    (3, 128, 8, True, True),       # M3's E, the largest k
+    (40, 128, 1, False, True),
+])
+def test_route_experts_exact(gpu, rng, T, E, k, ties, renormalize):
+    """Every field bit-identical to the reference (jax_m3sparse.reference) and to the Python
+    oracle (tests/support/oracle.py): top-k with ties to the lower id, weights summed in choice
+    order and divided, padding tokens' pairs after every group, stable grouping."""
+    from jax_m3sparse import reference
+    scores = oracle.route_scores(rng, T, E, ties=ties)
+    bias = rng.uniform(-0.05, 0.05, E).astype(np.float32)
+    live = rng.random(T) > 0.25
+    got, sec = timed(gpu.route_experts, scores, bias, live, k, renormalize)
+    want = reference.route_experts(scores, k, bias=bias, live=live, renormalize=renormalize)
+    py = oracle.route_experts(scores, bias, live, k, renormalize)
+    for name, g, w, p in zip(ROUTE_FIELDS, got, want, py):
+        assert np.array_equal(g, np.asarray(w), equal_nan=True), f"{name} differs from the reference"
+        assert np.array_equal(g, p, equal_nan=True), f"{name} differs from the oracle"
+    RESULTS.append(("route_experts", f"T={T} E={E} k={k}{' ties' if ties else ''}", "identical to the reference", sec))

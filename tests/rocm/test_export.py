@@ -46,6 +46,12 @@ EXPECTED = {
         "buffer_store_dword",           # half-block scores, then the ids
         "v_readfirstlane_b32",          # uniform run / row / page values in SGPRs
     ],
+    "route_experts": [
+        "v_readfirstlane_b32",          # each round's pick, uniform in the wave
+        "v_div_fixup_f32",              # IEEE division of the renormalized weights (SPEC §10)
+        "s_barrier",                    # the grouping's chunks are shared through LDS
+        "ds_read_b128",                 # a chunk's buckets, 4 at a time
+    ],
     "grouped_matmul": [
         "v_mfma_f32_16x16x32_bf16",     # bf16 products, fp32 sums (SPEC §9)
         "buffer_load_dwordx4",          # 16-byte row loads

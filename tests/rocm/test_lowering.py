@@ -168,6 +168,19 @@ def test_grouped_matmul_rocm_falls_back_to_the_reference(case):
     assert custom_calls(lowered(fn, *args)) == []
 
 
+def test_route_experts_lowers_to_rocm_target():
+    args = (spec((T, 128), jnp.float32), spec((128,), jnp.float32), spec((T,), jnp.bool_))
+    calls = custom_calls(lowered(lambda s, b, l: m3.route_experts(s, 4, bias=b, live=l), *args))
+    assert len(calls) == 1 and "@m3sparse_route_experts_rocm" in calls[0]
+    assert "k = 4 : i64" in calls[0]
+
+
+def test_route_experts_rocm_falls_back_past_its_limits():
+    """More experts than the gfx950 grouping kernel's LDS counters hold: the reference (no call)."""
+    args = (spec((T, 5000), jnp.float32),)
+    assert custom_calls(lowered(lambda s: m3.route_experts(s, 2), *args)) == []
+
+
 def test_export_for_rocm_serializes():
     args = (spec((T, HKV * G, D), jnp.bfloat16), spec((P, 2 * HKV, 128, 72), jnp.uint8),
             spec((HKV, T, K), jnp.int32), spec((R, M), jnp.int32), spec((R,), jnp.int32),

@@ -450,6 +450,26 @@ class Handlers:
         return out
 
 
+    def route_experts(self, scores, bias, live, k, renormalize=True):
+        """m3sparse_route_experts_rocm (SPEC §10; ffi/flydsl/route_experts.py): the choice kernel over
+        (T), then the grouping kernel over (1), 256 threads."""
+        T, E = scores.shape
+        garbage = 0x5A5A5A5A                                      # every entry must be written
+        out = (np.full((T, k), np.nan, np.float32), np.full((T, k), garbage, np.int32),
+               np.full(E, garbage, np.int32), np.full(T * k, garbage, np.int32),
+               np.full(T * k, np.nan, np.float32), np.full((T, k), garbage, np.int32))
+        if T == 0:
+            out[2][:] = 0
+            return out
+        choose, group = self._kernels("route_experts")
+        weights, experts, sizes, tokens, sweights, inverse = out
+        sc, bi = np.ascontiguousarray(scores, np.float32), np.ascontiguousarray(bias, np.float32)
+        lv = np.ascontiguousarray(live, np.uint8)
+        launch(choose, (T, 1, 1), (64, 1, 1), [sc, bi, weights, experts, i32(T), i32(E), i32(k), i32(renormalize)])
+        launch(group, (1, 1, 1), (256, 1, 1), [lv, weights, experts, sizes, tokens, sweights, inverse,
+                                                i32(T), i32(E), i32(k)])
+        return out
+
 GROUPED_WAVES = 4                                 # grouped_matmul.py: waves per workgroup
 
 
