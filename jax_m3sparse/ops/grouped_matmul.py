@@ -115,7 +115,7 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
     per 16 k (NVFP4; :func:`jax_m3sparse.nvfp4_quantize` with the expert's ``weight_scale_2``
     as its global scale, e.g. ModelOpt's max|w| / (6 · 448); one expert at a time or under
     ``jax.vmap``). The result is the bf16 call on ``fp4_dequantize(rhs, rhs_scale)`` — bit for
-    bit on the CPU, to fp32 rounding on CUDA, whose kernel reads a quarter of bf16's bytes and
+    bit on the CPU, to fp32 rounding on CUDA and gfx950, whose kernels read a quarter of bf16's bytes and
     sums in its own order (SPEC §9.3). NVFP4's per-expert ``weight_scale_2`` is
     ``group_scale``: one fp32 multiply of each product, never a rounding of the weights.
 
@@ -185,7 +185,9 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
       ``lhs_scale``, an fp8 ``lhs`` with bf16 or FP4 ``rhs``, K % 32 != 0 with MXFP8, FP4
       scales of another dtype or shape, an unknown activation or an odd N with one,
       ``row_scale`` / ``group_scale`` not float32 ``[M]`` / ``[G]``; on CUDA when K % 8 != 0
-      (MXFP8, FP4: K % 128 != 0).
+      (MXFP8, FP4: K % 128 != 0). On rocm (gfx950) nothing more is refused: calls its kernel
+      does not serve (an MXFP8 ``lhs``, K % 32 != 0, result columns — N, or N/2 with an
+      activation — not a multiple of 16) lower to the reference there.
     """
     lhs, rhs, group_sizes = map(jnp.asarray, (lhs, rhs, group_sizes))
     _checks.rank(lhs, "lhs", 2, "[M, K]")

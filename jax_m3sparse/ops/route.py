@@ -40,6 +40,11 @@ class ExpertRouting(NamedTuple):
     inverse: jax.Array
 
 
+# jax.export serializes a function's output tree: a returned ExpertRouting must be registered.
+jax.export.register_namedtuple_serialization(ExpertRouting,
+                                             serialized_name="jax_m3sparse.ExpertRouting")
+
+
 def _abstract_eval(scores, bias, live, *, k, renormalize):
     T, E = scores.shape
     f32, i32 = jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
@@ -88,6 +93,9 @@ def route_experts(scores, k, *, bias=None, live=None, renormalize=True) -> Exper
     The pairs (t, j) of live tokens are then grouped by expert — stable: within an expert by
     token — and the pairs of tokens that are not live (padding rows) come last, in no group: a
     grouped GEMM reads no expert's weights for them.
+
+    Kernels: CUDA (one launch up to 128 tokens; E ≤ 512, k ≤ 8) and gfx950 (a choice and a
+    grouping launch; E ≤ 4096, k ≤ 8, the reference beyond); the CPU runs the reference.
 
     Args:
       scores: ``float32[T, E]``, the router's probabilities (M3: the sigmoid of its logits).

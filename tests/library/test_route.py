@@ -75,10 +75,15 @@ def test_vmap_and_export(rng):
     got = jax.vmap(lambda s: m3.route_experts(s, 2))(scores)
     for b in range(2):
         check([x[b] for x in got], oracle.route_experts(scores[b], np.zeros(16, np.float32), np.ones(9, bool), 2))
-    exp = jax.export.export(jax.jit(lambda s: m3.route_experts(s, 4)), platforms=["cpu", "cuda"],
+    exp = jax.export.export(jax.jit(lambda s: m3.route_experts(s, 4)), platforms=["cpu", "cuda", "rocm"],
                             disabled_checks=m3.export_disabled_checks())(scores[0])
-    assert exp.platforms == ("cpu", "cuda")
+    assert exp.platforms == ("cpu", "cuda", "rocm")
     assert "m3sparse_route_experts_cuda" in exp.mlir_module()
+    assert "m3sparse_route_experts_rocm" in exp.mlir_module()
+    # the ExpertRouting result survives serialization (a registered namedtuple)
+    back = jax.export.deserialize(exp.serialize()).call(scores[0])
+    assert isinstance(back, m3.ExpertRouting)
+    check(back, oracle.route_experts(scores[0], np.zeros(16, np.float32), np.ones(9, bool), 4))
     wide = jnp.zeros((4, 600), jnp.float32)
     with pytest.raises(ValueError, match="E <= 512"):
         jax.export.export(jax.jit(lambda s: m3.route_experts(s, 4)), platforms=["cuda"],
