@@ -115,8 +115,8 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
     per 16 k (NVFP4; :func:`jax_m3sparse.nvfp4_quantize` with the expert's ``weight_scale_2``
     as its global scale, e.g. ModelOpt's max|w| / (6 · 448); one expert at a time or under
     ``jax.vmap``). The result is the bf16 call on ``fp4_dequantize(rhs, rhs_scale)`` — bit for
-    bit on the CPU, to fp32 rounding on CUDA and gfx950, whose kernels read a quarter of bf16's bytes and
-    sums in its own order (SPEC §9.3). NVFP4's per-expert ``weight_scale_2`` is
+    bit on the CPU, to fp32 rounding on CUDA and gfx950, whose kernels read a quarter of bf16's
+    bytes and sum in their own order (SPEC §9.3). NVFP4's per-expert ``weight_scale_2`` is
     ``group_scale``: one fp32 multiply of each product, never a rounding of the weights.
 
     The rows may be MXFP8 too (SPEC §9.2; ``lhs`` fp8 e4m3 with ``lhs_scale``, as
