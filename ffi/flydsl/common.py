@@ -68,6 +68,12 @@ def load_u16(rsrc, byte_offset):
     return fx.Int32(arith.extui(T.i32, v))
 
 
+def load_u8(rsrc, byte_offset):
+    """One byte, zero-extended into an int32: buffer_load_ubyte."""
+    v = fx.rocdl.raw_ptr_buffer_load(T.i8, rsrc, fx.Int32(byte_offset).ir_value(), fx.Int32(0).ir_value(), 0)
+    return fx.Int32(arith.extui(T.i32, v))
+
+
 def store_dwords(rsrc, byte_offset, vec):
     """Store a vector of dwords through a buffer descriptor (buffer_store_dword{,x2,x4})."""
     from flydsl._mlir.dialects import rocdl as _rocdl

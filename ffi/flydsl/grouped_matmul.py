@@ -44,12 +44,11 @@ import functools
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl.expr import arith
 from flydsl.expr import range_constexpr
 from flydsl.expr.typing import T
 
-from common import LOG2E, WAVE, buffer_rsrc, e2m1_pair_f32, exp2_fast, load_dwords, store_dwords, uniform
-from select_blocks import dyn_while
+from common import LOG2E, WAVE, buffer_rsrc, e2m1_pair_f32, exp2_fast, load_dwords, load_u8, store_dwords, uniform
+from select_blocks import dyn_while, e4m3_quad
 from union_tile import dyn_for, when
 
 TILE_ROWS = 16                  # rows of lhs per tile (the MFMA's 16 columns)
@@ -63,12 +62,6 @@ OUTS = {"f32": fx.Float32, "bf16": fx.BFloat16}
 # bytes of one weight row per k (numerator, denominator) and k per scale
 ROW_BYTES = {"bf16": (2, 1), "mxfp8": (1, 1), "mxfp4": (1, 2), "nvfp4": (1, 2)}
 SCALE_K = {"bf16": 0, "mxfp8": 32, "mxfp4": 32, "nvfp4": 16}
-
-
-def load_u8(rsrc, byte_offset):
-    """One byte, zero-extended into an int32: buffer_load_ubyte."""
-    v = fx.rocdl.raw_ptr_buffer_load(T.i8, rsrc, fx.Int32(byte_offset).ir_value(), fx.Int32(0).ir_value(), 0)
-    return fx.Int32(arith.extui(T.i32, v))
 
 
 def e8m0_factors(e):
@@ -92,14 +85,6 @@ def e8m0_scaled(vals, e):
     return out
 
 
-def fp8_quad(word):
-    """The four e4m3 values of a dword (byte 0 first), exact fp32 (v_cvt_pk_f32_fp8)."""
-    w = fx.Int32(word)
-    lo = fx.Vector(fx.rocdl.cvt_pk_f32_fp8(T.vec(2, T.f32), w.ir_value(), False))
-    hi = fx.Vector(fx.rocdl.cvt_pk_f32_fp8(T.vec(2, T.f32), fx.Int32(w >> 16).ir_value(), False))
-    return [lo[0], lo[1], hi[0], hi[1]]
-
-
 def e2m1_eight(word):
     """The eight E2M1 codes of a dword (element 2i in the low nibble of byte i), exact fp32."""
     vals = []
@@ -116,7 +101,7 @@ def weight_operand(w, rsrc, srsrc, n, k, K):
         return load_dwords(rsrc, (n * K + k) * 2, 4).bitcast(fx.BFloat16)
     if w == "mxfp8":
         words = load_dwords(rsrc, n * K + k, 2)
-        vals = fp8_quad(words[0]) + fp8_quad(words[1])
+        vals = e4m3_quad(words[0]) + e4m3_quad(words[1])
         vals = e8m0_scaled(vals, load_u8(srsrc, n * (K // 32) + k // 32))
     elif w == "mxfp4":
         vals = e2m1_eight(load_dwords(rsrc, n * (K // 2) + k // 2, 1))

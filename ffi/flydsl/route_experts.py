@@ -38,15 +38,13 @@ import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl.expr import gpu, range_constexpr
 
-from common import WAVE, buffer_rsrc, load_dwords, store_dwords, uniform
-from grouped_matmul import load_u8
+from common import WAVE, buffer_rsrc, load_dwords, load_u8, store_dwords
+from select_blocks import INT32_MAX, NEG_INF, better, wave_best
 from union_tile import dyn_for, lds_i32, put_i32, when
 
 MAX_EXPERTS = 4096
 MAX_K = 8
 GROUP_THREADS = 256
-NEG_INF = float("-inf")
-INT32_MAX = 2**31 - 1
 # LDS of the grouping kernel: counters [E + 1], starts [E + 1], the chunk's buckets [256]
 # (each array 16-byte aligned: the chunk is read 4 entries at a time). Every LDS access is made
 # by whole waves at valid addresses: a masked lane writes the spare slot DUMMY instead of
@@ -55,11 +53,6 @@ SLOTS = (MAX_EXPERTS + 2 + 3) // 4 * 4
 DUMMY = SLOTS - 1
 RUNNING, START, CHUNK = 0, 4 * SLOTS, 8 * SLOTS
 LDS_BYTES = CHUNK + 4 * GROUP_THREADS
-
-
-def better(s, b, best_s, best_b):
-    """(s, b) ranks before (best_s, best_b): higher key, ties to the lower id (SPEC §10)."""
-    return (s > best_s) | ((s == best_s) & (b < best_b))
 
 
 def shared_storage():
@@ -101,12 +94,7 @@ def compile_route_experts():
                 return {"s": take.select(key, fx.Float32(acc["s"])), "b": take.select(e, fx.Int32(acc["b"]))}
 
             best = dyn_for(0, chunks, {"s": fx.Float32(NEG_INF), "b": fx.Int32(INT32_MAX)}, scan)
-            best_s, best_b = fx.Float32(best["s"]), fx.Int32(best["b"])
-            for m in (32, 16, 8, 4, 2, 1):
-                os_, ob = fx.Float32(best_s.shuffle_xor(m, WAVE)), fx.Int32(best_b.shuffle_xor(m, WAVE))
-                take = better(os_, ob, best_s, best_b)
-                best_s, best_b = take.select(os_, best_s), take.select(ob, best_b)
-            best_b = uniform(best_b)
+            best_s, best_b = wave_best(fx.Float32(best["s"]), fx.Int32(best["b"]))
             chosen.append(best_b)
             raw.append(load_dwords(s_rsrc, (row + best_b) * 4, 1).bitcast(fx.Float32))
             prev_s, prev_b = best_s, best_b

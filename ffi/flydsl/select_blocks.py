@@ -147,6 +147,16 @@ def better(s, b, best_s, best_b):
     return (s > best_s) | ((s == best_s) & (b < best_b))
 
 
+def wave_best(best_s, best_b):
+    """The wave's best (score, id) of the lanes' candidates by `better`, combined by xor shuffles
+    (exact, so every lane agrees); the id made uniform."""
+    for k in (32, 16, 8, 4, 2, 1):
+        os_, ob = fx.Float32(best_s.shuffle_xor(k, WAVE)), fx.Int32(best_b.shuffle_xor(k, WAVE))
+        take = better(os_, ob, best_s, best_b)
+        best_s, best_b = take.select(os_, best_s), take.select(ob, best_b)
+    return best_s, uniform(best_b)
+
+
 @functools.lru_cache(maxsize=None)
 def compile_select_blocks(qdt: str = "bf16", kdt: str = "bf16"):
     """Launcher for idx_q dtype `qdt` ("bf16", "f32") and key dtype `kdt` ("bf16", "fp8")."""
@@ -276,12 +286,7 @@ def compile_select_blocks(qdt: str = "bf16", kdt: str = "bf16"):
                 return {"s": take.select(s, fx.Float32(acc["s"])), "b": take.select(bb, fx.Int32(acc["b"]))}
 
             best = dyn_for(0, chunks, {"s": fx.Float32(NEG_INF), "b": fx.Int32(INT32_MAX)}, scan)
-            best_s, best_b = fx.Float32(best["s"]), fx.Int32(best["b"])
-            for k in (32, 16, 8, 4, 2, 1):
-                os_, ob = fx.Float32(best_s.shuffle_xor(k, WAVE)), fx.Int32(best_b.shuffle_xor(k, WAVE))
-                take = better(os_, ob, best_s, best_b)
-                best_s, best_b = take.select(os_, best_s), take.select(ob, best_b)
-            best_b = uniform(best_b)
+            best_s, best_b = wave_best(fx.Float32(best["s"]), fx.Int32(best["b"]))
             found = best_b != INT32_MAX
             filled = fx.Int32(st["filled"])
             when(found, lambda: store_dwords(out_rsrc, (row_out + filled) * 4, best_b))

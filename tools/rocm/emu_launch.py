@@ -428,7 +428,7 @@ class Handlers:
         (column groups, ceil(M / 16) + G + 1 tile slots), 4 waves a workgroup."""
         T, K = lhs.shape
         G, N = rhs.shape[:2]
-        weights = grouped_weights(rhs, rhs_scale)
+        weights = grouped_format(rhs, rhs_scale)
         M = T if lhs_rows is None else len(lhs_rows)
         cols = N // 2 if activation else N
         out_name = io_name(out_dtype)
@@ -473,7 +473,7 @@ class Handlers:
 GROUPED_WAVES = 4                                 # grouped_matmul.py: waves per workgroup
 
 
-def grouped_weights(rhs, rhs_scale) -> str:
+def grouped_format(rhs, rhs_scale) -> str:
     """The grouped_matmul variant's weight format: bf16, mxfp8, mxfp4 or nvfp4."""
     name = np.dtype(rhs.dtype).name
     if name == "bfloat16":
