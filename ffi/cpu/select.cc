@@ -46,6 +46,7 @@ namespace {
 constexpr int64_t kLanes = 8;         // partial sums per dot product (the summation layout)
 constexpr int64_t kKeyTile = 24;      // keys widened at a time (24 × Di fp32 stay in L1)
 constexpr int64_t kPieceTokens = 32;  // most tokens of one run served by one piece
+constexpr int64_t kFewRows = 8;       // up to this many rows read a block's keys in place
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct SelectArgs {
@@ -93,25 +94,67 @@ inline int64_t visible_limit(const SelectArgs& a, const Row& r, int64_t b, int64
   return std::min(r.pos - b * a.N, a.N - 1) - o0;
 }
 
-// ---- the generic path: widen a tile of keys, then the reference summation layout ---------
+// ---- the generic path: portable C++ in the reference summation layout --------------------
+
+// e4m3_to_float as masks, so a loop of it vectorizes: s.eeee.mmm with e ≥ 1 is the bits
+// (eeeemmm << 20) + (120 << 23); e = 0 is m · 2^-9 (exact); 0x7F is NaN; then the sign.
+inline float e4m3_lanes(uint32_t byte) {
+  const uint32_t mag = byte & 0x7Fu;
+  const uint32_t sub = 0u - uint32_t(mag < 8), nan = 0u - uint32_t(mag == 0x7Fu);
+  uint32_t bits = (float_bits(float(int32_t(mag)) * (1.0f / 512.0f)) & sub) |
+                  (((mag << 20) + (120u << 23)) & ~sub);
+  bits = (0x7FC00000u & nan) | (bits & ~nan);
+  return bits_float(bits | ((byte & 0x80u) << 24));
+}
 
 void widen_generic(const SelectArgs& a, const void* src, int64_t n, float* dst) {
   if (a.k_type == ffi::DataType::BF16) {
     const uint16_t* s = static_cast<const uint16_t*>(src);
+#pragma omp simd
     for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(s[i]);
   } else {
     const uint8_t* s = static_cast<const uint8_t*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = e4m3_to_float(s[i]);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) dst[i] = e4m3_lanes(s[i]);
   }
 }
 
-// q · key with kLanes partial sums (lane l: dims l, l + 8, ...; explicit fma, increasing dim),
-// folded as ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)).
-inline float dot_generic(const float* q, const float* key, int64_t Dp) {
-  float x[kLanes] = {};
+// q · key c for kGenericKeys consecutive widened keys (Dp floats each, a multiple of 8), each with
+// kLanes partial sums (lane l: dims l, l + 8, ...; explicit fma, increasing dim), folded as
+// ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)). The keys give independent fma chains and
+// a key's lanes one vector fma (`omp simd`), so portable C++ keeps the FMA pipes busy.
+constexpr int kGenericKeys = 4;
+
+static_assert(kKeyTile % kGenericKeys == 0, "key groups stay inside the tile");
+
+inline void dots_generic(const float* q, const float* key, int64_t Dp, float* out) {
+  float x[kGenericKeys][kLanes] = {};
   for (int64_t d = 0; d < Dp; d += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) x[l] = std::fma(q[d + l], key[d + l], x[l]);
-  return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+    for (int c = 0; c < kGenericKeys; ++c) {
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) x[c][l] = std::fma(q[d + l], key[c * Dp + d + l], x[c][l]);
+    }
+  for (int c = 0; c < kGenericKeys; ++c) {
+    const float* v = x[c];
+    out[c] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+  }
+}
+
+// Each seeing row's block maximum over the tile's keys [0, n) (o0: the first one's offset in
+// the block), kGenericKeys consecutive tile rows at a time: a group may reach past key n − 1
+// into rows of the tile not filled by this block (allocated, never used in a maximum).
+void rows_max_generic(const SelectArgs& a, const Buffers& buf, int64_t b, int64_t o0, int64_t n) {
+  float d[kGenericKeys];
+  for (const Row& r : buf.seeing) {
+    const int64_t lim = std::min(visible_limit(a, r, b, o0), n - 1);
+    float m = r.scores[b];
+    for (int64_t o = 0; o <= lim; o += kGenericKeys) {
+      dots_generic(r.q, buf.tile.data() + o * a.Dp, a.Dp, d);
+      for (int c = 0; c < kGenericKeys; ++c)
+        if (o + c <= lim && d[c] > m) m = d[c];  // NaN never wins: it counts as −inf
+    }
+    r.scores[b] = m;
+  }
 }
 
 // Widens keys [o0, o0 + n) of the block into the tile (rows of Dp floats, zero past Di).
@@ -126,19 +169,13 @@ void widen_tile(const SelectArgs& a, Buffers& buf, const BlockJob& job, int64_t 
   }
 }
 
+// Tiles of widened keys (the widening and the dot products are separate loops: GCC and Clang
+// vectorize both; widening in the dot loop spilled its halves through the stack).
 void score_block_generic(const SelectArgs& a, Buffers& buf, const BlockJob& job) {
   for (int64_t o0 = 0; o0 < job.n_keys; o0 += kKeyTile) {
     const int64_t n = std::min(kKeyTile, job.n_keys - o0);
     widen_tile(a, buf, job, o0, n, widen_generic);
-    for (const Row& r : buf.seeing) {
-      const int64_t lim = std::min(visible_limit(a, r, job.b, o0), n - 1);
-      float m = r.scores[job.b];
-      for (int64_t o = 0; o <= lim; ++o) {
-        const float d = dot_generic(r.q, buf.tile.data() + o * a.Dp, a.Dp);
-        if (d > m) m = d;  // NaN never wins: it counts as −inf
-      }
-      r.scores[job.b] = m;
-    }
+    rows_max_generic(a, buf, job.b, o0, n);
   }
 }
 
@@ -261,7 +298,6 @@ M3_AVX2 void all_rows_max(const SelectArgs& a, const Buffers& buf, const T* base
 }
 
 M3_AVX2 void score_block_avx2(const SelectArgs& a, Buffers& buf, const BlockJob& job) {
-  constexpr int64_t kFewRows = 8;  // up to this many rows read the keys straight from the cache
   if (a.Di % kLanes == 0 && int64_t(buf.seeing.size()) <= kFewRows) {
     if (a.k_type == ffi::DataType::BF16)
       all_rows_max(a, buf, reinterpret_cast<const uint16_t*>(job.keys), a.Di, a.Di, job.b, 0,

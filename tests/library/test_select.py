@@ -216,6 +216,28 @@ def test_bit_identical_in_any_batch_pool_and_placement(rng, path):
                                   batch[:, perm])
 
 
+@pytest.mark.parametrize("rows", [1, 9])   # keys read from the cache (≤ 8 rows) / widened to a tile
+def test_every_e4m3_key_value_ranks_by_its_value(path, rows):
+    """Each of the 256 E4M3 bytes (zeros of both signs, subnormals, 448, both NaNs) as the one
+    key of its own block (block 256, zero, is the local block), q = e₀: every block's score is
+    its key's value, so the ids are the values' order (ties to the lower id, NaN blocks never
+    chosen) — each path's E4M3 widening checked against ml_dtypes through the NumPy oracle."""
+    Di = 8
+    keys = np.zeros((257, 1, Di), np.uint8)
+    keys[:256, 0, 0] = np.arange(256)
+    keys = keys.view(jnp.float8_e4m3fn)
+    q = np.zeros((rows, 1, Di), np.float32)
+    q[:, 0, 0] = 1.0
+    table = np.arange(257, dtype=np.int32)[None]
+    req = np.zeros(rows, np.int32)
+    pos = np.full(rows, 256, np.int32)
+    scores = brute_scores(q, widened(keys), table, req, pos)
+    want = brute_select(scores, pos, 1, 257, 1, 1, rows)
+    assert (want[0, :, :2] == [256, 126]).all() and (want[0, :, -2:] == -1).all()  # 448; NaNs
+    np.testing.assert_array_equal(native(jnp.asarray(q), jnp.asarray(keys), table, req, pos,
+                                         topk_blocks=257), want)
+
+
 def test_every_path_gives_the_same_ids(rng, monkeypatch):
     """The paths share one summation layout (ffi/cpu/select.cc), so their scores are the same
     bits; this checks what is visible of that, the ids, on data with heavy cancellation too."""
