@@ -123,7 +123,7 @@ void widen_generic(const SelectArgs& a, const void* src, int64_t n, float* dst) 
 // kLanes partial sums (lane l: dims l, l + 8, ...; explicit fma, increasing dim), folded as
 // ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)). The keys give independent fma chains and
 // a key's lanes one vector fma (`omp simd`), so portable C++ keeps the FMA pipes busy.
-constexpr int kGenericKeys = 4;
+constexpr int kGenericKeys = 8;
 
 static_assert(kKeyTile % kGenericKeys == 0, "key groups stay inside the tile");
 
