@@ -30,7 +30,12 @@ say: bf16 as stored; fp8 · 2^(e−127) and e2m1 · 2^(e−127) through two norm
 2^-126 → ±0, e = 255 → NaN; e2m1 · e4m3 exact) and B = the tile's 16 rows (lane: row lane16,
 the same k; a row past the tile or a gathered id outside [0, T) reads zeros). C gives each lane
 4 consecutive output columns of one row, summed in fp32 over K in a fixed order (32-k steps in
-k order): a row's result depends only on its row, its group's weights and its scales.
+k order): a row's result depends only on its row, its group's weights and its scales. The loop
+takes 4 k-steps at a time and issues all their loads (20 of 16 bytes a lane for bf16, plus the
+scale bytes) before their 16 MFMAs, a scheduling barrier keeping them there: a wave then has
+its next 4 steps' operands in flight at once, not one load at a time (what LLVM's scheduler made
+of the plain loop, trading memory-level parallelism for registers). K/32 mod 4 steps follow one
+at a time.
 
 Epilogue (SPEC §9 item 6), in fp32 in the lane: × group_scale[g], the activation (the reference's
 formulas; NaN kept), × row_scale[row], rounded to nearest even for bf16 output. Every load and
@@ -54,6 +59,7 @@ from union_tile import dyn_for, when
 TILE_ROWS = 16                  # rows of lhs per tile (the MFMA's 16 columns)
 WAVES = 4
 STEP_K = 32                     # k per MFMA
+UNROLL = 4                      # k-steps whose loads are issued together (memory-level parallelism)
 FP32_NORMAL_MIN = 2.0 ** -126
 OFF = 0x7FFFFFF0                # a byte offset past every descriptor: loads give 0, stores drop
 
@@ -94,23 +100,32 @@ def e2m1_eight(word):
     return vals
 
 
-def weight_operand(w, rsrc, srsrc, n, k, K):
-    """Weight row n, k .. k + 7 (k a multiple of 8) as vector<8 x bf16>, exactly SPEC §9.1 / §9.3's
-    values (every one is exact in bf16; the final conversion rounds nothing)."""
+def weight_load(w, rsrc, srsrc, n, k, K):
+    """The stored bytes of weight row n, k .. k + 7 (k a multiple of 8): (data dwords, scale
+    byte or None) — loads only, so a step's loads can all be issued before its MFMAs."""
     if w == "bf16":
-        return load_dwords(rsrc, (n * K + k) * 2, 4).bitcast(fx.BFloat16)
+        return load_dwords(rsrc, (n * K + k) * 2, 4), None
     if w == "mxfp8":
-        words = load_dwords(rsrc, n * K + k, 2)
-        vals = e4m3_quad(words[0]) + e4m3_quad(words[1])
-        vals = e8m0_scaled(vals, load_u8(srsrc, n * (K // 32) + k // 32))
+        return load_dwords(rsrc, n * K + k, 2), load_u8(srsrc, n * (K // 32) + k // 32)
+    data = load_dwords(rsrc, n * (K // 2) + k // 2, 1)
+    if w == "mxfp4":
+        return data, load_u8(srsrc, n * (K // 32) + k // 32)
+    return data, load_u8(srsrc, n * (K // 16) + k // 16)    # nvfp4: one E4M3 scale per 16 k
+
+
+def weight_operand(w, loaded):
+    """weight_load's bytes as vector<8 x bf16>, exactly SPEC §9.1 / §9.3's values (every one is
+    exact in bf16; the final conversion rounds nothing)."""
+    data, scale = loaded
+    if w == "bf16":
+        return data.bitcast(fx.BFloat16)
+    if w == "mxfp8":
+        vals = e8m0_scaled(e4m3_quad(data[0]) + e4m3_quad(data[1]), scale)
     elif w == "mxfp4":
-        vals = e2m1_eight(load_dwords(rsrc, n * (K // 2) + k // 2, 1))
-        vals = e8m0_scaled(vals, load_u8(srsrc, n * (K // 32) + k // 32))
-    else:   # nvfp4: one E4M3 scale per 16 k, an exact fp32 product
-        vals = e2m1_eight(load_dwords(rsrc, n * (K // 2) + k // 2, 1))
-        sc = fx.Vector(fx.rocdl.cvt_pk_f32_fp8(T.vec(2, T.f32), load_u8(srsrc, n * (K // 16) + k // 16).ir_value(),
-                                               False))[0]
-        vals = [fx.Float32(v * sc) for v in vals]
+        vals = e8m0_scaled(e2m1_eight(data), scale)
+    else:   # nvfp4: an exact fp32 product with the E4M3 scale
+        sc = fx.Vector(fx.rocdl.cvt_pk_f32_fp8(T.vec(2, T.f32), scale.ir_value(), False))[0]
+        vals = [fx.Float32(v * sc) for v in e2m1_eight(data)]
     return fx.Vector.from_elements(vals, dtype=fx.Float32).to(fx.BFloat16)
 
 
@@ -199,18 +214,30 @@ def compile_grouped_matmul(weights: str = "bf16", out: str = "f32"):
             lhs_base = ok.select(src * K * 2, fx.Int32(OFF))
             zero = fx.Vector.from_elements([fx.Float32(0.0)] * 4, dtype=fx.Float32)
 
-            def step(s, st):
-                k = s * STEP_K + 8 * quad
-                b = load_dwords(lhs_rsrc, ok.select(lhs_base + k * 2, fx.Int32(OFF)), 4).bitcast(fx.BFloat16)
-                accs = {}
-                for j in range_constexpr(4):
-                    a = weight_operand(weights, rsrc, srsrc, bases[j] + lane16, k, K)
-                    accs[f"a{j}"] = fx.Vector(fx.rocdl.mfma_f32_16x16x32_bf16(
-                        T.f32x4, [a, b, fx.Vector(st[f"a{j}"]), 0, 0, 0]))
+            def steps_from(s0, count, st):
+                """k-steps s0 .. s0 + count − 1: every load first (count × 5 in flight per lane,
+                instead of one load, its wait, its MFMA at a time), then the MFMAs in k order."""
+                loaded = []
+                for u in range_constexpr(count):
+                    k = (s0 + u) * STEP_K + 8 * quad
+                    b = load_dwords(lhs_rsrc, ok.select(lhs_base + k * 2, fx.Int32(OFF)), 4)
+                    loaded.append((b, [weight_load(weights, rsrc, srsrc, bases[j] + lane16, k, K)
+                                       for j in range(4)]))
+                fx.rocdl.sched_barrier(0)   # else the scheduler sinks loads to spare registers
+                accs = dict(st)
+                for u in range_constexpr(count):
+                    b, ws = loaded[u]
+                    for j in range_constexpr(4):
+                        accs[f"a{j}"] = fx.Vector(fx.rocdl.mfma_f32_16x16x32_bf16(
+                            T.f32x4, [weight_operand(weights, ws[j]), b.bitcast(fx.BFloat16),
+                                      fx.Vector(accs[f"a{j}"]), 0, 0, 0]))
                 return accs
 
             steps = hit.select(K // STEP_K, 0)
-            acc = dyn_for(0, steps, {f"a{j}": zero for j in range(4)}, step)
+            groups = steps // UNROLL
+            acc = dyn_for(0, groups, {f"a{j}": zero for j in range(4)},
+                          lambda i, st: steps_from(i * UNROLL, UNROLL, st))
+            acc = dyn_for(groups * UNROLL, steps, acc, lambda s, st: steps_from(s, 1, st))
             gs = ((has_group_scale != 0) & hit).select(
                 load_dwords(buffer_rsrc(group_scale, (has_group_scale != 0).select(fx.Int64(G) * 4, fx.Int64(0))),
                             gg * 4, 1).bitcast(fx.Float32),

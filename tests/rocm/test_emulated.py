@@ -561,9 +561,10 @@ def check_grouped(kernel, case, got, want, sec):
 def test_grouped_matmul_formats(gpu, rng, fmt):
     """Against the float64 oracle (tests/support/oracle.py): gathered rows with ids outside [0, T),
     a negative and an empty group whose weights are NaN (never read: no NaN reaches a row), rows
-    after the last group (zeros), N not a multiple of a workgroup's columns; plain f32 output,
-    then bf16 output with swiglu_oai, row and group scales, then swiglu with f32 output."""
-    T, K, N, G = 13, 128, 96, 5
+    after the last group (zeros), N not a multiple of a workgroup's columns, K of 5 k-steps (one
+    group of 4 whose loads go out together, then one alone); plain f32 output, then bf16 output
+    with swiglu_oai, row and group scales, then swiglu with f32 output."""
+    T, K, N, G = 13, 160, 96, 5
     lhs = np.array(jnp.asarray(rng.standard_normal((T, K)), jnp.bfloat16))
     rhs, scale = grouped_weights(rng, fmt, G, N, K)
     if scale is None:
