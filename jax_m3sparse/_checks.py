@@ -13,6 +13,25 @@ from jax_m3sparse.spec import LAYOUTS, layout_code
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
+def index_arrays(**named):
+    """``jnp.asarray`` of each argument, in order. An integer input that is not yet a JAX array
+    (NumPy, a list) is checked first: values outside int32 are a ValueError naming it, since
+    JAX (64-bit types off) would wrap them to 32 bits, into other pages or requests."""
+    out = []
+    for name, x in named.items():
+        if not isinstance(x, (jax.Array, jax.core.Tracer)):
+            a = np.asarray(x)
+            wide = a.dtype.itemsize > 4 or a.dtype == np.uint32        # can exceed int32
+            if a.dtype.kind in "iu" and wide and a.size:
+                info = np.iinfo(np.int32)
+                lo, hi = int(a.min()), int(a.max())
+                if lo < info.min or hi > info.max:
+                    raise ValueError(f"{name} has values outside int32 ([{lo}, {hi}]); the ops take "
+                                     f"int32 indices (JAX would wrap these to 32 bits)")
+        out.append(jnp.asarray(x))
+    return out
+
+
 def rank(x, name, expected: int, shape_doc: str):
     if x.ndim != expected:
         raise ValueError(f"{name} must have rank {expected} ({shape_doc}), got shape {x.shape}")

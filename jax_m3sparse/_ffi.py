@@ -134,7 +134,8 @@ def cpu_attention_paths() -> tuple[tuple[str, ...], str] | None:
     """The CPU module's attention paths (BUILD.md "CPU attention paths"): (every path this CPU supports,
     narrowest first, from "generic", "avx2", "avx512", "amx"; the one a call takes now — the
     widest, capped by the environment variable ``M3SPARSE_CPU_ISA``), or None without the CPU
-    module. Raises ValueError if ``M3SPARSE_CPU_ISA`` names no path.
+    module. Raises ValueError if ``M3SPARSE_CPU_ISA`` names no path. ``select_blocks`` has two
+    codes: it runs its ``avx2`` code on the ``avx512`` and ``amx`` paths.
     """
     if "cpu" not in native_platforms():
         return None

@@ -14,7 +14,8 @@ BLOCK_SIZE = 128  # N, the one block size the kernels serve (SPEC §1)
 
 def check_inputs(*, topk_indices=None, block_table=None, num_pages=None, seq_lens=None,
                  cu_seqlens_q=None, num_tokens=None, slot_mapping=None, k_scale=None,
-                 v_scale=None, layer=None, num_layers=None):
+                 v_scale=None, layer=None, num_layers=None, query_req_id=None,
+                 query_abs_pos=None):
     """Checks engine inputs for data faults (SPEC §7); every argument is optional.
 
     Every fault found is reported, not only the first. Eagerly (concrete inputs) this raises
@@ -27,7 +28,12 @@ def check_inputs(*, topk_indices=None, block_table=None, num_pages=None, seq_len
     Reports:
       * ``topk_indices`` (``int32[Hkv, T, K]``): ids < −1, ids ≥ max_blocks (with
         ``block_table``), and duplicate ids within a row (−1 excluded).
-      * ``block_table`` with ``num_pages``: entries ≥ num_pages (−1 is "no page").
+      * ``block_table``: entries < −1 (−1 is "no page"); with ``num_pages``: entries ≥ num_pages.
+      * ``query_req_id`` / ``query_abs_pos`` (``int32[T]``, :func:`select_blocks`' rows) with
+        ``block_table``: a live row (request in ``[0, R)``, position ≥ 0) whose position is past
+        what its request's row covers (max_blocks·128 tokens: its selection stops at the last
+        block). Rows with a request outside ``[0, R)`` or a negative position are padding by
+        definition (SPEC §8 step 1) and are not reported.
       * ``seq_lens`` (``int32[R_dec]``, the first rows of ``block_table``): negative lengths;
         with ``block_table``, lengths beyond what the request's row covers (max_blocks·128)
         and rows with no page (−1) in a block the sequence covers.
@@ -56,9 +62,17 @@ def check_inputs(*, topk_indices=None, block_table=None, num_pages=None, seq_len
         s = jnp.sort(ids, axis=-1)
         dup = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
         add(jnp.any(dup), "topk_indices has {n} duplicate ids within a row", n=jnp.sum(dup))
-    if block_table is not None and num_pages is not None:
+    if block_table is not None:
         bt = jnp.asarray(block_table)
-        add(jnp.any(bt >= num_pages), f"block_table has pages >= num_pages = {num_pages}")
+        add(jnp.any(bt < -1), "block_table has pages < -1 (min {m})", m=jnp.min(bt, initial=0))
+        if num_pages is not None:
+            add(jnp.any(bt >= num_pages), f"block_table has pages >= num_pages = {num_pages}")
+        if query_req_id is not None and query_abs_pos is not None:
+            req, pos = jnp.asarray(query_req_id), jnp.asarray(query_abs_pos)
+            cover = bt.shape[1] * BLOCK_SIZE
+            past = (req >= 0) & (req < bt.shape[0]) & (pos >= cover)
+            add(jnp.any(past), f"query_abs_pos is past what a block_table row covers "
+                f"(max_blocks·{BLOCK_SIZE} = {cover} tokens) in {{n}} live rows", n=jnp.sum(past))
     if seq_lens is not None:
         sl = jnp.asarray(seq_lens)
         add(jnp.any(sl < 0), "seq_lens has negative lengths")

@@ -74,7 +74,8 @@ def build_attention_metadata(query_lens, context_lens, block_table, *, num_decod
       static (Python / NumPy) ``query_lens`` whose rows do not fit in ``num_tokens``.
     """
     static_q = _checks.static_values(query_lens)
-    query_lens, context_lens, block_table = map(jnp.asarray, (query_lens, context_lens, block_table))
+    query_lens, context_lens, block_table = _checks.index_arrays(
+        query_lens=query_lens, context_lens=context_lens, block_table=block_table)
     r_dec = _checks.static_int(num_decode_requests, "num_decode_requests", 0)
     num_tokens = _checks.static_int(num_tokens, "num_tokens", 0)
     dql = _checks.static_int(decode_query_len, "decode_query_len", 1)

@@ -66,8 +66,9 @@ def sparse_decode(q, kv_cache, topk_indices, block_table, seq_lens, k_scale, v_s
       ValueError with ``unsupported_reason``'s sentence
       when lowering for a platform whose kernels cannot serve the geometry.
     """
-    q, kv_cache, topk_indices, block_table, seq_lens = map(
-        jnp.asarray, (q, kv_cache, topk_indices, block_table, seq_lens))
+    q, kv_cache, topk_indices, block_table, seq_lens = _checks.index_arrays(
+        q=q, kv_cache=kv_cache, topk_indices=topk_indices, block_table=block_table,
+        seq_lens=seq_lens)
     layer_op, code, scale = check_attention(q, kv_cache, topk_indices, block_table, layer, layout,
                                             scale)
     dql = _checks.static_int(decode_query_len, "decode_query_len", 1)

@@ -102,8 +102,9 @@ def full_attention(q, kv_cache, block_table, query_req_id, query_abs_pos, k_scal
     Raises:
       ValueError / TypeError at trace time, as :func:`sparse_prefill`.
     """
-    q, kv_cache, block_table, query_req_id, query_abs_pos = map(
-        jnp.asarray, (q, kv_cache, block_table, query_req_id, query_abs_pos))
+    q, kv_cache, block_table, query_req_id, query_abs_pos = _checks.index_arrays(
+        q=q, kv_cache=kv_cache, block_table=block_table, query_req_id=query_req_id,
+        query_abs_pos=query_abs_pos)
     layer_op, code, scale = check_attention(q, kv_cache, None, block_table, layer, layout, scale)
     if block_table.shape[1] == 0:      # no block in any request: nothing can be attended
         return jnp.zeros(q.shape, q.dtype)

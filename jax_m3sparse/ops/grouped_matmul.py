@@ -189,7 +189,7 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
       does not serve (an MXFP8 ``lhs``, K % 32 != 0, result columns — N, or N/2 with an
       activation — not a multiple of 16) lower to the reference there.
     """
-    lhs, rhs, group_sizes = map(jnp.asarray, (lhs, rhs, group_sizes))
+    lhs, rhs, group_sizes = _checks.index_arrays(lhs=lhs, rhs=rhs, group_sizes=group_sizes)
     _checks.rank(lhs, "lhs", 2, "[M, K]")
     _checks.rank(rhs, "rhs", 3, "[G, N, K]")
     _checks.rank(group_sizes, "group_sizes", 1, "[G]")
@@ -219,7 +219,7 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
         raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     gather = lhs_rows is not None
     if gather:
-        lhs_rows = jnp.asarray(lhs_rows)
+        lhs_rows, = _checks.index_arrays(lhs_rows=lhs_rows)
         _checks.rank(lhs_rows, "lhs_rows", 1, "[M]")
         _checks.dtype(lhs_rows, "lhs_rows", (jnp.int32,))
     else:

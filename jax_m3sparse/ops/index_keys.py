@@ -51,7 +51,8 @@ def write_index_keys(idx_k_cache, keys, slot_mapping, *, layer=None):
       ValueError / TypeError at trace time for wrong ranks, shapes or dtypes, a missing or
       superfluous ``layer``, a static ``layer`` outside ``[0, L)``.
     """
-    idx_k_cache, keys, slot_mapping = map(jnp.asarray, (idx_k_cache, keys, slot_mapping))
+    idx_k_cache, keys, slot_mapping = _checks.index_arrays(
+        idx_k_cache=idx_k_cache, keys=keys, slot_mapping=slot_mapping)
     _checks.rank(keys, "keys", 2, "[T, Di]")
     _checks.dtype(keys, "keys", (jnp.float32, jnp.bfloat16))
     layer_op = _checks.index_cache(idx_k_cache, layer, keys.shape[1], "keys")

@@ -54,7 +54,8 @@ def pack_kv_pages(kv_cache, key, value, slot_mapping, k_scale, v_scale, *, layer
       superfluous ``layer``, a static ``layer`` outside ``[0, L)``, or an unknown ``layout``;
       the message names the argument, the expected and the actual value.
     """
-    kv_cache, key, value, slot_mapping = map(jnp.asarray, (kv_cache, key, value, slot_mapping))
+    kv_cache, key, value, slot_mapping = _checks.index_arrays(
+        kv_cache=kv_cache, key=key, value=value, slot_mapping=slot_mapping)
     layer_op, code, _, _, num_slots, _, head_dim = _checks.cache_geometry(kv_cache, layer, layout)
     _checks.rank(key, "key", 3, "[T, Hkv, D]")
     _checks.dtype(key, "key", _checks.FLOAT_DTYPES)
@@ -91,7 +92,7 @@ def unpack_kv_pages(kv_cache, page_ids, k_scale, v_scale, *, layer=None, layout=
     Raises:
       ValueError / TypeError at trace time, as :func:`pack_kv_pages`.
     """
-    kv_cache, page_ids = jnp.asarray(kv_cache), jnp.asarray(page_ids)
+    kv_cache, page_ids = _checks.index_arrays(kv_cache=kv_cache, page_ids=page_ids)
     _checks.cache_geometry(kv_cache, layer, layout)
     _checks.rank(page_ids, "page_ids", 1, "[n]")
     _checks.dtype(page_ids, "page_ids", (jnp.int32,))

@@ -48,7 +48,7 @@ def query_token_positions(cu_seqlens_q, context_lens, num_tokens):
       whose ``cu[R]`` exceeds ``num_tokens``.
     """
     static_cu = _checks.static_values(cu_seqlens_q)
-    cu, ctx = jnp.asarray(cu_seqlens_q), jnp.asarray(context_lens)
+    cu, ctx = _checks.index_arrays(cu_seqlens_q=cu_seqlens_q, context_lens=context_lens)
     num_tokens = _checks.static_int(num_tokens, "num_tokens", 0)
     _checks.rank(cu, "cu_seqlens_q", 1, "[R + 1]")
     _checks.rank(ctx, "context_lens", 1, "[R]")

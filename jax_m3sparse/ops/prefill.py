@@ -55,8 +55,9 @@ def sparse_prefill(q, kv_cache, topk_indices, block_table, query_req_id, query_a
     Raises:
       ValueError / TypeError at trace time, as :func:`sparse_decode`.
     """
-    q, kv_cache, topk_indices, block_table, query_req_id, query_abs_pos = map(
-        jnp.asarray, (q, kv_cache, topk_indices, block_table, query_req_id, query_abs_pos))
+    q, kv_cache, topk_indices, block_table, query_req_id, query_abs_pos = _checks.index_arrays(
+        q=q, kv_cache=kv_cache, topk_indices=topk_indices, block_table=block_table,
+        query_req_id=query_req_id, query_abs_pos=query_abs_pos)
     layer_op, code, scale = check_attention(q, kv_cache, topk_indices, block_table, layer, layout,
                                             scale)
     for name, x in (("query_req_id", query_req_id), ("query_abs_pos", query_abs_pos)):

@@ -53,7 +53,8 @@ def select_blocks(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, 
     local blocks ``pos // N − local_blocks < b ≤ pos // N`` first in ascending id (whatever
     their pages), then the other blocks with a finite score, best first (ties: lower id), at
     most ``topk_blocks`` ids, −1 after them. Write this step's index keys into
-    ``idx_k_cache`` first (the local block's score includes the token itself). A row's result
+    ``idx_k_cache`` first: a prefill chunk's token sees the keys of the chunk's earlier tokens,
+    in blocks that need not be local (:func:`write_index_keys`). A row's result
     depends only on its own q, its request's keys and its position: bit-identical in any batch,
     for any pool size or page placement (on one backend; backends may differ in the last bits
     of near-equal scores, SPEC §8 step 6).
@@ -87,8 +88,9 @@ def select_blocks(idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, 
       ``layer`` given for a 3-D cache or missing for a 4-D one, a static ``layer`` outside
       ``[0, L)``.
     """
-    idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos = map(
-        jnp.asarray, (idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos))
+    idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos = _checks.index_arrays(
+        idx_q=idx_q, idx_k_cache=idx_k_cache, block_table=block_table, query_req_id=query_req_id,
+        query_abs_pos=query_abs_pos)
     K = _checks.static_int(topk_blocks, "topk_blocks", 1)
     local = _checks.static_int(local_blocks, "local_blocks", 1)
     if local > K:

@@ -13,7 +13,9 @@ def test_check_inputs_passes_clean_inputs():
     m3.check_inputs(topk_indices=np.array([[[0, 2, -1]]], np.int32),
                     block_table=np.array([[3, 1, 0]], np.int32), num_pages=4,
                     seq_lens=np.array([300], np.int32), cu_seqlens_q=np.array([0, 2, 2, 5], np.int32),
-                    slot_mapping=np.array([-1, 5, 511], np.int32), k_scale=0.5, v_scale=1.0)
+                    slot_mapping=np.array([-1, 5, 511], np.int32), k_scale=0.5, v_scale=1.0,
+                    query_req_id=np.array([0, 0, -1, 1], np.int32),    # -1, 1 (≥ R): padding
+                    query_abs_pos=np.array([0, 383, 9999, 9999], np.int32))
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -22,6 +24,10 @@ def test_check_inputs_passes_clean_inputs():
      "ids >= max_blocks = 3"),
     (dict(topk_indices=np.array([[[1, 2, 1]]], np.int32)), "1 duplicate ids"),
     (dict(block_table=np.array([[0, 9]], np.int32), num_pages=4), "pages >= num_pages = 4"),
+    (dict(block_table=np.array([[0, -7]], np.int32)), "pages < -1 \\(min -7\\)"),
+    (dict(block_table=np.zeros((2, 3), np.int32), query_req_id=np.array([0, 1, 2, -1], np.int32),
+          query_abs_pos=np.array([383, 384, 999, 999], np.int32)),
+     "past what a block_table row covers \\(max_blocks·128 = 384 tokens\\) in 1 live rows"),
     (dict(seq_lens=np.array([5, -1], np.int32)), "negative lengths"),
     (dict(cu_seqlens_q=np.array([0, 4, 2], np.int32)), "not non-decreasing"),
     (dict(cu_seqlens_q=np.array([1, 4], np.int32)), "cu_seqlens_q\\[0\\] must be 0"),

@@ -304,6 +304,21 @@ def test_trace_time_errors():
             m3.select_blocks(*args, **kw)
 
 
+def test_int64_numpy_indices_outside_int32_are_an_error(rng):
+    """NumPy's default int64: in range it is the same call as int32 (JAX converts it); a value JAX
+    would wrap to 32 bits (2³² + 1 -> page 1) is a ValueError naming the argument."""
+    q, keys, table, req, pos = random_problem(rng)
+    want = native(q, keys, table, req, pos, topk_blocks=4)
+    np.testing.assert_array_equal(native(q, keys, table.astype(np.int64), req.astype(np.int64),
+                                         pos.astype(np.int64), topk_blocks=4), want)
+    wide = table.astype(np.int64)
+    wide[0, 0] = 2 ** 32 + 1
+    with pytest.raises(ValueError, match=r"block_table has values outside int32 \(\[.*, 4294967297\]\)"):
+        m3.select_blocks(q, keys, wide, req, pos)
+    with pytest.raises(ValueError, match="query_abs_pos has values outside int32"):
+        m3.select_blocks(q, keys, table, req, pos.astype(np.int64) - 2 ** 40)
+
+
 def test_vmap_and_export(rng):
     q, keys, table, req, pos = random_problem(rng, T_per_req=(1, 2, 3), ctx=(300, 200, 100))
     f = lambda q: m3.select_blocks(q, keys, table, req, pos, topk_blocks=4)
