@@ -18,8 +18,8 @@ Grid (ceil(out_cols / columns per workgroup), ceil(M / 16) + G + 1), 4 waves a w
 index is a *tile slot*: group g's rows [start_g, end_g) (sizes clipped to [0, M], the running end
 clipped to M: SPEC §9 item 1) are cut into tiles of 16 rows, the groups' tiles numbered in group
 order, then the rows no group covers ([end_{G-1}, M), written as zeros). A workgroup finds its
-tile with one scalar walk over group_sizes (G loads, no scratch, no second kernel); slots past
-the last tile return at once. So each routed group's weights are read once per 16 of its rows,
+tile from group_sizes itself (find_tile: 64 groups' sizes per load, their ends and tile counts
+scanned across the wave; no scratch, no second kernel); slots past the last tile return at once. So each routed group's weights are read once per 16 of its rows,
 an empty group's never, and the work is the routed rows' only.
 
 Each wave owns 4 tiles of 16 weight rows (no activation: output columns c0 .. c0 + 63; with an
@@ -146,6 +146,66 @@ def activate(gate, up, activation, alpha, limit):
     return (activation == 1).select(silu, oai)
 
 
+def wave_max_i32(x):
+    """The wave's largest int32 (xor shuffles: every lane gets it), made uniform."""
+    for k in (1, 2, 4, 8, 16, 32):
+        o = fx.Int32(x.shuffle_xor(k, WAVE))
+        x = (o > x).select(o, x)
+    return uniform(x)
+
+
+def wave_scan(x, lane, add):
+    """Butterfly scan of `add` (associative, commutative) over the wave: (the sum of the lower
+    lanes' x, the sum of every lane's x), both with 0 as the empty sum."""
+    below, total = fx.Int32(0), x
+    for k in (1, 2, 4, 8, 16, 32):
+        other = fx.Int32(total.shuffle_xor(k, WAVE))
+        upper = (lane & k) != 0                       # the partner's block precedes this lane's
+        below = upper.select(add(other, below), below)
+        total = add(total, other)
+    return below, total
+
+
+def find_tile(slot, sizes_rsrc, G, M, lane):
+    """The 16-row tile of tile slot `slot`: (hit, group, first row, end of the group's rows), or,
+    past every group's tiles, (False, G, a row of [end of the last group, M) in steps of 16, M).
+    SPEC §9 item 1: sizes read as max(size, 0), the running end clipped to M, so group g ends at
+    min(Σ_{h≤g} size_h, M). A wave reads 64 groups' sizes at once (lane l: group 64·c + l; loads
+    past G read 0) and scans their ends and tile counts with shuffles — a chunk per memory
+    latency, not a group per memory latency as a scalar walk would."""
+    def sat(a, b):            # min(a + b, M) for a, b in [0, M], without int32 overflow
+        room = M - a
+        return a + (b < room).select(b, room)
+
+    def chunk(st):
+        c, end0, tiles0 = fx.Int32(st["c"]), fx.Int32(st["end"]), fx.Int32(st["tiles"])
+        g = c * WAVE + lane
+        size = load_dwords(sizes_rsrc, g * 4, 1)
+        size = (size > 0).select(size, 0)
+        size = (size < M).select(size, M)
+        below, total = wave_scan(size, lane, sat)
+        first = sat(end0, below)                      # the group's rows: [first, last)
+        last = sat(first, size)
+        tiles = (last - first + (TILE_ROWS - 1)) // TILE_ROWS
+        t_below, t_total = wave_scan(tiles, lane, lambda a, b: a + b)
+        before = tiles0 + t_below
+        mine = (slot >= before) & (slot < before + tiles)   # one lane at most (tile ranges are disjoint)
+        row = first + (slot - before) * TILE_ROWS
+        hit_g = wave_max_i32(mine.select(g, -1))
+        return {"c": c + 1, "end": uniform(sat(end0, total)), "tiles": uniform(tiles0 + t_total),
+                "g": hit_g, "row": wave_max_i32(mine.select(row, -1)),
+                "last": wave_max_i32(mine.select(last, -1))}
+
+    chunks = (G + (WAVE - 1)) // WAVE
+    st = dyn_while(lambda st: (fx.Int32(st["c"]) < chunks) & (fx.Int32(st["g"]) < 0),
+                   {"c": fx.Int32(0), "end": fx.Int32(0), "tiles": fx.Int32(0), "g": fx.Int32(-1),
+                    "row": fx.Int32(0), "last": fx.Int32(0)}, chunk)
+    hit = fx.Int32(st["g"]) >= 0
+    past = fx.Int32(st["end"]) + (slot - fx.Int32(st["tiles"])) * TILE_ROWS
+    return (hit, hit.select(fx.Int32(st["g"]), G), hit.select(fx.Int32(st["row"]), past),
+            hit.select(fx.Int32(st["last"]), M))
+
+
 @functools.lru_cache(maxsize=None)
 def compile_grouped_matmul(weights: str = "bf16", out: str = "f32"):
     """Launcher for weight format `weights` (WEIGHTS) and output dtype `out` ("f32", "bf16")."""
@@ -172,26 +232,7 @@ def compile_grouped_matmul(weights: str = "bf16", out: str = "f32"):
         out_cols = act.select(N // 2, N)
         sizes_rsrc = buffer_rsrc(group_sizes, fx.Int64(G) * 4)
 
-        # the tile of this slot: walk the groups' tile counts in order (scalar, uniform)
-        def walk(st):
-            g, end, before = fx.Int32(st["g"]), fx.Int32(st["end"]), fx.Int32(st["before"])
-            size = uniform(load_dwords(sizes_rsrc, g * 4, 1))
-            size = (size > 0).select(size, 0)
-            room = M - end
-            stop = end + (size < room).select(size, room)
-            tiles = (stop - end + (TILE_ROWS - 1)) // TILE_ROWS
-            hit = slot < before + tiles
-            return {"g": hit.select(g, g + 1), "end": hit.select(end, stop),
-                    "before": hit.select(before, before + tiles), "stop": stop, "hit": hit}
-
-        found = dyn_while(lambda st: (fx.Int32(st["g"]) < G) & ~fx.Boolean(st["hit"]),
-                          {"g": fx.Int32(0), "end": fx.Int32(0), "before": fx.Int32(0), "stop": fx.Int32(0),
-                           "hit": fx.Boolean(False)}, walk)
-        hit = fx.Boolean(found["hit"])
-        g = fx.Int32(found["g"])
-        start = fx.Int32(found["end"]) + (slot - fx.Int32(found["before"])) * TILE_ROWS
-        # past the last group: rows [end, M) are no group's and are written as zeros
-        stop = hit.select(fx.Int32(found["stop"]), M)
+        hit, g, start, stop = find_tile(slot, sizes_rsrc, G, M, lane)
         live = hit | (start < M)
 
         def tile():

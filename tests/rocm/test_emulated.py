@@ -589,6 +589,35 @@ def test_grouped_matmul_formats(gpu, rng, fmt):
     check_grouped(f"{kernel}_f32", "swiglu", got, oracle.grouped_epilogue(product, sizes, "swiglu"), sec)
 
 
+@pytest.mark.parametrize("covered", [True, False])
+def test_grouped_matmul_many_groups(gpu, rng, covered):
+    """M3's expert count and past it: 150 groups, read 64 at a time by each workgroup's tile
+    search (three chunks), routed rows spread over every chunk, negative and empty groups, and
+    a group whose size runs past M (clipped: the groups after it get no rows) — or, with
+    `covered` False, rows after the last group (zeros). Against the float64 oracle."""
+    G, K, N = 150, 32, 16
+    sizes = np.zeros(G, np.int32)
+    routed = rng.choice(G - 2, 30, replace=False)
+    sizes[routed] = rng.integers(1, 20, 30)
+    sizes[rng.choice(G, 10, replace=False)] = -5
+    M = int(np.clip(sizes, 0, None).sum())
+    if covered:
+        sizes[G - 2], sizes[G - 1] = 2 ** 31 - 1, 7      # runs past M: clipped, group G-1 empty
+        M += 9
+    else:
+        M += 21                                            # rows past the last group: zeros
+    T = 40
+    lhs = np.array(jnp.asarray(rng.standard_normal((T, K)), jnp.bfloat16))
+    rhs, _ = grouped_weights(rng, "bf16", G, N, K)
+    rows = rng.integers(0, T, M).astype(np.int32)
+    got, sec = timed(gpu.grouped_matmul, lhs, rhs, sizes, None, lhs_rows=rows)
+    want = oracle.grouped_epilogue(oracle.grouped_matmul(lhs, rhs, sizes, None, lhs_rows=rows), sizes)
+    check_grouped("grouped_matmul_bf16_f32", f"G={G} M={M} {'clipped' if covered else 'uncovered rows'}",
+                  got, want, sec)
+    if not covered:
+        assert (got[M - 21:] == 0).all()
+
+
 def test_grouped_matmul_row_alone_equals_batch(gpu, rng):
     """A row's bits depend only on its row, its group's weights and scales (SPEC §9): a group's
     rows run alone (every other group empty, the rows at other offsets) equal the batch's."""
