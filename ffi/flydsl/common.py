@@ -46,6 +46,14 @@ def uniform(x):
     return fx.Int32(fx.rocdl.readfirstlane(T.i32, fx.Int32(x).ir_value()))
 
 
+def wave_max_i32(x):
+    """The wave's largest int32 (xor shuffles: every lane gets it), made uniform."""
+    for k in (1, 2, 4, 8, 16, 32):
+        o = fx.Int32(x.shuffle_xor(k, WAVE))
+        x = (o > x).select(o, x)
+    return uniform(x)
+
+
 def buffer_rsrc(ptr, num_bytes):
     """Buffer descriptor of `num_bytes` bytes at `ptr`; loads past num_bytes return 0 and touch nothing.
 

@@ -52,7 +52,8 @@ import flydsl.expr as fx
 from flydsl.expr import range_constexpr
 from flydsl.expr.typing import T
 
-from common import LOG2E, WAVE, buffer_rsrc, e2m1_pair_f32, exp2_fast, load_dwords, load_u8, store_dwords, uniform
+from common import (LOG2E, WAVE, buffer_rsrc, e2m1_pair_f32, exp2_fast, load_dwords, load_u8, store_dwords,
+                    uniform, wave_max_i32)
 from select_blocks import dyn_while, e4m3_quad
 from union_tile import dyn_for, when
 
@@ -144,14 +145,6 @@ def activate(gate, up, activation, alpha, limit):
     u = (u < neg).select(neg, u)
     oai = fx.Float32((u + fx.Float32(1.0)) * g * sigmoid(g * alpha))
     return (activation == 1).select(silu, oai)
-
-
-def wave_max_i32(x):
-    """The wave's largest int32 (xor shuffles: every lane gets it), made uniform."""
-    for k in (1, 2, 4, 8, 16, 32):
-        o = fx.Int32(x.shuffle_xor(k, WAVE))
-        x = (o > x).select(o, x)
-    return uniform(x)
 
 
 def wave_scan(x, lane, add):

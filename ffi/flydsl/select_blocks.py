@@ -63,7 +63,7 @@ from flydsl.expr import math as fmath
 from flydsl.expr import range_constexpr
 from flydsl.expr.typing import T
 
-from common import WAVE, buffer_rsrc, load_dwords, store_dwords, uniform
+from common import WAVE, buffer_rsrc, load_dwords, store_dwords, uniform, wave_max_i32
 from union_tile import dyn_for, dyn_if, when
 
 INDEX_DIM = 128                 # Di (M3's index head dim)
@@ -75,6 +75,15 @@ INT32_MAX = 2**31 - 1
 
 Q_DTYPES = {"bf16": fx.BFloat16, "f32": fx.Float32}
 KEY_BYTES = {"bf16": 2, "fp8": 1}
+
+
+def first_lane(mask):
+    """The lowest set bit of a wave's 64-bit ballot mask (nonzero), uniform."""
+    return uniform(fx.Int32(_arith.trunci(T.i32, fmath.cttz(fx.Int64(mask).ir_value()))))
+
+
+def _max_i32(a, b):
+    return fx.Int32(_arith.maxsi(fx.Int32(a).ir_value(), fx.Int32(b).ir_value()))
 
 
 def dyn_while(cond, state: dict, body):
@@ -196,17 +205,22 @@ def compile_select_blocks(qdt: str = "bf16", kdt: str = "bf16"):
 
         def one_run(st):
             m = fx.Int64(st["mask"])
-            s = tile * RUN_TILE + uniform(fx.Int32(_arith.trunci(T.i32, fmath.cttz(m.ir_value()))))
+            s = tile * RUN_TILE + first_lane(m)
             r = uniform(load_dwords(req_rsrc, s * 4, 1))
-            # a. the run's end and its largest position
-            ends = dyn_while(
-                lambda e: (fx.Int32(e["end"]) < num_tokens)
-                & (uniform(load_dwords(req_rsrc, fx.Int32(e["end"]) * 4, 1)) == r),
-                {"end": s, "max_pos": fx.Int32(-1)},
-                lambda e: {"end": fx.Int32(e["end"]) + 1,
-                           "max_pos": fx.Int32(_arith.maxsi(
-                               fx.Int32(e["max_pos"]).ir_value(),
-                               uniform(load_dwords(pos_rsrc, fx.Int32(e["end"]) * 4, 1)).ir_value()))})
+            # a. the run's end and its largest position, 64 rows a load (lane = row): the end is
+            # the first lane past the run, found by a ballot; a prefill chunk's run of 2048 rows
+            # takes 32 loads, not 2048 dependent ones
+            def rows(e):
+                t = fx.Int32(e["base"]) + lane
+                inside = (t < num_tokens) & (load_dwords(req_rsrc, t * 4, 1) == r)
+                out = fx.Int64(fx.rocdl.ballot(T.i64, (~inside).ir_value()))
+                pos = load_dwords(pos_rsrc, t * 4, 1)
+                return {"base": fx.Int32(e["base"]) + WAVE,
+                        "end": (out != 0).select(fx.Int32(e["base"]) + first_lane(out), fx.Int32(-1)),
+                        "max_pos": _max_i32(fx.Int32(e["max_pos"]), wave_max_i32(inside.select(pos, -1)))}
+
+            ends = dyn_while(lambda e: fx.Int32(e["end"]) < 0,
+                             {"base": s, "end": fx.Int32(-1), "max_pos": fx.Int32(-1)}, rows)
             end, max_pos = fx.Int32(ends["end"]), fx.Int32(ends["max_pos"])
 
             def score_run():
