@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+from jax_m3sparse import _checks
 from jax_m3sparse.nvfp4 import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN
 
 BLOCK_SIZE = 128  # N, the one block size the kernels serve (SPEC §1)
@@ -46,11 +47,26 @@ def check_inputs(*, topk_indices=None, block_table=None, num_pages=None, seq_len
         1/g subnormal), which packs NaN groups (SPEC §2.2 step 5, docs/spec_decisions.md).
       * ``layer`` with ``num_layers``: a layer outside ``[0, L)`` (attention reads nothing,
         pack writes nothing, SPEC §3.3).
+      * Any index array given as NumPy with values outside int32 (JAX would wrap them to 32 bits,
+        SPEC §7); then nothing else is checked.
     """
     faults = []  # (fault present: bool scalar, message, {name: value shown in the message})
 
     def add(bad, message, **values):
         faults.append((bad, message, values))
+
+    # NumPy index arrays past int32 would wrap when JAX converts them: report, then check no further
+    for name, x in (("topk_indices", topk_indices), ("block_table", block_table),
+                    ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q),
+                    ("slot_mapping", slot_mapping), ("query_req_id", query_req_id),
+                    ("query_abs_pos", query_abs_pos)):
+        try:
+            if x is not None:
+                _checks.index_arrays(**{name: x})
+        except ValueError as e:
+            add(True, str(e).replace("{", "{{").replace("}", "}}"))
+    if faults:
+        return _report(faults)
 
     if topk_indices is not None:
         ids = jnp.asarray(topk_indices)

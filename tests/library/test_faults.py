@@ -32,6 +32,10 @@ def test_check_inputs_passes_clean_inputs():
     (dict(cu_seqlens_q=np.array([0, 4, 2], np.int32)), "not non-decreasing"),
     (dict(cu_seqlens_q=np.array([1, 4], np.int32)), "cu_seqlens_q\\[0\\] must be 0"),
     (dict(slot_mapping=np.array([0, 512], np.int32), num_pages=4), "slots >= num_pages·128 = 512"),
+    (dict(block_table=np.array([[0, 2 ** 32 - 7]], np.int64), num_pages=16),
+     r"block_table has values outside int32 \(\[0, 4294967289\]\)"),
+    (dict(slot_mapping=np.array([5, 2 ** 40], np.int64), num_pages=16),
+     "slot_mapping has values outside int32"),
     (dict(k_scale=0.0), "k_scale must be finite and > 0"),
     (dict(v_scale=np.inf), "v_scale must be finite and > 0"),
 ])

@@ -306,7 +306,8 @@ def test_trace_time_errors():
 
 def test_int64_numpy_indices_outside_int32_are_an_error(rng):
     """NumPy's default int64: in range it is the same call as int32 (JAX converts it); a value JAX
-    would wrap to 32 bits (2³² + 1 -> page 1) is a ValueError naming the argument."""
+    would wrap to 32 bits (2³² + 1 -> page 1) is a ValueError naming the argument, eagerly and
+    captured under jit (a jit *argument* is converted by JAX before the op: SPEC §7)."""
     q, keys, table, req, pos = random_problem(rng)
     want = native(q, keys, table, req, pos, topk_blocks=4)
     np.testing.assert_array_equal(native(q, keys, table.astype(np.int64), req.astype(np.int64),
@@ -317,6 +318,9 @@ def test_int64_numpy_indices_outside_int32_are_an_error(rng):
         m3.select_blocks(q, keys, wide, req, pos)
     with pytest.raises(ValueError, match="query_abs_pos has values outside int32"):
         m3.select_blocks(q, keys, table, req, pos.astype(np.int64) - 2 ** 40)
+    # captured by a jitted function: the op sees the NumPy array, so the same error
+    with pytest.raises(ValueError, match="block_table has values outside int32"):
+        jax.jit(lambda q_: m3.select_blocks(q_, keys, wide, req, pos))(q)
 
 
 def test_vmap_and_export(rng):
