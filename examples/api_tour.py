@@ -67,11 +67,11 @@ print("prefill rows:", np.asarray(req_id), np.asarray(abs_pos),
 
 # MiniMax M3's indexer selection (SPEC §8) makes topk_indices. The index keys live in their own
 # key-only paged cache, bf16 [L, P, N, Di] (same pages and block_table as K/V); write this step's
-# keys first (the token's own block scores its own key), then select for the same chunk.
+# keys first (a prefill chunk's tokens see its earlier keys), then select for the same chunk.
 DI = 128
 idx_k = jnp.asarray(rng.standard_normal((len(slot_mapping), DI)), jnp.bfloat16)
 # in place (SPEC §8.1; a padding slot (-1) writes nothing)
-idx_k_cache = m3.write_index_keys(jnp.zeros((4, 16, N, DI), jnp.bfloat16), idx_k, slot_mapping,
+idx_k_cache = m3.write_index_keys(m3.allocate_index_cache(16, 4, index_dim=DI), idx_k, slot_mapping,
                                   layer=layer)
 print("index keys written as the reference writes them:", bool(jnp.all(
     idx_k_cache == m3.reference.write_index_keys(jnp.zeros((4, 16, N, DI), jnp.bfloat16), idx_k,

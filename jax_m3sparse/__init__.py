@@ -9,7 +9,8 @@ Public API (SPEC.md sections in each docstring):
   :func:`build_attention_metadata`
 * attention: :func:`sparse_decode`, :func:`sparse_prefill`, :func:`sparse_attention` (SPEC §5),
   :func:`full_attention` (every key up to the position: M3's full layers, SPEC §5.7)
-* MiniMax M3's indexer: :func:`write_index_keys` (SPEC §8.1), :func:`select_blocks` (SPEC §8)
+* MiniMax M3's indexer: :func:`allocate_index_cache`, :func:`write_index_keys` (SPEC §8.1),
+  :func:`select_blocks` (SPEC §8)
 * the routed experts' matmuls: :func:`grouped_matmul` (SPEC §9), bf16 or MXFP8 weights
   (:func:`mxfp8_quantize`, :func:`mxfp8_dequantize`, SPEC §9.1), MXFP4 or NVFP4 weights
   (:func:`mxfp4_quantize`, :func:`nvfp4_quantize`, :func:`fp4_dequantize`, SPEC §9.3)
@@ -44,13 +45,13 @@ from jax_m3sparse.ops.prefill import sparse_prefill
 from jax_m3sparse.ops.route import ExpertRouting, route_experts
 from jax_m3sparse.ops.index_keys import write_index_keys
 from jax_m3sparse.ops.select import select_blocks
-from jax_m3sparse.spec import KVCacheSpec, allocate_kv_cache, unsupported_reason
+from jax_m3sparse.spec import KVCacheSpec, allocate_index_cache, allocate_kv_cache, unsupported_reason
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ExpertRouting", "KVCacheSpec", "NativeModuleWarning", "SparseAttentionMetadata",
-    "allocate_kv_cache", "build_attention_metadata", "check_inputs", "cpu_attention_paths",
+    "allocate_index_cache", "allocate_kv_cache", "build_attention_metadata", "check_inputs", "cpu_attention_paths",
     "dense_matmul", "export_disabled_checks", "fp4_dequantize", "full_attention", "grouped_matmul",
     "mxfp4_quantize", "mxfp8_dequantize", "mxfp8_quantize", "native_module", "native_platforms",
     "nvfp4_dequantize", "nvfp4_quantize", "pack_kv_pages", "query_token_positions", "reference",

@@ -105,6 +105,28 @@ def allocate_kv_cache(spec: KVCacheSpec, num_pages: int, num_layers: int | None 
     return jnp.zeros(spec.cache_shape(num_pages, num_layers, layout), jnp.uint8)
 
 
+def allocate_index_cache(num_pages: int, num_layers: int | None = None, *, index_dim: int = 128,
+                         block_size: int = 128, dtype=jnp.bfloat16) -> jnp.ndarray:
+    """A zeroed key-only index cache for :func:`write_index_keys` / :func:`select_blocks`
+    (SPEC §8): ``[P, N, Di]`` (``num_layers=None``) or ``[L, P, N, Di]``, bfloat16 or
+    float8_e4m3fn, the same pages (and ``block_table``) as the K/V cache.
+
+    Raises:
+      ValueError: ``num_pages`` not an integer >= 0, ``num_layers`` / ``index_dim`` /
+        ``block_size`` not integers >= 1.
+      TypeError: ``dtype`` other than bfloat16 or float8_e4m3fn.
+    """
+    for name, value, low in (("num_pages", num_pages, 0), ("num_layers", num_layers, 1),
+                             ("index_dim", index_dim, 1), ("block_size", block_size, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                                  or value < low):
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if np.dtype(dtype) not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float8_e4m3fn)):
+        raise TypeError(f"dtype must be bfloat16 or float8_e4m3fn, got {np.dtype(dtype)}")
+    shape = (num_pages, block_size, index_dim)
+    return jnp.zeros(shape if num_layers is None else (num_layers, *shape), dtype)
+
+
 def layout_code(layout, ndim: int) -> int:
     """The layout attribute for a cache of rank ``ndim``: 0 for a 4-D (one-layer) cache, else
     :func:`check_layout`. A 5-D cache must name its layout: ``[L, P, ...]`` and ``[P, L, ...]``

@@ -323,6 +323,28 @@ def test_int64_numpy_indices_outside_int32_are_an_error(rng):
         jax.jit(lambda q_: m3.select_blocks(q_, keys, wide, req, pos))(q)
 
 
+def test_allocate_index_cache(rng):
+    """Zeroed caches of the documented shapes and dtypes, usable by write_index_keys and
+    select_blocks; bad sizes and dtypes raise naming the argument."""
+    c3 = m3.allocate_index_cache(5, index_dim=64)
+    c4 = m3.allocate_index_cache(5, 2, dtype=jnp.float8_e4m3fn)
+    assert (c3.shape, c3.dtype) == ((5, 128, 64), jnp.bfloat16) and not np.asarray(c3, np.float32).any()
+    assert (c4.shape, c4.dtype) == ((2, 5, 128, 128), jnp.float8_e4m3fn)
+    keys = jnp.asarray(rng.standard_normal((3, 128)), jnp.float32)
+    c4 = m3.write_index_keys(c4, keys, np.array([0, 130, 257], np.int32), layer=jnp.int32(1))
+    ids = m3.select_blocks(jnp.ones((1, 1, 128), jnp.bfloat16), c4, np.array([[0, 1, 2]], np.int32),
+                           np.zeros(1, np.int32), np.array([257], np.int32), topk_blocks=3,
+                           layer=jnp.int32(1))
+    assert sorted(np.asarray(ids)[0, 0].tolist()) == [0, 1, 2]
+    for kw, err, msg in ((dict(num_pages=-1), ValueError, "num_pages must be an integer >= 0"),
+                         (dict(num_pages=4, num_layers=0), ValueError, "num_layers must be an integer >= 1"),
+                         (dict(num_pages=4, index_dim=0), ValueError, "index_dim must be an integer >= 1"),
+                         (dict(num_pages=4, dtype=jnp.float32), TypeError,
+                          "dtype must be bfloat16 or float8_e4m3fn, got float32")):
+        with pytest.raises(err, match=msg):
+            m3.allocate_index_cache(**kw)
+
+
 def test_vmap_and_export(rng):
     q, keys, table, req, pos = random_problem(rng, T_per_req=(1, 2, 3), ctx=(300, 200, 100))
     f = lambda q: m3.select_blocks(q, keys, table, req, pos, topk_blocks=4)
