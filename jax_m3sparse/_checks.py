@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_m3sparse.spec import LAYOUTS, layout_code
+from jax_m3sparse.spec import INDEX_KEY_DTYPES, LAYOUTS, layout_code
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -159,9 +159,6 @@ def reject_cache_sharding(shape, shards, axis_name="tp", how=""):
     if shape[axis] % shards[axis] or (shape[axis] // shards[axis]) % 2:
         raise ValueError(f"kv_cache head-slot axis ({shape[axis]} slots = 2·Hkv) split into "
                          f"{shards[axis]} shards cuts a K/V slot pair (SPEC §3.1). {fix}")
-
-
-INDEX_KEY_DTYPES = (jnp.bfloat16, jnp.float8_e4m3fn)
 
 
 def index_cache(idx_k_cache, layer, di, di_of):

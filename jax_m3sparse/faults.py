@@ -33,8 +33,9 @@ def check_inputs(*, topk_indices=None, block_table=None, num_pages=None, seq_len
       * ``query_req_id`` / ``query_abs_pos`` (``int32[T]``, :func:`select_blocks`' rows) with
         ``block_table``: a live row (request in ``[0, R)``, position ≥ 0) whose position is past
         what its request's row covers (max_blocks·128 tokens: its selection stops at the last
-        block), or whose own block (position // 128) has no page (−1). Rows with a request outside ``[0, R)`` or a negative position are padding by
-        definition (SPEC §8 step 1) and are not reported.
+        block), or whose own block (position // 128) has no page (−1). Rows with a request
+        outside ``[0, R)`` or a negative position are padding by definition (SPEC §8 step 1)
+        and are not reported.
       * ``seq_lens`` (``int32[R_dec]``, the first rows of ``block_table``): negative lengths;
         with ``block_table``, lengths beyond what the request's row covers (max_blocks·128)
         and rows with no page (−1) in a block the sequence covers.
@@ -86,10 +87,11 @@ def check_inputs(*, topk_indices=None, block_table=None, num_pages=None, seq_len
         if query_req_id is not None and query_abs_pos is not None:
             req, pos = jnp.asarray(query_req_id), jnp.asarray(query_abs_pos)
             cover = bt.shape[1] * BLOCK_SIZE
-            past = (req >= 0) & (req < bt.shape[0]) & (pos >= cover)
+            real = (req >= 0) & (req < bt.shape[0])
+            past = real & (pos >= cover)
             add(jnp.any(past), f"query_abs_pos is past what a block_table row covers "
                 f"(max_blocks·{BLOCK_SIZE} = {cover} tokens) in {{n}} live rows", n=jnp.sum(past))
-            live = (req >= 0) & (req < bt.shape[0]) & (pos >= 0) & ~past
+            live = real & (pos >= 0) & ~past
             own = bt[jnp.clip(req, 0, bt.shape[0] - 1), jnp.clip(pos // BLOCK_SIZE, 0, bt.shape[1] - 1)]
             nopage = live & (own < 0)
             add(jnp.any(nopage), "{n} live rows' own block has no page (-1): their keys were never "

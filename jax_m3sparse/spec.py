@@ -68,10 +68,7 @@ class KVCacheSpec:
     def cache_shape(self, num_pages: int, num_layers: int | None = None,
                     layout: str = "LBHNC") -> tuple[int, ...]:
         """Shape of a one-layer (``num_layers=None``) or all-layer cache (SPEC §3.3)."""
-        for name, value, low in (("num_pages", num_pages, 0), ("num_layers", num_layers, 1)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-                                      or value < low):
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        check_counts(("num_pages", num_pages, 0), ("num_layers", num_layers, 1))
         tail = (self.num_head_slots, self.block_size, self.full_dim)
         if num_layers is None:
             return (num_pages, *tail)
@@ -105,6 +102,18 @@ def allocate_kv_cache(spec: KVCacheSpec, num_pages: int, num_layers: int | None 
     return jnp.zeros(spec.cache_shape(num_pages, num_layers, layout), jnp.uint8)
 
 
+INDEX_KEY_DTYPES = (jnp.bfloat16, jnp.float8_e4m3fn)   # the index-key cache (SPEC §8)
+
+
+def check_counts(*named):
+    """ValueError naming the first ``(name, value, low)`` whose value is given (not None) but
+    not an integer >= low (bools are not counts)."""
+    for name, value, low in named:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                                  or value < low):
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
 def allocate_index_cache(num_pages: int, num_layers: int | None = None, *, index_dim: int = 128,
                          block_size: int = 128, dtype=jnp.bfloat16) -> jnp.ndarray:
     """A zeroed key-only index cache for :func:`write_index_keys` / :func:`select_blocks`
@@ -116,12 +125,9 @@ def allocate_index_cache(num_pages: int, num_layers: int | None = None, *, index
         ``block_size`` not integers >= 1.
       TypeError: ``dtype`` other than bfloat16 or float8_e4m3fn.
     """
-    for name, value, low in (("num_pages", num_pages, 0), ("num_layers", num_layers, 1),
-                             ("index_dim", index_dim, 1), ("block_size", block_size, 1)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-                                  or value < low):
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    if np.dtype(dtype) not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float8_e4m3fn)):
+    check_counts(("num_pages", num_pages, 0), ("num_layers", num_layers, 1),
+                 ("index_dim", index_dim, 1), ("block_size", block_size, 1))
+    if np.dtype(dtype) not in tuple(np.dtype(d) for d in INDEX_KEY_DTYPES):
         raise TypeError(f"dtype must be bfloat16 or float8_e4m3fn, got {np.dtype(dtype)}")
     shape = (num_pages, block_size, index_dim)
     return jnp.zeros(shape if num_layers is None else (num_layers, *shape), dtype)

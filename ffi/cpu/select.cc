@@ -46,7 +46,6 @@ namespace {
 constexpr int64_t kLanes = 8;         // partial sums per dot product (the summation layout)
 constexpr int64_t kKeyTile = 24;      // keys widened at a time (24 × Di fp32 stay in L1)
 constexpr int64_t kPieceTokens = 32;  // most tokens of one run served by one piece
-constexpr int64_t kFewRows = 8;       // up to this many rows read a block's keys in place
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct SelectArgs {
@@ -298,6 +297,7 @@ M3_AVX2 void all_rows_max(const SelectArgs& a, const Buffers& buf, const T* base
 }
 
 M3_AVX2 void score_block_avx2(const SelectArgs& a, Buffers& buf, const BlockJob& job) {
+  constexpr int64_t kFewRows = 8;  // up to this many rows read the keys straight from the cache
   if (a.Di % kLanes == 0 && int64_t(buf.seeing.size()) <= kFewRows) {
     if (a.k_type == ffi::DataType::BF16)
       all_rows_max(a, buf, reinterpret_cast<const uint16_t*>(job.keys), a.Di, a.Di, job.b, 0,

@@ -19,8 +19,9 @@ index is a *tile slot*: group g's rows [start_g, end_g) (sizes clipped to [0, M]
 clipped to M: SPEC §9 item 1) are cut into tiles of 16 rows, the groups' tiles numbered in group
 order, then the rows no group covers ([end_{G-1}, M), written as zeros). A workgroup finds its
 tile from group_sizes itself (find_tile: 64 groups' sizes per load, their ends and tile counts
-scanned across the wave; no scratch, no second kernel); slots past the last tile return at once. So each routed group's weights are read once per 16 of its rows,
-an empty group's never, and the work is the routed rows' only.
+scanned across the wave; no scratch, no second kernel); slots past the last tile return at
+once. So each routed group's weights are read once per 16 of its rows, an empty group's never,
+and the work is the routed rows' only.
 
 Each wave owns 4 tiles of 16 weight rows (no activation: output columns c0 .. c0 + 63; with an
 activation: the gate rows c0 .. c0 + 31 and the up rows N/2 + c0 .. +31, so a lane holds the
