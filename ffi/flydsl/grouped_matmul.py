@@ -12,9 +12,17 @@ Launcher arguments, in order (ffi/rocm/handlers.cc passes them):
     row_scale    float32 [M] or unused;  group_scale  float32 [G] or unused
     out          float32 | bf16 [M, N] ([M, N/2] with an activation)
     M, T, K, N, G, gather, activation (0 none, 1 swiglu, 2 swiglu_oai), has_row_scale,
-    has_group_scale (int32), alpha, limit (float32), stream.
+    has_group_scale (int32), alpha, limit (float32), col_groups, slots, kparts (int32), stream.
 
-Grid (ceil(out_cols / columns per workgroup), ceil(M / 16) + G + 1), 4 waves a workgroup. The y
+Grid (ceil(out_cols / columns per workgroup), ceil(M / 16) + G + 1), 4 waves a workgroup. The
+launcher's `kparts` (1 or KPARTS, chosen by the host from K alone: KPARTS when K has at least
+SPLIT_MIN_STEPS k-steps) says how the 4 waves share the work: kparts 1, each wave its own 64
+weight rows over all of K (256 a workgroup); kparts 4, the 4 waves the same 64 weight rows, wave
+p the p-th quarter of the k-steps (⌈steps / 4⌉ each, the last one fewer), their sums added by
+wave 0 through LDS as ((part 0 + part 1) + part 2) + part 3. Why: at decode sizes a long-K
+product (M3's gate_up, K 6144, 768 rows: 3 workgroups a routed expert) has far fewer workgroups
+than the GPU has CUs; splitting K gives 4× as many, each streaming a quarter of the bytes. The
+order of the sum depends on K only, never on M or the groups (SPEC §9 item 3). The y
 index is a *tile slot*: group g's rows [start_g, end_g) (sizes clipped to [0, M], the running end
 clipped to M: SPEC §9 item 1) are cut into tiles of 16 rows, the groups' tiles numbered in group
 order, then the rows no group covers ([end_{G-1}, M), written as zeros). A workgroup finds its
@@ -44,15 +52,14 @@ store goes through a buffer descriptor sized to its array (per-group descriptors
 weights and their scales), so ids out of range read zeros and stores past a tile are dropped.
 """
 
-from __future__ import annotations
-
 import functools
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl.expr import range_constexpr
+from flydsl.expr import gpu, range_constexpr
 from flydsl.expr.typing import T
 
+from attention_core import lds_load, lds_store
 from common import (LOG2E, WAVE, buffer_rsrc, e2m1_pair_f32, exp2_fast, load_dwords, load_u8, store_dwords,
                     uniform, wave_max_i32)
 from select_blocks import dyn_while, e4m3_quad
@@ -62,6 +69,9 @@ TILE_ROWS = 16                  # rows of lhs per tile (the MFMA's 16 columns)
 WAVES = 4
 STEP_K = 32                     # k per MFMA
 UNROLL = 4                      # k-steps whose loads are issued together (memory-level parallelism)
+KPARTS = 4                      # k-parts of a split workgroup (one a wave)
+SPLIT_MIN_STEPS = 32            # K / 32 from which the host splits K (kparts = KPARTS)
+PART_BYTES = WAVE * 4 * 16      # one wave's 4 accumulators of 4 fp32 a lane, in LDS
 FP32_NORMAL_MIN = 2.0 ** -126
 OFF = 0x7FFFFFF0                # a byte offset past every descriptor: loads give 0, stores drop
 
@@ -200,6 +210,14 @@ def find_tile(slot, sizes_rsrc, G, M, lane):
             hit.select(fx.Int32(st["last"]), M))
 
 
+def shared_storage():
+    @fx.struct
+    class SharedStorage:
+        parts: fx.Array[fx.Int32, (KPARTS - 1) * PART_BYTES // 4, 16]
+
+    return SharedStorage
+
+
 @functools.lru_cache(maxsize=None)
 def compile_grouped_matmul(weights: str = "bf16", out: str = "f32"):
     """Launcher for weight format `weights` (WEIGHTS) and output dtype `out` ("f32", "bf16")."""
@@ -208,6 +226,7 @@ def compile_grouped_matmul(weights: str = "bf16", out: str = "f32"):
     num, den = ROW_BYTES[weights]
     out_bytes = 4 if out == "f32" else 2
     sk = SCALE_K[weights]
+    SharedStorage = shared_storage()
 
     @flyc.kernel(known_block_size=(WAVE * WAVES, 1, 1))
     def grouped_matmul_tiles(
@@ -215,12 +234,15 @@ def compile_grouped_matmul(weights: str = "bf16", out: str = "f32"):
         lhs_rows: fx.Pointer, row_scale: fx.Pointer, group_scale: fx.Pointer, out_ptr: fx.Pointer,
         M: fx.Int32, T_rows: fx.Int32, K: fx.Int32, N: fx.Int32, G: fx.Int32, gather: fx.Int32,
         activation: fx.Int32, has_row_scale: fx.Int32, has_group_scale: fx.Int32,
-        alpha: fx.Float32, limit: fx.Float32,
+        alpha: fx.Float32, limit: fx.Float32, kparts: fx.Int32,
     ):
         slot = fx.Int32(fx.block_idx.y)
         tid = fx.Int32(fx.thread_idx.x)
         wave = uniform(tid // WAVE)
         lane = tid % WAVE
+        part = wave % kparts                      # this wave's share of the k-steps
+        lds = fx.SharedAllocator().allocate(SharedStorage).peek()
+        lds_base = fx.recast_iter(fx.Uint8, lds.parts.ptr)
         lane16, quad = lane % 16, lane // 16
         act = activation != 0
         out_cols = act.select(N // 2, N)
@@ -230,7 +252,7 @@ def compile_grouped_matmul(weights: str = "bf16", out: str = "f32"):
         live = hit | (start < M)
 
         def tile():
-            col0 = fx.Int32(fx.block_idx.x) * (WAVES * 64) + wave * 64    # without an activation
+            col0 = (fx.Int32(fx.block_idx.x) * (WAVES // kparts) + wave // kparts) * 64   # no activation
             col0 = act.select(col0 // 2, col0)                             # 32 output columns a wave
             bases = [act.select(col0 + 16 * (j % 2) + (j // 2) * (N // 2), col0 + 16 * j) for j in range(4)]
             gg = hit.select(g, 0)
@@ -268,11 +290,17 @@ def compile_grouped_matmul(weights: str = "bf16", out: str = "f32"):
                                       fx.Vector(accs[f"a{j}"]), 0, 0, 0]))
                 return accs
 
-            steps = hit.select(K // STEP_K, 0)
+            all_steps = K // STEP_K
+            share = (all_steps + kparts - 1) // kparts
+            first = part * share
+            stop_step = hit.select(first + share, first)
+            stop_step = (stop_step < all_steps).select(stop_step, all_steps)
+            steps = (stop_step > first).select(stop_step - first, 0)
             groups = steps // UNROLL
             acc = dyn_for(0, groups, {f"a{j}": zero for j in range(4)},
-                          lambda i, st: steps_from(i * UNROLL, UNROLL, st))
-            acc = dyn_for(groups * UNROLL, steps, acc, lambda s, st: steps_from(s, 1, st))
+                          lambda i, st: steps_from(first + i * UNROLL, UNROLL, st))
+            acc = dyn_for(first + groups * UNROLL, first + steps, acc, lambda s, st: steps_from(s, 1, st))
+            acc = join_parts(acc)
             gs = ((has_group_scale != 0) & hit).select(
                 load_dwords(buffer_rsrc(group_scale, (has_group_scale != 0).select(fx.Int64(G) * 4, fx.Int64(0))),
                             gg * 4, 1).bitcast(fx.Float32),
@@ -282,23 +310,50 @@ def compile_grouped_matmul(weights: str = "bf16", out: str = "f32"):
                             row * 4, 1).bitcast(fx.Float32),
                 fx.Float32(1.0))
             out_rsrc = buffer_rsrc(out_ptr, fx.Int64(M) * fx.Int64(out_cols) * out_bytes)
-            for j in range_constexpr(4):
-                a = fx.Vector(acc[f"a{j}"])
-                u = fx.Vector(acc[f"a{j + 2}"]) if j < 2 else a
-                vals = []
-                for i in range_constexpr(4):
-                    plain = fx.Float32(a[i] * gs)
-                    joined = activate(plain, fx.Float32(u[i] * gs), activation, alpha, limit)
-                    v = (act.select(joined, plain) * rs) if j < 2 else plain * rs
-                    vals.append(hit.select(fx.Float32(v), fx.Float32(0.0)))
-                col = act.select(col0 + 16 * j, bases[j]) + 4 * quad
-                keep = in_tile & (col < out_cols)
-                if j >= 2:          # the up tiles of an activation are not outputs
-                    keep = keep & ~act
-                off = keep.select((row * out_cols + col) * out_bytes, fx.Int32(OFF))
-                v4 = fx.Vector.from_elements(vals, dtype=fx.Float32)
-                bits = v4.bitcast(fx.Int32) if out == "f32" else v4.to(fx.BFloat16).bitcast(fx.Int32)
-                store_dwords(out_rsrc, off, bits)
+
+            def epilogue():
+                for j in range_constexpr(4):
+                    a = fx.Vector(acc[f"a{j}"])
+                    u = fx.Vector(acc[f"a{j + 2}"]) if j < 2 else a
+                    vals = []
+                    for i in range_constexpr(4):
+                        plain = fx.Float32(a[i] * gs)
+                        joined = activate(plain, fx.Float32(u[i] * gs), activation, alpha, limit)
+                        v = (act.select(joined, plain) * rs) if j < 2 else plain * rs
+                        vals.append(hit.select(fx.Float32(v), fx.Float32(0.0)))
+                    col = act.select(col0 + 16 * j, bases[j]) + 4 * quad
+                    keep = in_tile & (col < out_cols)
+                    if j >= 2:          # the up tiles of an activation are not outputs
+                        keep = keep & ~act
+                    off = keep.select((row * out_cols + col) * out_bytes, fx.Int32(OFF))
+                    v4 = fx.Vector.from_elements(vals, dtype=fx.Float32)
+                    bits = v4.bitcast(fx.Int32) if out == "f32" else v4.to(fx.BFloat16).bitcast(fx.Int32)
+                    store_dwords(out_rsrc, off, bits)
+
+            when(part == 0, epilogue)       # kparts 1: every wave; else wave 0, the parts joined
+
+        def join_parts(acc):
+            """kparts > 1: waves 1 .. kparts − 1 park their sums in LDS; after the barrier wave 0
+            adds them to its own in part order. kparts 1: nothing (no LDS access, no barrier)."""
+            def park():
+                for j in range_constexpr(4):
+                    lds_store(lds_base, (part - 1) * PART_BYTES + (j * WAVE + lane) * 16,
+                              fx.Vector(acc[f"a{j}"]), fx.Float32, 16)
+
+            def add_part(p, st):
+                out = {}
+                for j in range_constexpr(4):
+                    other = fx.Vector(lds_load(lds_base, (p - 1) * PART_BYTES + (j * WAVE + lane) * 16,
+                                               fx.Float32, 4, 16))
+                    mine = fx.Vector(st[f"a{j}"])
+                    out[f"a{j}"] = fx.Vector.from_elements([fx.Float32(mine[i] + other[i]) for i in range(4)],
+                                                           dtype=fx.Float32)
+                return out
+
+            split = kparts > 1
+            when(split & (part != 0), park)
+            when(split, gpu.barrier)
+            return dyn_for(1, (part == 0).select(kparts, 1), acc, add_part)
 
         when(live, tile)
 
@@ -308,12 +363,12 @@ def compile_grouped_matmul(weights: str = "bf16", out: str = "f32"):
         row_scale: fx.Pointer, group_scale: fx.Pointer, out_ptr: fx.Pointer,
         M: fx.Int32, T_rows: fx.Int32, K: fx.Int32, N: fx.Int32, G: fx.Int32, gather: fx.Int32,
         activation: fx.Int32, has_row_scale: fx.Int32, has_group_scale: fx.Int32,
-        alpha: fx.Float32, limit: fx.Float32, col_groups: fx.Int32, slots: fx.Int32,
+        alpha: fx.Float32, limit: fx.Float32, col_groups: fx.Int32, slots: fx.Int32, kparts: fx.Int32,
         stream: fx.Stream = fx.Stream(None),
     ):
         grouped_matmul_tiles(
             lhs, rhs, rhs_scale, group_sizes, lhs_rows, row_scale, group_scale, out_ptr,
-            M, T_rows, K, N, G, gather, activation, has_row_scale, has_group_scale, alpha, limit,
+            M, T_rows, K, N, G, gather, activation, has_row_scale, has_group_scale, alpha, limit, kparts,
         ).launch(grid=(col_groups, slots, 1), block=(WAVE * WAVES, 1, 1), stream=stream)
 
     return launch
@@ -328,4 +383,5 @@ def placeholders(weights: str = "bf16", out: str = "f32"):
         ptr(fx.Int32, None, assumed_align=4), ptr(fx.Float32, None, assumed_align=4),
         ptr(fx.Float32, None, assumed_align=4), ptr(OUTS[out], None, assumed_align=16),
         *(fx.Int32(1) for _ in range(9)), fx.Float32(1.702), fx.Float32(7.0), fx.Int32(1), fx.Int32(1),
+        fx.Int32(1),
     )

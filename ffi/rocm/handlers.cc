@@ -418,6 +418,8 @@ constexpr const char* kGroupedTarget = "m3sparse_grouped_matmul_rocm";
 constexpr int64_t kGroupedTileRows = 16;   // grouped_matmul.py: rows a tile, the MFMA's 16 columns
 constexpr int64_t kGroupedWaves = 4;       // waves a workgroup, 64 output columns each (32 with an activation)
 constexpr int64_t kGroupedStepK = 32;      // k a step
+constexpr int64_t kGroupedSplitSteps = 32; // from K / 32 = this, the 4 waves split K (grouped_matmul.py
+                                           // SPLIT_MIN_STEPS): a workgroup's columns are one wave's
 
 // One entry point per (weight format, output dtype); all eight have the same signature.
 using GroupedCall = decltype(&grouped_matmul_bf16_f32_call);
@@ -450,7 +452,9 @@ ffi::Error GroupedMatmul(hipStream_t stream, int32_t device, ffi::AnyBuffer lhs,
   if (g.k % kGroupedStepK != 0 || cols % 16 != 0)
     return refuse(kGroupedTarget, "K must be a multiple of 32 and the output columns of 16 on gfx950");
   const int64_t slots = (g.m + kGroupedTileRows - 1) / kGroupedTileRows + g.num_groups + 1;
-  const int64_t per_group = kGroupedWaves * (activation != 0 ? 32 : 64);
+  // K alone decides the split (a row's summation order never depends on the batch, SPEC §9 item 3)
+  const int64_t kparts = g.k / kGroupedStepK >= kGroupedSplitSteps ? kGroupedWaves : 1;
+  const int64_t per_group = kGroupedWaves / kparts * (activation != 0 ? 32 : 64);
   if (!fits_i32(g.lhs_count * g.k * 2) || !fits_i32(g.n * g.k * 2) || !fits_i32(g.m * cols * 4) ||
       g.num_groups > kI32Max || slots > kMaxGridYZ)
     return refuse(kGroupedTarget, "an operand is too large for the kernel's 32-bit indexing");
@@ -461,7 +465,8 @@ ffi::Error GroupedMatmul(hipStream_t stream, int32_t device, ffi::AnyBuffer lhs,
                       lhs_rows.typed_data(), row_scale.typed_data(), group_scale.typed_data(), out->untyped_data(),
                       int32_t(g.m), int32_t(g.lhs_count), int32_t(g.k), int32_t(g.n), int32_t(g.num_groups),
                       int32_t(gather != 0), int32_t(activation), int32_t(g.row_scaled), int32_t(g.group_scaled),
-                      alpha, limit, int32_t((cols + per_group - 1) / per_group), int32_t(slots), stream);
+                      alpha, limit, int32_t((cols + per_group - 1) / per_group), int32_t(slots), int32_t(kparts),
+                      stream);
   return launch_status(kGroupedTarget, v.kernel, st);
 }
 

@@ -589,6 +589,36 @@ def test_grouped_matmul_formats(gpu, rng, fmt):
     check_grouped(f"{kernel}_f32", "swiglu", got, oracle.grouped_epilogue(product, sizes, "swiglu"), sec)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_grouped_matmul_split_k(gpu, rng, fmt):
+    """K of 37 k-steps (past SPLIT_MIN_STEPS: the workgroup's 4 waves take quarters of 10, 10, 10
+    and 7 steps, each a group of 4 whose loads go out together and a remainder, joined through
+    LDS): gathered rows, NaN weights of unrouted groups, rows after the last group, swiglu_oai
+    with both scales and bf16 output, against the float64 oracle."""
+    from tools.rocm.emu_launch import GROUPED_SPLIT_STEPS
+    T, K, N, G = 13, 37 * 32, 96, 5
+    assert K // 32 >= GROUPED_SPLIT_STEPS
+    lhs = np.array(jnp.asarray(rng.standard_normal((T, K)), jnp.bfloat16))
+    rhs, scale = grouped_weights(rng, fmt, G, N, K)
+    if scale is None:
+        rhs[1:3] = np.nan
+    else:
+        scale.view(np.uint8)[1:3] = NAN_BYTES[fmt]
+    sizes = np.array([7, -3, 0, 9, 2], np.int32)
+    rows = rng.integers(0, T, 22).astype(np.int32)
+    rows[[0, 19]] = -1, T
+    row_scale = rng.uniform(0.1, 1.0, 22).astype(np.float32)
+    group_scale = rng.uniform(0.5, 2.0, G).astype(np.float32)
+    product = oracle.grouped_matmul(lhs, rhs, sizes, scale, lhs_rows=rows)
+    got, sec = timed(gpu.grouped_matmul, lhs, rhs, sizes, scale, lhs_rows=rows)
+    check_grouped(f"grouped_matmul_{fmt}_f32", f"split K={K}", got, oracle.grouped_epilogue(product, sizes), sec)
+    assert (got[18:] == 0).all()
+    got, sec = timed(gpu.grouped_matmul, lhs, rhs, sizes, scale, lhs_rows=rows, row_scale=row_scale,
+                     group_scale=group_scale, out_dtype=np.dtype(jnp.bfloat16), activation=2)
+    want = oracle.grouped_epilogue(product, sizes, "swiglu_oai", row_scale, group_scale)
+    check_grouped(f"grouped_matmul_{fmt}_bf16", f"split K={K}, swiglu_oai + scales", got, want, sec)
+
+
 @pytest.mark.parametrize("covered", [True, False])
 def test_grouped_matmul_many_groups(gpu, rng, covered):
     """M3's expert count and past it: 150 groups, read 64 at a time by each workgroup's tile
@@ -618,24 +648,28 @@ def test_grouped_matmul_many_groups(gpu, rng, covered):
         assert (got[M - 21:] == 0).all()
 
 
-def test_grouped_matmul_row_alone_equals_batch(gpu, rng):
+@pytest.mark.parametrize("K", [64, 33 * 32])
+def test_grouped_matmul_row_alone_equals_batch(gpu, rng, K):
     """A row's bits depend only on its row, its group's weights and scales (SPEC §9): a group's
-    rows run alone (every other group empty, the rows at other offsets) equal the batch's."""
-    T, K, N, G = 40, 64, 64, 3
+    rows run alone (every other group empty, the rows at other offsets) equal the batch's; K of
+    2 k-steps, and of 33 (split over the waves)."""
+    T, N, G = 40, 64, 3
     lhs = np.array(jnp.asarray(rng.standard_normal((T, K)), jnp.bfloat16))
     rhs, scale = grouped_weights(rng, "mxfp4", G, N, K)
     sizes = np.array([10, 21, 9], np.int32)
     batch = gpu.grouped_matmul(lhs, rhs, sizes, scale)
     alone = gpu.grouped_matmul(lhs[10:31], rhs, np.array([0, 21, 0], np.int32), scale)
     assert np.array_equal(alone, batch[10:31])
-    RESULTS.append(("grouped_matmul_mxfp4_f32", "group 1 alone = in the batch", "bit-identical", 0.0))
+    RESULTS.append(("grouped_matmul_mxfp4_f32", f"K={K}: group 1 alone = in the batch", "bit-identical", 0.0))
 
 
-def test_grouped_matmul_reads_routed_weights_once(gpu, rng):
+@pytest.mark.parametrize("K", [64, 32 * 32])
+def test_grouped_matmul_reads_routed_weights_once(gpu, rng, K):
     """Counted on the emulator (emu_traffic): each routed group's weights (and scales) are read once
-    per tile of 16 of its rows, an unrouted group's never — the work of the routed rows only."""
+    per tile of 16 of its rows, an unrouted group's never — the work of the routed rows only; also
+    with K split over a workgroup's waves (each wave reads its quarter of the same rows)."""
     from tools.rocm import emu_traffic
-    T, K, N, G = 23, 64, 96, 6
+    T, N, G = 23, 96, 6
     lhs = np.array(jnp.asarray(rng.standard_normal((T, K)), jnp.bfloat16))
     sizes = np.array([0, 20, 0, 3, 0, 0], np.int32)                   # group 1: 2 tiles, group 3: 1
     for fmt in ("bf16", "mxfp4"):
@@ -647,7 +681,7 @@ def test_grouped_matmul_reads_routed_weights_once(gpu, rng):
         assert c.read["rhs"] == 3 * per_group, (fmt, c.read["rhs"], per_group)
         if scale is not None:
             assert c.read["rhs_scale"] == 3 * scale[0].nbytes
-        RESULTS.append((f"grouped_matmul_{fmt}_f32", "traffic G=6, 2 routed",
+        RESULTS.append((f"grouped_matmul_{fmt}_f32", f"traffic G=6, 2 routed, K={K}",
                         f"weights {c.read['rhs']} B = 3 tiles' groups once", 0.0))
 
 

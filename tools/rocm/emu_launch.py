@@ -445,8 +445,10 @@ class Handlers:
                 dummy if group_scale is None else np.ascontiguousarray(group_scale, np.float32), out,
                 i32(M), i32(T), i32(K), i32(N), i32(G), i32(lhs_rows is not None), i32(activation),
                 i32(row_scale is not None), i32(group_scale is not None), f32(alpha), f32(limit)]
-        per_group = GROUPED_WAVES * (32 if activation else 64)
-        launch(kernel, (-(-cols // per_group), -(-M // 16) + G + 1, 1), (64 * GROUPED_WAVES, 1, 1), args)
+        kparts = GROUPED_WAVES if K // 32 >= GROUPED_SPLIT_STEPS else 1    # the handler's rule
+        per_group = GROUPED_WAVES // kparts * (32 if activation else 64)
+        launch(kernel, (-(-cols // per_group), -(-M // 16) + G + 1, 1), (64 * GROUPED_WAVES, 1, 1),
+               args + [i32(kparts)])
         return out
 
 
@@ -471,6 +473,7 @@ class Handlers:
         return out
 
 GROUPED_WAVES = 4                                 # grouped_matmul.py: waves per workgroup
+GROUPED_SPLIT_STEPS = 32                          # grouped_matmul.py SPLIT_MIN_STEPS
 
 
 def grouped_format(rhs, rhs_scale) -> str:
