@@ -329,11 +329,51 @@ class Bench:
                    dense_matmul_rows=self.cfg.dense_matmul_rows, step_ms=1e3 * statistics.median(times), step_ms_min=1e3 * min(times),
                    compile_s=compile_s, host_bytes=host, **self.step_trace(call, kind, T))
         self.caches = state["caches"]            # the calls above donated the caches
+        if kind == "decode" and any(m == "sparse" for m in self.cfg.mlp_layer_types):
+            row["routing"] = self.step_routing(batch, nd)
         if parts and not self.args.no_parts:
             parts = Parts(self, batch, nd, kind, ctx)
             row["parts"] = parts.run()
             row.update(self.project(row, parts))
         return row
+
+    def step_routing(self, batch, nd) -> dict:
+        """The step's own routing (one untimed step that also returns each layer's input and
+        attention output, from which each MoE layer's router input is rebuilt): per MoE layer,
+        the experts the live tokens route to and the rows of the largest group; min / mean /
+        max over the layers, beside what uniform routing would touch. A random-weight model
+        routes more narrowly than a trained router balanced by its bias, and the MoE part
+        (random rows) does not show it."""
+        import jax  # noqa: PLC0415
+        import jax.numpy as jnp  # noqa: PLC0415
+        from . import model, moe  # noqa: PLC0415
+        from .layers import gemma_rms_norm, linear  # noqa: PLC0415
+        cfg = self.cfg
+        self.caches, out = model.forward_step(self.params, self.caches, batch, cfg=cfg,
+                                              num_decode_requests=nd, decode_query_len=1,
+                                              collect=("hidden", "attn"), **_step_kwargs(False))
+        live = batch["slot_mapping"] >= 0
+
+        @jax.jit
+        def one(p, x, attn):
+            x = x + linear(attn, p["self_attn"]["o_proj"], cfg)
+            h = gemma_rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
+            sizes = moe.route(p["mlp"], h, cfg, live).group_sizes
+            return jnp.sum(sizes > 0), jnp.max(sizes)
+
+        experts, largest = [], []
+        for i, (_, mlp, first, n) in enumerate(cfg.segments()):
+            if mlp != "sparse":
+                continue
+            for j in range(n):
+                p = jax.tree_util.tree_map(lambda w, j=j: w[j], self.params["segments"][i])
+                e, g = one(p, out["hidden"][first + j], out["attn"][first + j])
+                experts.append(int(e))
+                largest.append(int(g))
+        T, E, k = int(jnp.sum(live)), cfg.num_local_experts, cfg.num_experts_per_tok
+        return dict(experts_min=min(experts), experts_mean=statistics.mean(experts),
+                    experts_max=max(experts), largest_group_mean=statistics.mean(largest),
+                    uniform_experts=E * (1 - (1 - k / E) ** T), moe_layers=len(experts))
 
     def step_trace(self, call, kind, T) -> dict:
         """GPU (``--kernel-times``): the step's kernels from one profiler trace — how many, their
@@ -411,7 +451,9 @@ def _cfg_dict(cfg) -> dict:
 # ----------------------------------------------------------------------------- caches, batches
 def random_caches(cfg, pages: int, seed: int) -> dict:
     """The step's caches with random contents, one layer at a time (donated): FP4 codes
-    random, block scales 1.0 (finite), index keys N(0, 1) bf16."""
+    random, block scales 1.0 (finite), index keys N(0, 1) bf16. Each (page, slot) tile is a
+    data plane then a scale plane (SPEC §3.2), not 72-byte token rows: filled row-wise, the
+    scale plane got random codes (NaN and huge scales) and every attention output was NaN."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
     from . import model  # noqa: PLC0415
@@ -421,9 +463,11 @@ def random_caches(cfg, pages: int, seed: int) -> dict:
     D = cfg.head_dim
 
     def kv_layer(kv, k, l):
-        codes = jax.random.bits(k, kv.shape[1:-1] + (D // 2,), jnp.uint8)
-        scales = jnp.full(kv.shape[1:-1] + (kv.shape[-1] - D // 2,), 0x38, jnp.uint8)
-        return kv.at[l].set(jnp.concatenate([codes, scales], axis=-1))
+        P, S, N, C = kv.shape[1:]
+        data = N * (D // 2)                    # the data plane's bytes; the scale plane follows
+        codes = jax.random.bits(k, (P, S, data), jnp.uint8)
+        scales = jnp.full((P, S, N * C - data), 0x38, jnp.uint8)      # E4M3 1.0
+        return kv.at[l].set(jnp.concatenate([codes, scales], axis=-1).reshape(P, S, N, C))
 
     def idx_layer(idx, k, l):
         return idx.at[l].set(jax.random.normal(k, idx.shape[1:], idx.dtype))
@@ -855,6 +899,12 @@ def format_row(row, tp: int | None = None) -> str:
         lines.append(f"  GPU trace of one step: {row['step_kernels']} kernels, "
                      f"{row['step_kernel_ms']:.2f} ms of kernels in a {row['step_span_ms']:.2f} ms "
                      f"span ({row['step_idle_ms']:.2f} ms idle between them)")
+    if "routing" in row:
+        r = row["routing"]
+        lines.append(f"  the step's routing: {r['experts_mean']:.1f} experts per MoE layer "
+                     f"({r['experts_min']}–{r['experts_max']}; uniform routing "
+                     f"{r['uniform_experts']:.1f}), largest group {r['largest_group_mean']:.1f} "
+                     f"rows on average")
     for p in row.get("parts", []):
         if "error" in p:
             lines.append(f"  {p['part']:<26} failed: {p['error']}")

@@ -37,3 +37,24 @@ def test_tiny_bench_runs(tmp_path):
     # two tokens of top-4-of-16 routing touch between 4 and 8 experts
     assert 4 <= parts["moe (dense)"]["routed_experts"] <= 8
     assert row["projected_step_ms"] >= row["step_ms"]
+
+
+def test_random_caches_are_finite_and_the_step_routes_widely():
+    """The bench's random K/V pages dequantize to finite values (SPEC §3.2's planes: codes in the
+    data plane, 1.0 in the scale plane), so the step's activations are finite and its routing
+    is the router's, not NaN's: 32 tokens of top-4-of-16 touch nearly every expert. (Filled as
+    72-byte token rows, the scale plane got random codes, the attention outputs were NaN and
+    every token routed to the same 4 experts.)"""
+    import jax.numpy as jnp
+    import jax_m3sparse as m3
+    rep = bench.main(["--tiny", "--batch", "32", "--context", "256", "--prefill", "0",
+                      "--repeats", "1", "--warmup", "0", "--no-parts"])
+    (row,) = rep["shapes"]
+    r = row["routing"]
+    assert r["experts_min"] >= 12 and r["uniform_experts"] > 15.9, r
+    assert r["largest_group_mean"] < 32, r
+    caches = bench.random_caches(bench.full_config(bench.parse_args(["--tiny"])), 3, 0)
+    k, v = m3.reference.unpack_kv_pages(caches["kv"], jnp.arange(3), 1.0, 1.0, layer=0,
+                                       layout="LBHNC")
+    assert bool(jnp.isfinite(k).all() & jnp.isfinite(v).all())
+    assert float(jnp.abs(k).max()) == 6.0            # random E2M1 codes at scale 1.0
