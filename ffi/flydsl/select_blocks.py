@@ -17,7 +17,7 @@ Launcher arguments, in order (ffi/rocm/handlers.cc passes them):
 
 Two kernels, launched one after the other on the stream:
 
-1. Scores, grid (M, ceil(T / 64), 2), one wave each: workgroup (b, w, half) serves logical block
+1. Scores, grid (M, ceil(T / 64), 2), 4 waves each: workgroup (b, w, half) serves logical block
    b and key half `half` (keys 64·half .. +63 of the block) for every *run* that starts among the
    rows 64·w .. 64·w + 63. A run is a maximal group of consecutive rows with the same request r
    in [0, R) (a decode request's MTP rows, a prefill chunk's tokens); it starts at row s when
@@ -26,11 +26,13 @@ Two kernels, launched one after the other on the stream:
    served by exactly one workgroup per (block, half).
    a. One scalar pass over the run's rows finds its end and the largest position among them.
    b. If some row sees block b (max pos ≥ 128·b) and the page block_table[r, b] is in [0, P),
-      lane l loads key 64·half + l of the page (256 bytes bf16 / 128 bytes E4M3, 16-byte
-      loads) and widens it exactly to 128 fp32 registers; that is the only key read: each key of
-      the run's visible blocks is read once per run, whatever its number of rows and heads.
+      the half-block's 64 keys (256 bytes bf16 / 128 bytes E4M3 each) are read into LDS in
+      16-byte chunks, a quarter of each key by each wave; after a barrier lane l of every wave
+      widens key 64·half + l exactly to 128 fp32 registers. That is the only key read: each key
+      of the run's visible blocks is read once per run, whatever its number of rows and heads.
       An invalid page is not read (a 0-byte descriptor) and scores −∞.
-   c. For every row t of the run that sees the block (pos ≥ 128·b) and every KV head g: the
+   c. For every row t of the run that sees the block (pos ≥ 128·b) — wave w takes the run's
+      rows s + w, s + w + 4, … (a prefill chunk's rows on 4 waves, not 1) — and every KV head g: the
       lane's dot product idx_q[t, g] · key in fp32, one fused multiply-add per dimension in the
       order d = 0, 1, …, 127 from 0 (q is read as uniform 16-byte loads and widened exactly);
       a NaN dot or a key past pos is −∞; the wave's max (exact, order-free) is the half-block
@@ -51,8 +53,6 @@ kernel reads are exactly those the score kernel writes (candidates b ≤ min(own
 rows), so the scratch memory needs no initialization.
 """
 
-from __future__ import annotations
-
 import functools
 
 import flydsl.compiler as flyc
@@ -63,6 +63,9 @@ from flydsl.expr import math as fmath
 from flydsl.expr import range_constexpr
 from flydsl.expr.typing import T
 
+from flydsl.expr import gpu
+
+from attention_core import lds_load, lds_store
 from common import WAVE, buffer_rsrc, load_dwords, store_dwords, uniform, wave_max_i32
 from union_tile import dyn_for, dyn_if, when
 
@@ -70,6 +73,8 @@ INDEX_DIM = 128                 # Di (M3's index head dim)
 BLOCK_SIZE = 128                # N
 HALF_KEYS = BLOCK_SIZE // 2     # keys per score workgroup: one per lane
 RUN_TILE = WAVE                 # rows whose run starts one score workgroup serves
+SCORE_WAVES = 4                 # waves of a score workgroup: a run's rows dealt round robin
+KEY_STRIDE = {"bf16": 256 + 16, "fp8": 128 + 16}   # LDS bytes per staged key (padded: no bank clash)
 NEG_INF = float("-inf")
 INT32_MAX = 2**31 - 1
 
@@ -118,12 +123,22 @@ def e4m3_quad(word):
     return [lo[0], lo[1], hi[0], hi[1]]
 
 
-def load_key(k_rsrc, key, kdt):
-    """Key `key` of a page (INDEX_DIM values) as fp32, in d order: 16-byte loads, exact widening."""
+def stage_key(k_rsrc, key, kdt, lds_base, lane, wave):
+    """This wave's share of the workgroup's 64 keys into LDS: 16-byte chunks c ≡ wave (mod
+    SCORE_WAVES) of lane `lane`'s key `key` (each chunk of the half-block read once)."""
+    kb = KEY_BYTES[kdt]
+    for c in range_constexpr(INDEX_DIM * kb // 16 // SCORE_WAVES):
+        chunk = c * SCORE_WAVES + wave
+        words = load_dwords(k_rsrc, key * (INDEX_DIM * kb) + 16 * chunk, 4)
+        lds_store(lds_base, lane * KEY_STRIDE[kdt] + 16 * chunk, words, fx.Int32, 16)
+
+
+def staged_key(kdt, lds_base, lane):
+    """Lane `lane`'s staged key (INDEX_DIM values) as fp32, in d order, widened exactly."""
     kb = KEY_BYTES[kdt]
     vals = []
     for c in range_constexpr(INDEX_DIM * kb // 16):
-        words = load_dwords(k_rsrc, key * (INDEX_DIM * kb) + 16 * c, 4)
+        words = fx.Vector(lds_load(lds_base, lane * KEY_STRIDE[kdt] + 16 * c, fx.Int32, 4, 16))
         for i in range_constexpr(4):
             vals.extend(bf16_pair(words[i]) if kdt == "bf16" else e4m3_quad(words[i]))
     return vals
@@ -166,6 +181,14 @@ def wave_best(best_s, best_b):
     return best_s, uniform(best_b)
 
 
+def shared_storage(kdt: str):
+    @fx.struct
+    class SharedStorage:
+        keys: fx.Array[fx.Int32, HALF_KEYS * KEY_STRIDE[kdt] // 4, 16]
+
+    return SharedStorage
+
+
 @functools.lru_cache(maxsize=None)
 def compile_select_blocks(qdt: str = "bf16", kdt: str = "bf16"):
     """Launcher for idx_q dtype `qdt` ("bf16", "f32") and key dtype `kdt` ("bf16", "fp8")."""
@@ -173,8 +196,9 @@ def compile_select_blocks(qdt: str = "bf16", kdt: str = "bf16"):
         raise ValueError(f"select_blocks: no variant q={qdt!r}, keys={kdt!r}")
     q_bytes = Q_DTYPES[qdt].width // 8
     page_bytes = BLOCK_SIZE * INDEX_DIM * KEY_BYTES[kdt]
+    SharedStorage = shared_storage(kdt)
 
-    @flyc.kernel(known_block_size=(WAVE, 1, 1))
+    @flyc.kernel(known_block_size=(WAVE * SCORE_WAVES, 1, 1))
     def select_blocks_scores(
         idx_q: fx.Pointer, idx_k_cache: fx.Pointer, block_table: fx.Pointer, query_req_id: fx.Pointer,
         query_abs_pos: fx.Pointer, layer_ptr: fx.Pointer, workspace: fx.Pointer,
@@ -184,7 +208,11 @@ def compile_select_blocks(qdt: str = "bf16", kdt: str = "bf16"):
         b = fx.Int32(fx.block_idx.x)
         tile = fx.Int32(fx.block_idx.y)
         half = fx.Int32(fx.block_idx.z)
-        lane = fx.Int32(fx.thread_idx.x)
+        tid = fx.Int32(fx.thread_idx.x)
+        wave = uniform(tid // WAVE)
+        lane = tid % WAVE
+        lds = fx.SharedAllocator().allocate(SharedStorage).peek()
+        lds_base = fx.recast_iter(fx.Uint8, lds.keys.ptr)
         layer = fx.Int32(layer_ptr.load())
         layer_ok = (layer >= 0) & (layer < num_layers)
         req_rsrc = buffer_rsrc(query_req_id, fx.Int64(num_tokens) * 4)
@@ -230,7 +258,13 @@ def compile_select_blocks(qdt: str = "bf16", kdt: str = "bf16"):
                 base = (fx.Int64(layer_ok.select(layer, 0)) * layer_stride
                         + fx.Int64(page_ok.select(page, 0)) * page_stride)
                 k_rsrc = buffer_rsrc(idx_k_cache + base, page_ok.select(fx.Int32(page_bytes), fx.Int32(0)))
-                kv = load_key(k_rsrc, key, kdt)
+                # the 4 waves load a quarter of each key each, then every wave widens the whole
+                # half-block from LDS (lane l: key 64·half + l); the second barrier keeps the
+                # next run's keys out of LDS until every wave has its copy in registers
+                stage_key(k_rsrc, key, kdt, lds_base, lane, wave)
+                gpu.barrier()
+                kv = staged_key(kdt, lds_base, lane)
+                gpu.barrier()
 
                 # c. every row of the run that sees the block, every KV head
                 def row(tt, st_row):
@@ -250,7 +284,10 @@ def compile_select_blocks(qdt: str = "bf16", kdt: str = "bf16"):
                     when(pos >= first_key, heads)
                     return st_row
 
-                dyn_for(s, end, {"row": fx.Int32(0)}, row)
+                # the run's rows s + wave, s + wave + 4, ... (a row's scores: one wave's max)
+                mine = (end - s - wave + (SCORE_WAVES - 1)) // SCORE_WAVES
+                dyn_for(0, (mine > 0).select(mine, 0), {"row": fx.Int32(0)},
+                        lambda i, st_row: row(s + wave + i * SCORE_WAVES, st_row))
 
             when(max_pos >= first_key, score_run)
             return {"mask": m & (m - 1)}
@@ -335,7 +372,7 @@ def compile_select_blocks(qdt: str = "bf16", kdt: str = "bf16"):
         select_blocks_scores(
             idx_q, idx_k_cache, block_table, query_req_id, query_abs_pos, layer, workspace,
             num_tokens, num_kv_heads, num_requests, max_blocks, num_pages, num_layers, page_stride, layer_stride,
-        ).launch(grid=(max_blocks, run_tiles, 2), block=(WAVE, 1, 1), stream=stream)
+        ).launch(grid=(max_blocks, run_tiles, 2), block=(WAVE * SCORE_WAVES, 1, 1), stream=stream)
         select_blocks_topk(
             workspace, query_req_id, query_abs_pos, layer, topk_indices,
             num_tokens, num_kv_heads, num_requests, max_blocks, num_layers, topk_blocks, local_blocks,

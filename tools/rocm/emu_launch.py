@@ -370,7 +370,7 @@ class Handlers:
                 query_abs_pos.astype(np.int32), scalar(layer, np.int32), ws, out, i32(T), i32(hkv), i32(R), i32(M),
                 i32(P), i32(L), i64(page_stride), i64(P * page_stride), i32(topk_blocks), i32(local_blocks),
                 i32(-(-T // 64))]
-        launch(scores, (M, -(-T // 64), 2), (64, 1, 1), args[:7] + args[8:16])
+        launch(scores, (M, -(-T // 64), 2), (64 * SELECT_SCORE_WAVES, 1, 1), args[:7] + args[8:16])
         launch(topk, (T, hkv, 1), (64, 1, 1), [ws, args[3], args[4], args[5], out, i32(T), i32(hkv), i32(R),
                                                i32(M), i32(L), i32(topk_blocks), i32(local_blocks)])
         return out
@@ -473,6 +473,7 @@ class Handlers:
         return out
 
 GROUPED_WAVES = 4                                 # grouped_matmul.py: waves per workgroup
+SELECT_SCORE_WAVES = 4                            # select_blocks.py SCORE_WAVES
 GROUPED_SPLIT_STEPS = 32                          # grouped_matmul.py SPLIT_MIN_STEPS
 
 
