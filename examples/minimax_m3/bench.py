@@ -389,7 +389,8 @@ class Bench:
 
     def project(self, row, parts) -> dict:
         """The step at all layers and tp: the measured step, plus the missing layers at their
-        parts' per-layer times, plus the modelled all-reduces."""
+        parts' per-layer times, plus the modelled all-reduces. The floors take the MoE's over
+        the experts the step routes to (its routing report) where there is one."""
         a, full, cfg = self.args, self.full, self.cfg
         p = {x["part"]: x for x in row["parts"]}
         built_sparse = sum(t == "minimax_m3_sparse" for t in cfg.layer_types)
@@ -415,6 +416,13 @@ class Bench:
         tp = a.tp
         ar = (2 * full.num_layers * (2 * (tp - 1) / tp * ar_bytes / a.link_bandwidth
                                      + a.collective_latency) if tp > 1 else 0.0) * 1e6
+        if moe_name and "routing" in row and p[moe_name].get("expert_bytes"):
+            # the MoE floor over the experts the step itself routes to (its routing report),
+            # not the part's random rows
+            m = p[moe_name]
+            nbytes = (m["floor_bytes"] + (row["routing"]["experts_mean"] - m["routed_experts"])
+                      * m["expert_bytes"])
+            p[moe_name] = dict(m, floor_us=max(nbytes / a.bandwidth, m["floor_flops"] / a.flops) * 1e6)
         floor_all = (total_sparse * (floor("attention (sparse)") + floor("selection"))
                      + (full.num_layers - total_sparse) * floor(attn_full)
                      + total_moe * floor(moe_name) + (full.num_layers - total_moe)
@@ -801,7 +809,7 @@ class Parts:
                               resolved=moe.resolve_impl(impl, T * k / E,
                                                         weight_dtype=self.seg(i)["mlp"][
                                                             "experts"]["gate_up_proj"].dtype),
-                              routed_experts=routed,
+                              routed_experts=routed, expert_bytes=per_expert,
                               expected_routed_experts=expected)
         D = cfg.dense_intermediate_size
         return self.timed("dense MLP", fn, (x, self.seg(i)["mlp"]), n, 3 * D * H * 2,
