@@ -4,8 +4,10 @@ Builds what one of ``--tp`` GPUs runs (default: M3 at TP 8 — hidden 6144, 8 qu
 head, 128 experts of I = 384, shared expert 384, dense MLP 1536; the released layer pattern,
 3 full-attention + dense-MLP layers then sparse + MoE), as many layers as fit the device
 (``--layers``), random bf16 weights made on the device (model.init_params), a page pool for the
-largest batch × context with random cache contents (the timing does not depend on them), and
-times, per step shape (decode batches × contexts, one prefill chunk):
+largest batch × context with random cache contents (finite: random FP4 codes at scale 1.0 —
+values decide the selection and the routing, so they must be finite; the step's routing is
+reported per decode shape), and times, per step shape (decode batches × contexts, one prefill
+chunk):
 
 * the whole ``model.forward_step`` as a server calls it (wall, median after warmup; without the
   engine report's block counts unless ``--block-stats``) and its compile time;
@@ -50,7 +52,7 @@ def parse_args(argv=None):
     ap.add_argument("--keep-layer-types", action="store_true",
                     help="keep the config's layer_types (default: the released pattern, full "
                          "attention where the MLP is dense, sparse elsewhere)")
-    ap.add_argument("--tp", type=int, default=8, help="tensor parallel of the modelled system")
+    ap.add_argument("--tp", type=int, default=8, help="tensor parallel of the modelled system (default 8; --tiny: 1)")
     ap.add_argument("--layers", type=int, default=None, help="layers built (default: as many "
                     "as fit --mem-fraction of the device, at least the first sparse+MoE one)")
     ap.add_argument("--mem-fraction", type=float, default=None,
@@ -96,13 +98,14 @@ def parse_args(argv=None):
     ap.add_argument("--kernel-times", action="store_true",
                     help="GPU: also each part's kernel time from a jax.profiler trace (a trace "
                          "per part and shape: slower)")
-    ap.add_argument("--bandwidth", type=float, default=4.25e12, help="B/s for memory floors")
-    ap.add_argument("--flops", type=float, default=790e12, help="FLOP/s for compute floors")
+    ap.add_argument("--bandwidth", type=float, default=4.25e12, help="B/s for memory floors (default: the H200's copy rate, 4.25e12)")
+    ap.add_argument("--flops", type=float, default=790e12, help="FLOP/s for compute floors (default: H200 dense bf16, 7.9e14)")
     ap.add_argument("--link-bandwidth", type=float, default=450e9,
-                    help="B/s per GPU of the modelled ring all-reduce (NVLink)")
+                    help="B/s per GPU of the modelled ring all-reduce (NVLink; default 4.5e11)")
     ap.add_argument("--collective-latency", type=float, default=10e-6,
-                    help="s per modelled collective")
-    ap.add_argument("--seed", type=int, default=0)
+                    help="s per modelled collective (default 1e-5)")
+    ap.add_argument("--seed", type=int, default=0, help="weights', caches' and batches' seed "
+                    "(default 0)")
     ap.add_argument("--json", default=None, help="write the numbers here")
     args = ap.parse_args(argv)
     if args.quick:
@@ -341,9 +344,10 @@ class Bench:
         """The step's own routing (one untimed step that also returns each layer's input and
         attention output, from which each MoE layer's router input is rebuilt): per MoE layer,
         the experts the live tokens route to and the rows of the largest group; min / mean /
-        max over the layers, beside what uniform routing would touch. A random-weight model
-        routes more narrowly than a trained router balanced by its bias, and the MoE part
-        (random rows) does not show it."""
+        max over the layers, beside what uniform routing would touch. What the step's MoE
+        reads depends on it (NaN activations once sent every token to the same 4 experts), and
+        the MoE part, timed on random rows, does not show it. Decode shapes only: at prefill
+        sizes the collected activations ([L, T, H] fp32) would take gigabytes."""
         import jax  # noqa: PLC0415
         import jax.numpy as jnp  # noqa: PLC0415
         from . import model, moe  # noqa: PLC0415
@@ -371,7 +375,7 @@ class Bench:
                 experts.append(int(e))
                 largest.append(int(g))
         T, E, k = int(jnp.sum(live)), cfg.num_local_experts, cfg.num_experts_per_tok
-        return dict(experts_min=min(experts), experts_mean=statistics.mean(experts),
+        return dict(pairs=T * k, experts_min=min(experts), experts_mean=statistics.mean(experts),
                     experts_max=max(experts), largest_group_mean=statistics.mean(largest),
                     uniform_experts=E * (1 - (1 - k / E) ** T), moe_layers=len(experts))
 
@@ -910,9 +914,10 @@ def format_row(row, tp: int | None = None) -> str:
     if "routing" in row:
         r = row["routing"]
         lines.append(f"  the step's routing: {r['experts_mean']:.1f} experts per MoE layer "
-                     f"({r['experts_min']}–{r['experts_max']}; uniform routing "
-                     f"{r['uniform_experts']:.1f}), largest group {r['largest_group_mean']:.1f} "
-                     f"rows on average")
+                     f"(min–max over its {r['moe_layers']} MoE layers {r['experts_min']}–"
+                     f"{r['experts_max']}; uniform routing would touch {r['uniform_experts']:.1f}),"
+                     f" largest group {r['largest_group_mean']:.1f} rows (mean "
+                     f"{r['pairs'] / max(r['experts_mean'], 1):.1f} per routed expert)")
     for p in row.get("parts", []):
         if "error" in p:
             lines.append(f"  {p['part']:<26} failed: {p['error']}")
@@ -923,7 +928,7 @@ def format_row(row, tp: int | None = None) -> str:
         lines.append(f"  {name:<26} {p['us_per_layer']:10.1f} µs/layer"
                      + (f" (kernels {k:.1f})" if k else "")
                      + f"   floor {p['floor_us']:8.1f} µs ({p['floor_by']})"
-                     + (f"   {p['routed_experts']} experts routed"
+                     + (f"   {p['routed_experts']} experts routed (the part's random rows)"
                         if "routed_experts" in p else "")
                      + f"   [{p['layers']} layers, compile {p['compile_s']:.1f} s]")
     if "projected_step_ms" in row:

@@ -38,13 +38,14 @@ weight rows (lane: row lane16, k = 8·quad .. +7, widened to bf16 exactly as SPE
 say: bf16 as stored; fp8 · 2^(e−127) and e2m1 · 2^(e−127) through two normal fp32 factors, below
 2^-126 → ±0, e = 255 → NaN; e2m1 · e4m3 exact) and B = the tile's 16 rows (lane: row lane16,
 the same k; a row past the tile or a gathered id outside [0, T) reads zeros). C gives each lane
-4 consecutive output columns of one row, summed in fp32 over K in a fixed order (32-k steps in
-k order): a row's result depends only on its row, its group's weights and its scales. The loop
-takes 4 k-steps at a time and issues all their loads (20 of 16 bytes a lane for bf16, plus the
-scale bytes) before their 16 MFMAs, a scheduling barrier keeping them there: a wave then has
-its next 4 steps' operands in flight at once, not one load at a time (what LLVM's scheduler made
-of the plain loop, trading memory-level parallelism for registers). K/32 mod 4 steps follow one
-at a time.
+4 consecutive output columns of one row, summed in fp32 over K in a fixed order — kparts 1: the
+32-k steps in k order; kparts 4: each wave its quarter's steps in k order, then the quarters
+added in part order — which depends on K alone: a row's result depends only on its row, its
+group's weights and its scales. A wave's loop takes 4 k-steps at a time and issues all their
+loads (20 of 16 bytes a lane for bf16, plus the scale bytes) before their 16 MFMAs, a
+scheduling barrier keeping them there: a wave then has its next 4 steps' operands in flight at
+once, not one load at a time (what LLVM's scheduler made of the plain loop, trading
+memory-level parallelism for registers). The wave's steps mod 4 follow one at a time.
 
 Epilogue (SPEC §9 item 6), in fp32 in the lane: × group_scale[g], the activation (the reference's
 formulas; NaN kept), × row_scale[row], rounded to nearest even for bf16 output. Every load and
@@ -72,6 +73,7 @@ UNROLL = 4                      # k-steps whose loads are issued together (memor
 KPARTS = 4                      # k-parts of a split workgroup (one a wave)
 SPLIT_MIN_STEPS = 32            # K / 32 from which the host splits K (kparts = KPARTS)
 PART_BYTES = WAVE * 4 * 16      # one wave's 4 accumulators of 4 fp32 a lane, in LDS
+assert KPARTS == WAVES, "a split workgroup is one k-part per wave (the host passes kparts = its waves)"
 FP32_NORMAL_MIN = 2.0 ** -126
 OFF = 0x7FFFFFF0                # a byte offset past every descriptor: loads give 0, stores drop
 

@@ -17,18 +17,20 @@ Launcher arguments, in order (ffi/rocm/handlers.cc passes them):
 
 Two kernels, launched one after the other on the stream:
 
-1. Scores, grid (M, ceil(T / 64), 2), 4 waves each: workgroup (b, w, half) serves logical block
+1. Scores, grid (M, ceil(T / 64), 2), 4 waves each: workgroup (b, j, half) serves logical block
    b and key half `half` (keys 64·half .. +63 of the block) for every *run* that starts among the
-   rows 64·w .. 64·w + 63. A run is a maximal group of consecutive rows with the same request r
+   rows 64·j .. 64·j + 63 (the row tile j). A run is a maximal group of consecutive rows with the same request r
    in [0, R) (a decode request's MTP rows, a prefill chunk's tokens); it starts at row s when
-   s = 0 or query_req_id[s − 1] differs (a ballot over the tile's 64 rows; the wave walks the set
-   bits). The run may extend past the tile: its workgroup follows it to its end, so each run is
+   s = 0 or query_req_id[s − 1] differs (a ballot over the tile's 64 rows; every wave walks the set
+   bits, so the 4 waves visit the same runs in the same order). The run may extend past the tile: its workgroup follows it to its end, so each run is
    served by exactly one workgroup per (block, half).
-   a. One scalar pass over the run's rows finds its end and the largest position among them.
+   a. The run's end and the largest position among its rows, 64 rows a load (a ballot finds
+      the first row past the run).
    b. If some row sees block b (max pos ≥ 128·b) and the page block_table[r, b] is in [0, P),
       the half-block's 64 keys (256 bytes bf16 / 128 bytes E4M3 each) are read into LDS in
       16-byte chunks, a quarter of each key by each wave; after a barrier lane l of every wave
-      widens key 64·half + l exactly to 128 fp32 registers. That is the only key read: each key
+      widens key 64·half + l exactly to 128 fp32 registers, and a second barrier keeps the next
+      run's keys out of LDS until every wave holds its copy. That is the only key read: each key
       of the run's visible blocks is read once per run, whatever its number of rows and heads.
       An invalid page is not read (a 0-byte descriptor) and scores −∞.
    c. For every row t of the run that sees the block (pos ≥ 128·b) — wave w takes the run's

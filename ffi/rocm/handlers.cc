@@ -452,7 +452,8 @@ ffi::Error GroupedMatmul(hipStream_t stream, int32_t device, ffi::AnyBuffer lhs,
   if (g.k % kGroupedStepK != 0 || cols % 16 != 0)
     return refuse(kGroupedTarget, "K must be a multiple of 32 and the output columns of 16 on gfx950");
   const int64_t slots = (g.m + kGroupedTileRows - 1) / kGroupedTileRows + g.num_groups + 1;
-  // K alone decides the split (a row's summation order never depends on the batch, SPEC §9 item 3)
+  // K alone decides the split (a row's summation order never depends on the batch, SPEC §9 item 3);
+  // a split workgroup is one k-part per wave (grouped_matmul.py asserts KPARTS == WAVES)
   const int64_t kparts = g.k / kGroupedStepK >= kGroupedSplitSteps ? kGroupedWaves : 1;
   const int64_t per_group = kGroupedWaves / kparts * (activation != 0 ? 32 : 64);
   if (!fits_i32(g.lhs_count * g.k * 2) || !fits_i32(g.n * g.k * 2) || !fits_i32(g.m * cols * 4) ||
