@@ -52,7 +52,10 @@ def test_random_caches_are_finite_and_the_step_routes_widely():
     (row,) = rep["shapes"]
     r = row["routing"]
     assert r["experts_min"] >= 12 and r["uniform_experts"] > 15.9, r
-    assert r["largest_group_mean"] < 32, r
+    # 128 pairs over 16 experts, 8 on average: with the router's correction bias 0
+    # (bench.balanced_router) the largest group stays near a multinomial's (the random N(0, 0.1)
+    # bias gave 19.7; NaN activations gave 32, every token on the same experts)
+    assert r["largest_group_mean"] < 16, r
     caches = bench.random_caches(bench.full_config(bench.parse_args(["--tiny"])), 3, 0)
     k, v = m3.reference.unpack_kv_pages(caches["kv"], jnp.arange(3), 1.0, 1.0, layer=0,
                                        layout="LBHNC")
