@@ -27,14 +27,17 @@ Two kernels, launched one after the other on the stream:
    a. The run's end and the largest position among its rows, 64 rows a load (a ballot finds
       the first row past the run).
    b. If some row sees block b (max pos ≥ 128·b) and the page block_table[r, b] is in [0, P),
-      the half-block's 64 keys (256 bytes bf16 / 128 bytes E4M3 each) are read into LDS in
-      16-byte chunks, a quarter of each key by each wave; after a barrier lane l of every wave
-      widens key 64·half + l exactly to 128 fp32 registers, and a second barrier keeps the next
-      run's keys out of LDS until every wave holds its copy. That is the only key read: each key
-      of the run's visible blocks is read once per run, whatever its number of rows and heads.
-      An invalid page is not read (a 0-byte descriptor) and scores −∞.
-   c. For every row t of the run that sees the block (pos ≥ 128·b) — wave w takes the run's
-      rows s + w, s + w + 4, … (a prefill chunk's rows on 4 waves, not 1) — and every KV head g: the
+      lane l holds key 64·half + l of the page (256 bytes bf16 / 128 bytes E4M3) widened exactly
+      to 128 fp32 registers. A run of at least 4 rows (a prefill chunk) is *shared*: the 4 waves
+      read a quarter of each of the 64 keys into LDS (16-byte chunks), a barrier, every wave
+      widens the whole half-block from LDS, and a second barrier keeps the next run's keys out
+      of LDS until every wave holds its copy. A shorter run (decode or MTP rows) goes to one wave
+      — the tile's runs to waves 0, 1, 2, 3, 0, … in turn — which loads its keys itself, no
+      barrier. Either way that is the only key read: each key of the run's visible blocks is read
+      once per run, whatever its number of rows and heads. An invalid page is not read (a 0-byte
+      descriptor) and scores −∞.
+   c. For every row t of the run that sees the block (pos ≥ 128·b) — a shared run's rows dealt
+      to the waves, s + w, s + w + 4, … for wave w — and every KV head g: the
       lane's dot product idx_q[t, g] · key in fp32, one fused multiply-add per dimension in the
       order d = 0, 1, …, 127 from 0 (q is read as uniform 16-byte loads and widened exactly);
       a NaN dot or a key past pos is −∞; the wave's max (exact, order-free) is the half-block
@@ -125,6 +128,17 @@ def e4m3_quad(word):
     return [lo[0], lo[1], hi[0], hi[1]]
 
 
+def load_key(k_rsrc, key, kdt):
+    """Key `key` of a page (INDEX_DIM values) as fp32, in d order: 16-byte loads, exact widening."""
+    kb = KEY_BYTES[kdt]
+    vals = []
+    for c in range_constexpr(INDEX_DIM * kb // 16):
+        words = load_dwords(k_rsrc, key * (INDEX_DIM * kb) + 16 * c, 4)
+        for i in range_constexpr(4):
+            vals.extend(bf16_pair(words[i]) if kdt == "bf16" else e4m3_quad(words[i]))
+    return vals
+
+
 def stage_key(k_rsrc, key, kdt, lds_base, lane, wave):
     """This wave's share of the workgroup's 64 keys into LDS: 16-byte chunks c ≡ wave (mod
     SCORE_WAVES) of lane `lane`'s key `key` (each chunk of the half-block read once)."""
@@ -133,6 +147,18 @@ def stage_key(k_rsrc, key, kdt, lds_base, lane, wave):
         chunk = c * SCORE_WAVES + wave
         words = load_dwords(k_rsrc, key * (INDEX_DIM * kb) + 16 * chunk, 4)
         lds_store(lds_base, lane * KEY_STRIDE[kdt] + 16 * chunk, words, fx.Int32, 16)
+
+
+def run_keys(shared, k_rsrc, key, kdt, lds_base, lane, wave):
+    """Lane `lane`'s key for a run, as fp32 registers: staged through LDS by the workgroup's 4
+    waves (`shared`: every wave then holds all 64 keys; two barriers), else loaded by this wave."""
+    if not shared:
+        return load_key(k_rsrc, key, kdt)
+    stage_key(k_rsrc, key, kdt, lds_base, lane, wave)
+    gpu.barrier()
+    kv = staged_key(kdt, lds_base, lane)
+    gpu.barrier()
+    return kv
 
 
 def staged_key(kdt, lds_base, lane):
@@ -253,20 +279,19 @@ def compile_select_blocks(qdt: str = "bf16", kdt: str = "bf16"):
                              {"base": s, "end": fx.Int32(-1), "max_pos": fx.Int32(-1)}, rows)
             end, max_pos = fx.Int32(ends["end"]), fx.Int32(ends["max_pos"])
 
-            def score_run():
-                # b. this lane's key, once for the run (an invalid page: 0-byte descriptor, zeros)
+            def score_run(shared):
+                # b. the half-block's keys, once for the run (an invalid page: 0-byte descriptor,
+                # zeros). shared (a run of ≥ 4 rows): the 4 waves load a quarter of each key each,
+                # then every wave widens the whole half-block from LDS (lane l: key 64·half + l);
+                # the second barrier keeps the next run's keys out of LDS until every wave has
+                # its copy. Else one wave loads its lanes' keys itself and takes every row.
                 page = uniform(load_dwords(table_rsrc, (r * max_blocks + b) * 4, 1))
                 page_ok = (page >= 0) & (page < num_pages)
                 base = (fx.Int64(layer_ok.select(layer, 0)) * layer_stride
                         + fx.Int64(page_ok.select(page, 0)) * page_stride)
                 k_rsrc = buffer_rsrc(idx_k_cache + base, page_ok.select(fx.Int32(page_bytes), fx.Int32(0)))
-                # the 4 waves load a quarter of each key each, then every wave widens the whole
-                # half-block from LDS (lane l: key 64·half + l); the second barrier keeps the
-                # next run's keys out of LDS until every wave has its copy in registers
-                stage_key(k_rsrc, key, kdt, lds_base, lane, wave)
-                gpu.barrier()
-                kv = staged_key(kdt, lds_base, lane)
-                gpu.barrier()
+                kv = run_keys(shared, k_rsrc, key, kdt, lds_base, lane, wave)
+                first_row, stride = (s + wave, SCORE_WAVES) if shared else (s, 1)
 
                 # c. every row of the run that sees the block, every KV head
                 def row(tt, st_row):
@@ -286,15 +311,21 @@ def compile_select_blocks(qdt: str = "bf16", kdt: str = "bf16"):
                     when(pos >= first_key, heads)
                     return st_row
 
-                # the run's rows s + wave, s + wave + 4, ... (a row's scores: one wave's max)
-                mine = (end - s - wave + (SCORE_WAVES - 1)) // SCORE_WAVES
-                dyn_for(0, (mine > 0).select(mine, 0), {"row": fx.Int32(0)},
-                        lambda i, st_row: row(s + wave + i * SCORE_WAVES, st_row))
+                # the run's rows first_row, first_row + stride, ... (a row's scores: one wave's max)
+                count = (end - first_row + (stride - 1)) // stride
+                dyn_for(0, (count > 0).select(count, 0), {"row": fx.Int32(0)},
+                        lambda i, st_row: row(first_row + i * stride, st_row))
 
-            when(max_pos >= first_key, score_run)
-            return {"mask": m & (m - 1)}
+            # a run of at least 4 rows (a prefill chunk) is shared by the 4 waves; shorter runs
+            # (decode rows, MTP rows) go to the waves in turn, a wave each, no barrier
+            n_run = fx.Int32(st["n"])
+            seen = max_pos >= first_key
+            shared_run = (end - s) >= SCORE_WAVES
+            when(seen & shared_run, lambda: score_run(True))
+            when(seen & ~shared_run & (n_run % SCORE_WAVES == wave), lambda: score_run(False))
+            return {"mask": m & (m - 1), "n": n_run + 1}
 
-        dyn_while(lambda st: fx.Int64(st["mask"]) != 0, {"mask": mask}, one_run)
+        dyn_while(lambda st: fx.Int64(st["mask"]) != 0, {"mask": mask, "n": fx.Int32(0)}, one_run)
 
     @flyc.kernel(known_block_size=(WAVE, 1, 1))
     def select_blocks_topk(

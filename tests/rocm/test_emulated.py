@@ -509,6 +509,23 @@ def test_select_blocks_variants(gpu, rng, dtype_q, dtype_k, layer, K, local, int
         assert (got == -1).all()
 
 
+@pytest.mark.parametrize("integer", [True, False])
+def test_select_blocks_long_run_on_four_waves(gpu, rng, integer):
+    """A run of 41 rows (a prefill chunk: the score workgroup's 4 waves share it, rows dealt
+    round robin, keys staged in LDS) beside runs of 3 and 1 rows (one wave each, in turn), the
+    long run's rows spanning a block boundary with 4 candidate blocks ranked for K = 3 — so every
+    row's scores decide its ids. Against the reference and, for integer data, SPEC §8 brute
+    force; a row of the long run alone gives the same ids."""
+    q, keys, bt, req, pos = select_case(rng, jnp.bfloat16, jnp.bfloat16, [(3, 300), (41, 620), (1, 50)],
+                                        P=12, M=6, hkv=2, integer=integer)
+    got, sec = timed(gpu.select_blocks, q, keys, bt, req, pos, 0, 3, 1)
+    check_select("select_blocks_bf16_bf16", f"a 41-row run on 4 waves ({'integer' if integer else 'float'})",
+                 got, q, keys, bt, req, pos, 0, 3, 1, sec, brute=integer)
+    for t in (3, 22, 43):
+        one = gpu.select_blocks(q[t:t + 1], keys, bt, req[t:t + 1], pos[t:t + 1], 0, 3, 1)
+        assert np.array_equal(one[:, 0], got[:, t]), f"row {t} alone"
+
+
 def test_select_blocks_reads_each_run_keys_once(gpu, rng):
     """Counted on the emulator (emu_traffic): key bytes read = for each run of consecutive rows of
     one request, its visible blocks with a valid page once (32 KiB each), whatever its rows and KV
