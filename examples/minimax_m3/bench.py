@@ -4,8 +4,8 @@ Builds what one of ``--tp`` GPUs runs (default: M3 at TP 8 — hidden 6144, 8 qu
 head, 128 experts of I = 384, shared expert 384, dense MLP 1536; the released layer pattern,
 3 full-attention + dense-MLP layers then sparse + MoE), as many layers as fit the device
 (``--layers``), random bf16 weights made on the device (model.init_params; the router's
-correction bias 0, as a trained one balances the experts' load: ``balanced_router``), a page pool for the
-largest batch × context with random cache contents (finite: random FP4 codes at scale 1.0 —
+correction bias 0, as a trained one balances the experts' load: ``balanced_router``), a page
+pool for the largest batch × context with random cache contents (finite: random FP4 codes at scale 1.0 —
 values decide the selection and the routing, so they must be finite; the step's routing is
 reported per decode shape), and times, per step shape (decode batches × contexts, one prefill
 chunk):
@@ -53,7 +53,8 @@ def parse_args(argv=None):
     ap.add_argument("--keep-layer-types", action="store_true",
                     help="keep the config's layer_types (default: the released pattern, full "
                          "attention where the MLP is dense, sparse elsewhere)")
-    ap.add_argument("--tp", type=int, default=8, help="tensor parallel of the modelled system (default 8; --tiny: 1)")
+    ap.add_argument("--tp", type=int, default=8,
+                    help="tensor parallel of the modelled system (default 8; --tiny: 1)")
     ap.add_argument("--layers", type=int, default=None, help="layers built (default: as many "
                     "as fit --mem-fraction of the device, at least the first sparse+MoE one)")
     ap.add_argument("--mem-fraction", type=float, default=None,
@@ -99,8 +100,10 @@ def parse_args(argv=None):
     ap.add_argument("--kernel-times", action="store_true",
                     help="GPU: also each part's kernel time from a jax.profiler trace (a trace "
                          "per part and shape: slower)")
-    ap.add_argument("--bandwidth", type=float, default=4.25e12, help="B/s for memory floors (default: the H200's copy rate, 4.25e12)")
-    ap.add_argument("--flops", type=float, default=790e12, help="FLOP/s for compute floors (default: H200 dense bf16, 7.9e14)")
+    ap.add_argument("--bandwidth", type=float, default=4.25e12,
+                    help="B/s for memory floors (default: the H200's copy rate, 4.25e12)")
+    ap.add_argument("--flops", type=float, default=790e12,
+                    help="FLOP/s for compute floors (default: H200 dense bf16, 7.9e14)")
     ap.add_argument("--link-bandwidth", type=float, default=450e9,
                     help="B/s per GPU of the modelled ring all-reduce (NVLink; default 4.5e11)")
     ap.add_argument("--collective-latency", type=float, default=10e-6,
@@ -370,8 +373,11 @@ class Bench:
         for i, (_, mlp, first, n) in enumerate(cfg.segments()):
             if mlp != "sparse":
                 continue
-            for j in range(n):
-                p = jax.tree_util.tree_map(lambda w, j=j: w[j], self.params["segments"][i])
+            seg = self.params["segments"][i]
+            for j in range(n):   # only the leaves the router input needs (not the experts)
+                p = dict(self_attn=dict(o_proj=seg["self_attn"]["o_proj"][j]),
+                         post_attention_layernorm=seg["post_attention_layernorm"][j],
+                         mlp={k: seg["mlp"][k][j] for k in ("gate", "e_score_correction_bias")})
                 e, g = one(p, out["hidden"][first + j], out["attn"][first + j])
                 experts.append(int(e))
                 largest.append(int(g))
@@ -427,7 +433,8 @@ class Bench:
             m = p[moe_name]
             nbytes = (m["floor_bytes"] + (row["routing"]["experts_mean"] - m["routed_experts"])
                       * m["expert_bytes"])
-            p[moe_name] = dict(m, floor_us=max(nbytes / a.bandwidth, m["floor_flops"] / a.flops) * 1e6)
+            p[moe_name] = dict(m, floor_us=max(nbytes / a.bandwidth,
+                                               m["floor_flops"] / a.flops) * 1e6)
         floor_all = (total_sparse * (floor("attention (sparse)") + floor("selection"))
                      + (full.num_layers - total_sparse) * floor(attn_full)
                      + total_moe * floor(moe_name) + (full.num_layers - total_moe)
@@ -473,7 +480,8 @@ def balanced_router(params: dict) -> dict:
         mlp = seg["mlp"]
         if "e_score_correction_bias" in mlp:
             bias = mlp["e_score_correction_bias"]
-            seg = dict(seg, mlp=dict(mlp, e_score_correction_bias=jnp.zeros(bias.shape, bias.dtype)))
+            seg = dict(seg, mlp=dict(mlp, e_score_correction_bias=jnp.zeros(bias.shape,
+                                                                             bias.dtype)))
         segments.append(seg)
     return dict(params, segments=segments)
 
