@@ -305,7 +305,7 @@ class Bench:
                     full_layers=self.full.num_layers, tp=self.args.tp, pages=self.pages,
                     init_s=self.init_s, memory=self.mem, moe_impl=self.args.moe_impl,
                     block_stats=self.args.block_stats,
-                    impls=self.impls, model=self.model_note(), shapes=rows)
+                    impls=self.impls, model=self.model_note(), router_bias="zero", shapes=rows)
 
     def model_note(self) -> dict:
         a = self.args
@@ -942,8 +942,9 @@ def format_row(row, tp: int | None = None) -> str:
         lines.append(f"  the step's routing: {r['experts_mean']:.1f} experts per MoE layer "
                      f"(min–max over its {r['moe_layers']} MoE layers {r['experts_min']}–"
                      f"{r['experts_max']}; uniform routing would touch {r['uniform_experts']:.1f}),"
-                     f" largest group {r['largest_group_mean']:.1f} rows (mean "
-                     f"{r['pairs'] / max(r['experts_mean'], 1):.1f} per routed expert)")
+                     f" largest group {r['largest_group_mean']:.1f} rows (its mean over the "
+                     f"layers; {r['pairs'] / max(r['experts_mean'], 1):.1f} rows per routed "
+                     f"expert on average)")
     for p in row.get("parts", []):
         if "error" in p:
             lines.append(f"  {p['part']:<26} failed: {p['error']}")
@@ -974,7 +975,8 @@ def format_report(r) -> str:
         f"{r['full_layers']} layers built (hidden {cfg['hidden_size']}, {cfg['num_attention_heads']}"
         f" q / {cfg['num_key_value_heads']} KV heads, {cfg['num_local_experts']} experts of "
         f"{cfg['intermediate_size']}, top {cfg['num_experts_per_tok']}, vocab "
-        f"{cfg['vocab_size']}), {r['pages']} pages, weights made in {r['init_s']:.1f} s, "
+        f"{cfg['vocab_size']}), {r['pages']} pages, weights made in {r['init_s']:.1f} s "
+        f"(the router's correction bias 0: balanced_router), "
         f"moe_impl {r['moe_impl']}, experts {cfg.get('expert_format', 'bf16')}"
         f"{' with the SwiGLU in the gate_up kernel' if cfg.get('moe_epilogue') else ''}; the step "
         f"{'with' if r.get('block_stats') else 'without'} the per-layer block counts "

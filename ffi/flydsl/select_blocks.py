@@ -28,12 +28,13 @@ Two kernels, launched one after the other on the stream:
       the first row past the run).
    b. If some row sees block b (max pos ≥ 128·b) and the page block_table[r, b] is in [0, P),
       lane l holds key 64·half + l of the page (256 bytes bf16 / 128 bytes E4M3) widened exactly
-      to 128 fp32 registers. A run of at least 4 rows (a prefill chunk) is *shared*: the 4 waves
+      to 128 fp32 registers. A run of at least 4 rows (a prefill chunk; 4 or more MTP rows too:
+      the split is by length) is *shared*: the 4 waves
       read a quarter of each of the 64 keys into LDS (16-byte chunks), a barrier, every wave
       widens the whole half-block from LDS, and a second barrier keeps the next run's keys out
-      of LDS until every wave holds its copy. A shorter run (decode or MTP rows) goes to one wave
-      — the tile's runs to waves 0, 1, 2, 3, 0, … in turn — which loads its keys itself, no
-      barrier. Either way that is the only key read: each key of the run's visible blocks is read
+      of LDS until every wave holds its copy. A shorter run (decode rows, up to 3 MTP rows) goes
+      to one wave — wave (the run's index among the tile's runs) mod 4 — which loads its keys
+      itself, no barrier. Either way that is the only key read: each key of the run's visible blocks is read
       once per run, whatever its number of rows and heads. An invalid page is not read (a 0-byte
       descriptor) and scores −∞.
    c. For every row t of the run that sees the block (pos ≥ 128·b) — a shared run's rows dealt
