@@ -129,12 +129,12 @@ def e4m3_quad(word):
     return [lo[0], lo[1], hi[0], hi[1]]
 
 
-def load_key(k_rsrc, key, kdt):
-    """Key `key` of a page (INDEX_DIM values) as fp32, in d order: 16-byte loads, exact widening."""
-    kb = KEY_BYTES[kdt]
+def widened_key(chunk, kdt):
+    """A key (INDEX_DIM values) as fp32, in d order, widened exactly; chunk(c) gives its c-th 16
+    bytes as 4 dwords (from memory or from LDS)."""
     vals = []
-    for c in range_constexpr(INDEX_DIM * kb // 16):
-        words = load_dwords(k_rsrc, key * (INDEX_DIM * kb) + 16 * c, 4)
+    for c in range_constexpr(INDEX_DIM * KEY_BYTES[kdt] // 16):
+        words = chunk(c)
         for i in range_constexpr(4):
             vals.extend(bf16_pair(words[i]) if kdt == "bf16" else e4m3_quad(words[i]))
     return vals
@@ -151,26 +151,18 @@ def stage_key(k_rsrc, key, kdt, lds_base, lane, wave):
 
 
 def run_keys(shared, k_rsrc, key, kdt, lds_base, lane, wave):
-    """Lane `lane`'s key for a run, as fp32 registers: staged through LDS by the workgroup's 4
-    waves (`shared`: every wave then holds all 64 keys; two barriers), else loaded by this wave."""
+    """Lane `lane`'s key `key` for a run, as fp32 registers: staged through LDS by the
+    workgroup's 4 waves (`shared`: every wave then holds all 64 keys; two barriers), else loaded
+    by this wave from memory (16-byte loads)."""
     if not shared:
-        return load_key(k_rsrc, key, kdt)
+        key_bytes = INDEX_DIM * KEY_BYTES[kdt]
+        return widened_key(lambda c: load_dwords(k_rsrc, key * key_bytes + 16 * c, 4), kdt)
     stage_key(k_rsrc, key, kdt, lds_base, lane, wave)
     gpu.barrier()
-    kv = staged_key(kdt, lds_base, lane)
+    kv = widened_key(lambda c: fx.Vector(lds_load(lds_base, lane * KEY_STRIDE[kdt] + 16 * c,
+                                                  fx.Int32, 4, 16)), kdt)
     gpu.barrier()
     return kv
-
-
-def staged_key(kdt, lds_base, lane):
-    """Lane `lane`'s staged key (INDEX_DIM values) as fp32, in d order, widened exactly."""
-    kb = KEY_BYTES[kdt]
-    vals = []
-    for c in range_constexpr(INDEX_DIM * kb // 16):
-        words = fx.Vector(lds_load(lds_base, lane * KEY_STRIDE[kdt] + 16 * c, fx.Int32, 4, 16))
-        for i in range_constexpr(4):
-            vals.extend(bf16_pair(words[i]) if kdt == "bf16" else e4m3_quad(words[i]))
-    return vals
 
 
 def dot_q(q_rsrc, q_off, qdt, key):

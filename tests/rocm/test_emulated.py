@@ -574,14 +574,19 @@ def check_grouped(kernel, case, got, want, sec):
     assert (err <= bound).all(), f"{kernel} {case}: max error {err.max():.3e}"
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp8", "mxfp4", "nvfp4"])
-def test_grouped_matmul_formats(gpu, rng, fmt):
+@pytest.mark.parametrize("fmt,steps", [("bf16", 5), ("mxfp8", 5), ("mxfp4", 5), ("nvfp4", 5),
+                                       ("bf16", 37), ("nvfp4", 37)])
+def test_grouped_matmul_formats(gpu, rng, fmt, steps):
     """Against the float64 oracle (tests/support/oracle.py): gathered rows with ids outside [0, T),
     a negative and an empty group whose weights are NaN (never read: no NaN reaches a row), rows
-    after the last group (zeros), N not a multiple of a workgroup's columns, K of 5 k-steps (one
-    group of 4 whose loads go out together, then one alone); plain f32 output, then bf16 output
-    with swiglu_oai, row and group scales, then swiglu with f32 output."""
-    T, K, N, G = 13, 160, 96, 5
+    after the last group (zeros), N not a multiple of a workgroup's columns; plain f32 output,
+    then bf16 output with swiglu_oai, row and group scales, then swiglu with f32 output. K of 5
+    k-steps: one group of 4 whose loads go out together, then one alone; K of 37 k-steps (past
+    SPLIT_MIN_STEPS): the workgroup's 4 waves take quarters of 10, 10, 10 and 7 steps, each groups
+    of 4 and a remainder, joined through LDS."""
+    from tools.rocm.emu_launch import GROUPED_SPLIT_STEPS
+    T, K, N, G = 13, steps * 32, 96, 5
+    assert (steps >= GROUPED_SPLIT_STEPS) == (steps == 37)
     lhs = np.array(jnp.asarray(rng.standard_normal((T, K)), jnp.bfloat16))
     rhs, scale = grouped_weights(rng, fmt, G, N, K)
     if scale is None:
@@ -596,44 +601,15 @@ def test_grouped_matmul_formats(gpu, rng, fmt):
     product = oracle.grouped_matmul(lhs, rhs, sizes, scale, lhs_rows=rows)
     kernel = f"grouped_matmul_{fmt}"
     got, sec = timed(gpu.grouped_matmul, lhs, rhs, sizes, scale, lhs_rows=rows)
-    check_grouped(f"{kernel}_f32", "M=22 G=5 gather, NaN unrouted", got, oracle.grouped_epilogue(product, sizes), sec)
+    check_grouped(f"{kernel}_f32", f"M=22 G=5 K={K} gather, NaN unrouted", got,
+                  oracle.grouped_epilogue(product, sizes), sec)
     assert (got[18:] == 0).all()
     got, sec = timed(gpu.grouped_matmul, lhs, rhs, sizes, scale, lhs_rows=rows, row_scale=row_scale,
                      group_scale=group_scale, out_dtype=np.dtype(jnp.bfloat16), activation=2)
     want = oracle.grouped_epilogue(product, sizes, "swiglu_oai", row_scale, group_scale)
-    check_grouped(f"{kernel}_bf16", "swiglu_oai, row + group scales", got, want, sec)
+    check_grouped(f"{kernel}_bf16", f"K={K} swiglu_oai, row + group scales", got, want, sec)
     got, sec = timed(gpu.grouped_matmul, lhs, rhs, sizes, scale, lhs_rows=rows, activation=1)
-    check_grouped(f"{kernel}_f32", "swiglu", got, oracle.grouped_epilogue(product, sizes, "swiglu"), sec)
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_grouped_matmul_split_k(gpu, rng, fmt):
-    """K of 37 k-steps (past SPLIT_MIN_STEPS: the workgroup's 4 waves take quarters of 10, 10, 10
-    and 7 steps, each a group of 4 whose loads go out together and a remainder, joined through
-    LDS): gathered rows, NaN weights of unrouted groups, rows after the last group, swiglu_oai
-    with both scales and bf16 output, against the float64 oracle."""
-    from tools.rocm.emu_launch import GROUPED_SPLIT_STEPS
-    T, K, N, G = 13, 37 * 32, 96, 5
-    assert K // 32 >= GROUPED_SPLIT_STEPS
-    lhs = np.array(jnp.asarray(rng.standard_normal((T, K)), jnp.bfloat16))
-    rhs, scale = grouped_weights(rng, fmt, G, N, K)
-    if scale is None:
-        rhs[1:3] = np.nan
-    else:
-        scale.view(np.uint8)[1:3] = NAN_BYTES[fmt]
-    sizes = np.array([7, -3, 0, 9, 2], np.int32)
-    rows = rng.integers(0, T, 22).astype(np.int32)
-    rows[[0, 19]] = -1, T
-    row_scale = rng.uniform(0.1, 1.0, 22).astype(np.float32)
-    group_scale = rng.uniform(0.5, 2.0, G).astype(np.float32)
-    product = oracle.grouped_matmul(lhs, rhs, sizes, scale, lhs_rows=rows)
-    got, sec = timed(gpu.grouped_matmul, lhs, rhs, sizes, scale, lhs_rows=rows)
-    check_grouped(f"grouped_matmul_{fmt}_f32", f"split K={K}", got, oracle.grouped_epilogue(product, sizes), sec)
-    assert (got[18:] == 0).all()
-    got, sec = timed(gpu.grouped_matmul, lhs, rhs, sizes, scale, lhs_rows=rows, row_scale=row_scale,
-                     group_scale=group_scale, out_dtype=np.dtype(jnp.bfloat16), activation=2)
-    want = oracle.grouped_epilogue(product, sizes, "swiglu_oai", row_scale, group_scale)
-    check_grouped(f"grouped_matmul_{fmt}_bf16", f"split K={K}, swiglu_oai + scales", got, want, sec)
+    check_grouped(f"{kernel}_f32", f"K={K} swiglu", got, oracle.grouped_epilogue(product, sizes, "swiglu"), sec)
 
 
 @pytest.mark.parametrize("covered", [True, False])

@@ -265,7 +265,7 @@ def test_resources(exported):
                 # the score kernel holds its key as 128 fp32 registers, the half-block's 64 keys
                 # staged in LDS (padded rows); the top-k kernel no LDS
                 assert waves >= 3, f"{where}: {res} allows {waves} waves/SIMD"
-                staged = 64 * (272 if "_bf16_bf16" in name or "_f32_bf16" in name else 144)
+                staged = 64 * (272 if name.endswith("_bf16") else 144)      # bf16 / E4M3 keys
                 assert res["lds_bytes"] == (staged if gpu_kernel.startswith("select_blocks_scores") else 0), where
             elif family(name) == "grouped_matmul":
                 # registers hold 4 k-steps' loads in flight (MXFP8's widening: 140 VGPRs); LDS
