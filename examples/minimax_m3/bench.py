@@ -5,9 +5,9 @@ head, 128 experts of I = 384, shared expert 384, dense MLP 1536; the released la
 3 full-attention + dense-MLP layers then sparse + MoE), as many layers as fit the device
 (``--layers``), random bf16 weights made on the device (model.init_params; the router's
 correction bias 0, as a trained one balances the experts' load: ``balanced_router``), a page
-pool for the largest batch × context with random cache contents (finite: random FP4 codes at scale 1.0 —
-values decide the selection and the routing, so they must be finite; the step's routing is
-reported per decode shape), and times, per step shape (decode batches × contexts, one prefill
+pool for the largest batch × context with random cache contents (finite: random FP4 codes at
+scale 1.0 — values decide the selection and the routing, so they must be finite; the step's
+routing is reported per decode shape), and times, per step shape (decode batches × contexts, one prefill
 chunk):
 
 * the whole ``model.forward_step`` as a server calls it (wall, median after warmup; without the
@@ -355,7 +355,6 @@ class Bench:
         import jax  # noqa: PLC0415
         import jax.numpy as jnp  # noqa: PLC0415
         from . import model, moe  # noqa: PLC0415
-        from .layers import gemma_rms_norm, linear  # noqa: PLC0415
         cfg = self.cfg
         self.caches, out = model.forward_step(self.params, self.caches, batch, cfg=cfg,
                                               num_decode_requests=nd, decode_query_len=1,
@@ -364,8 +363,7 @@ class Bench:
 
         @jax.jit
         def one(p, x, attn):
-            x = x + linear(attn, p["self_attn"]["o_proj"], cfg)
-            h = gemma_rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
+            h = model.mlp_input(p, x, attn, cfg)[1]
             sizes = moe.route(p["mlp"], h, cfg, live).group_sizes
             return jnp.sum(sizes > 0), jnp.max(sizes)
 
@@ -494,6 +492,7 @@ def random_caches(cfg, pages: int, seed: int) -> dict:
     scale plane got random codes (NaN and huge scales) and every attention output was NaN."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
+    import jax_m3sparse as m3  # noqa: PLC0415
     from . import model  # noqa: PLC0415
     caches = _allocate(cfg, pages)
     key = jax.random.key(seed + 1)
@@ -502,7 +501,7 @@ def random_caches(cfg, pages: int, seed: int) -> dict:
 
     def kv_layer(kv, k, l):
         P, S, N, C = kv.shape[1:]
-        data = N * (D // 2)                    # the data plane's bytes; the scale plane follows
+        data = m3.spec.tile_offsets(0, D, N)[1]  # the data plane's bytes; the scale plane follows
         codes = jax.random.bits(k, (P, S, data), jnp.uint8)
         scales = jnp.full((P, S, N * C - data), 0x38, jnp.uint8)      # E4M3 1.0
         return kv.at[l].set(jnp.concatenate([codes, scales], axis=-1).reshape(P, S, N, C))

@@ -453,9 +453,15 @@ def decoder_layer(p, x, attention, cfg, is_moe, live=None):
     to no expert, moe.sparse_moe); None: every row."""
     h = gemma_rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
     attn, extra = attention(p["self_attn"], h)
-    x = x + linear(attn, p["self_attn"]["o_proj"], cfg)
-    h = gemma_rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
+    x, h = mlp_input(p, x, attn, cfg)
     return x + moe.mlp(p["mlp"], h, cfg, is_moe, live), attn, extra
+
+
+def mlp_input(p, x, attn, cfg):
+    """A layer's residual after attention, ``x + o_proj(attn)``, and the MLP's input (the
+    post-attention norm of it): ``(x, h)``, both ``[T, H]``."""
+    x = x + linear(attn, p["self_attn"]["o_proj"], cfg)
+    return x, gemma_rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
 
 
 def scan_layers(params, cfg, layer_fn, carry):
