@@ -33,6 +33,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "isa.h"
@@ -74,7 +75,7 @@ struct Row {
 };
 
 struct Buffers {
-  std::vector<float> q, tile, scores;
+  std::vector<float> q, tile, scores, q256;  // q256: the avx2 path's seeing rows' q · 256
   std::vector<Row> rows, seeing;
   std::vector<int64_t> top;
 };
@@ -185,7 +186,8 @@ void score_block_generic(const SelectArgs& a, Buffers& buf, const BlockJob& job)
 // then dot_generic's tree by hadd, 4 dot products at a time. 12 accumulators in flight
 // (R rows × C keys) keep both FMA pipes busy through the 4-cycle fma latency.
 #if M3_X86
-#define M3_AVX2 __attribute__((target("avx2,fma")))
+// f16c: E4M3 keys widen through fp16 (every AVX2 CPU has F16C; has_f16c() checks it anyway).
+#define M3_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 M3_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
@@ -194,22 +196,103 @@ M3_AVX2 inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
 }
 
-// E4M3 s.eeee.mmm: e ≥ 1 → bits (eeeemmm << 20) + (120 << 23); e = 0 → m · 2^-9 (an exact
-// int conversion, no fp32 subnormal); 0x7F → NaN; then the sign. Equal to e4m3_to_float.
+// E4M3 through fp16: s.eeee.mmm → the fp16 bits s.0eeee.mmm0000000, which are the value · 2^-8
+// exactly (an E4M3 subnormal becomes an fp16 subnormal; vcvtph2ps converts those exactly and
+// ignores MXCSR.DAZ), then × 256 (exact). 0x7F / 0xFF become the fp16 NaN 0x7E00 / 0xFE00, which
+// widen to 0x7FC00000 | sign and stay so through the multiply. Equal to e4m3_to_float, bit for
+// bit, for all 256 bytes. x: the bytes zero-extended to 16-bit lanes.
+M3_AVX2 inline __m128i e4m3_half_bits(__m128i x) {  // 8 lanes
+  const __m128i mag = _mm_set1_epi16(0x7F);
+  const __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(x, 8), 1),  // s.s.eeee.mmm.0⁷
+                                  _mm_set1_epi16(int16_t(0xBFFF)));         // → s.0.eeee.mmm.0⁷
+  const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(x, mag), mag);
+  return _mm_xor_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x3F80 ^ 0x7E00)));
+}
+
+M3_AVX2 inline __m256i e4m3_half_bits(__m256i x) {  // 16 lanes, the same steps
+  const __m256i mag = _mm256_set1_epi16(0x7F);
+  const __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(x, 8), 1),
+                                     _mm256_set1_epi16(int16_t(0xBFFF)));
+  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(x, mag), mag);
+  return _mm256_xor_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x3F80 ^ 0x7E00)));
+}
+
 M3_AVX2 inline __m256 load8(const uint8_t* p) {
   long long raw;
   std::memcpy(&raw, p, 8);
-  const __m256i x = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(raw));
-  const __m256i mag_mask = _mm256_set1_epi32(0x7F);
-  const __m256i mag = _mm256_and_si256(x, mag_mask);
-  const __m256 normal = _mm256_castsi256_ps(
-      _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
-  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.0f / 512.0f));
-  __m256 v = _mm256_blendv_ps(
-      normal, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag)));
-  v = _mm256_blendv_ps(v, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
-                       _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, mag_mask)));
-  return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(x, 7), 31)));
+  const __m128i h = e4m3_half_bits(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(raw)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+}
+
+// 16 E4M3 values at once (the 16-bit work on one ymm): dims [0, 8) in *lo, [8, 16) in *hi.
+M3_AVX2 inline void load16(const uint8_t* p, __m256* lo, __m256* hi) {
+  const __m256i h = e4m3_half_bits(
+      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  *lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_set1_ps(256.0f));
+  *hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), _mm256_set1_ps(256.0f));
+}
+
+// E4M3 keys of a block with no NaN byte, dotted with q · 256 (score_block_avx2 checks both):
+// the fp16 bits alone (value · 2^-8, exact) — q · 256 · (k · 2^-8) is the same exact product,
+// so every fma rounds the same. Saves the NaN fix and the multiply.
+struct E4M3Scaled {
+  uint8_t byte;
+};
+
+M3_AVX2 inline __m128i e4m3_half_bits_finite(__m128i x) {  // no 0x7F / 0xFF among the bytes
+  return _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(x, 8), 1), _mm_set1_epi16(int16_t(0xBFFF)));
+}
+
+M3_AVX2 inline __m256 load8(const E4M3Scaled* p) {
+  long long raw;
+  std::memcpy(&raw, p, 8);
+  return _mm256_cvtph_ps(e4m3_half_bits_finite(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(raw))));
+}
+
+M3_AVX2 inline void load16(const E4M3Scaled* p, __m256* lo, __m256* hi) {
+  const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(x, 8), 1),
+                                     _mm256_set1_epi16(int16_t(0xBFFF)));
+  *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+// Whether any of the n bytes is an E4M3 NaN (0x7F / 0xFF).
+M3_AVX2 bool e4m3_any_nan(const uint8_t* p, int64_t n) {
+  const __m256i mag = _mm256_set1_epi8(0x7F);
+  __m256i m = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32)
+    m = _mm256_max_epu8(m, _mm256_and_si256(
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)), mag));
+  bool nan = _mm256_movemask_epi8(_mm256_cmpeq_epi8(m, mag)) != 0;
+  for (; i < n; ++i) nan |= (p[i] & 0x7F) == 0x7F;
+  return nan;
+}
+
+// Points the seeing rows at q · 256; false (nothing changed) unless every q is ±0, normal below
+// 2^120, ±inf or NaN (tested on the bits, whatever MXCSR says): then q · 256 is exact and normal
+// under FTZ / DAZ too, and so is k · 2^-8, so each fma sees the same exact product as q · k.
+M3_AVX2 bool scale_seeing_q(const SelectArgs& a, Buffers& buf) {
+  const int64_t S = int64_t(buf.seeing.size());
+  buf.q256.resize(S * a.Dp);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  const __m256i min_normal = _mm256_set1_epi32(0x00800000 - 1), zero = _mm256_setzero_si256();
+  const __m256i big = _mm256_set1_epi32(0x7B800000 - 1), inf = _mm256_set1_epi32(0x7F800000);
+  __m256i bad = zero;
+  for (int64_t i = 0; i < S; ++i)
+    for (int64_t d = 0; d < a.Dp; d += kLanes) {
+      const __m256 v = _mm256_loadu_ps(buf.seeing[i].q + d);
+      const __m256i m = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
+      const __m256i subnormal =
+          _mm256_and_si256(_mm256_cmpgt_epi32(m, zero), _mm256_cmpgt_epi32(min_normal, m));
+      const __m256i huge = _mm256_and_si256(_mm256_cmpgt_epi32(m, big), _mm256_cmpgt_epi32(inf, m));
+      bad = _mm256_or_si256(bad, _mm256_or_si256(subnormal, huge));
+      _mm256_storeu_ps(buf.q256.data() + i * a.Dp + d, _mm256_mul_ps(v, _mm256_set1_ps(256.0f)));
+    }
+  if (!_mm256_testz_si256(bad, bad)) return false;
+  for (int64_t i = 0; i < S; ++i) buf.seeing[i].q = buf.q256.data() + i * a.Dp;
+  return true;
 }
 
 M3_AVX2 void widen_avx2(const SelectArgs& a, const void* src, int64_t n, float* dst) {
@@ -230,8 +313,23 @@ M3_AVX2 inline void dots(const float* const* q, const T* const* k, int64_t Dp, f
   static_assert(R * C == 12, "three hadd trees of four");
   __m256 x[12];
   for (auto& v : x) v = _mm256_setzero_ps();
+  int64_t d = 0;
+  if constexpr ((std::is_same_v<T, uint8_t> || std::is_same_v<T, E4M3Scaled>) && C <= 4) {
+    // E4M3: 16 dims a step (one 16-bit widening for two ymm); each accumulator still takes
+    // dim d, then d + 8: the same sums.
+#pragma GCC unroll 2
+    for (; d + 2 * kLanes <= Dp; d += 2 * kLanes) {
+      __m256 lo[C], hi[C];
+      for (int c = 0; c < C; ++c) load16(k[c] + d, &lo[c], &hi[c]);
+      for (int r = 0; r < R; ++r) {
+        const __m256 q0 = _mm256_loadu_ps(q[r] + d), q1 = _mm256_loadu_ps(q[r] + d + kLanes);
+        for (int c = 0; c < C; ++c)
+          x[r * C + c] = _mm256_fmadd_ps(q1, hi[c], _mm256_fmadd_ps(q0, lo[c], x[r * C + c]));
+      }
+    }
+  }
 #pragma GCC unroll 4  // 4 × 12 fmas between loop tests: 50 vs 35 GFLOP/s on one Zen 3 core
-  for (int64_t d = 0; d < Dp; d += kLanes) {
+  for (; d < Dp; d += kLanes) {
     __m256 key[C];
     for (int c = 0; c < C; ++c) key[c] = load8(k[c] + d);
     for (int r = 0; r < R; ++r) {
@@ -302,6 +400,10 @@ M3_AVX2 void score_block_avx2(const SelectArgs& a, Buffers& buf, const BlockJob&
     if (a.k_type == ffi::DataType::BF16)
       all_rows_max(a, buf, reinterpret_cast<const uint16_t*>(job.keys), a.Di, a.Di, job.b, 0,
                    job.n_keys, job.next);
+    else if (!e4m3_any_nan(reinterpret_cast<const uint8_t*>(job.keys), job.n_keys * a.Di) &&
+             scale_seeing_q(a, buf))
+      all_rows_max(a, buf, reinterpret_cast<const E4M3Scaled*>(job.keys), a.Di, a.Di, job.b, 0,
+                   job.n_keys, job.next);
     else
       all_rows_max(a, buf, reinterpret_cast<const uint8_t*>(job.keys), a.Di, a.Di, job.b, 0,
                    job.n_keys, job.next);
@@ -312,6 +414,16 @@ M3_AVX2 void score_block_avx2(const SelectArgs& a, Buffers& buf, const BlockJob&
     widen_tile(a, buf, job, o0, n, widen_avx2);
     all_rows_max(a, buf, buf.tile.data(), a.Dp, a.Dp, job.b, o0, n, nullptr);
   }
+}
+
+// The avx2 path's E4M3 widening needs F16C (CPUID.1:ECX bit 29), which isa.h does not check:
+// every AVX2 CPU has it, but a virtual machine may hide it. Without it: the generic path.
+bool has_f16c() {
+  static const bool f16c = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c >> 29 & 1);
+  }();
+  return f16c;
 }
 #endif
 
@@ -460,7 +572,7 @@ ffi::Future SelectBlocks(ffi::ThreadPool pool, ffi::AnyBuffer idx_q, ffi::AnyBuf
 
   ScoreBlock kernel = score_block_generic;
 #if M3_X86
-  if (path >= CpuPath::kAvx2) kernel = score_block_avx2;
+  if (path >= CpuPath::kAvx2 && has_f16c()) kernel = score_block_avx2;
 #endif
   auto pieces = std::make_shared<std::vector<Piece>>(make_pieces(a));
   return parallel_for(pool, int64_t(pieces->size()), 1, [a, kernel, pieces](int64_t begin,

@@ -238,13 +238,23 @@ def test_every_e4m3_key_value_ranks_by_its_value(path, rows):
                                          topk_blocks=257), want)
 
 
-def test_every_path_gives_the_same_ids(rng, monkeypatch):
+@pytest.mark.parametrize("key_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_every_path_gives_the_same_ids(rng, monkeypatch, key_dtype):
     """The paths share one summation layout (ffi/cpu/select.cc), so their scores are the same
-    bits; this checks what is visible of that, the ids, on data with heavy cancellation too."""
-    q, keys, table, req, pos = random_problem(rng, T_per_req=(2, 1, 33), Hkv=4, Di=128)
+    bits; this checks what is visible of that, the ids, on data with heavy cancellation too,
+    and (E4M3) with q subnormal or above 2^120 in some rows and NaN bytes in some blocks: the
+    avx2 path's E4M3 decode shortcut (q · 256 against keys · 2^-8) must fall back there."""
+    q, keys, table, req, pos = random_problem(rng, T_per_req=(2, 1, 33), Hkv=4, Di=128,
+                                              key_dtype=key_dtype)
     wild = lambda x: jnp.asarray(np.asarray(x, np.float32) * 2.0 ** rng.integers(-10, 21, x.shape),
                                  x.dtype)
-    for q, keys in ((q, keys), (wild(q), wild(keys))):
+    edge = np.asarray(q, np.float32).copy()
+    edge[0, 1, :7] = 1e-40                                # subnormal: the shortcut would flush it
+    edge[2, 0, 3] = 2.0 ** 125                            # q · 256 would overflow
+    k = np.asarray(keys, np.float32).copy()
+    k[table[0, 1], 5, 9] = np.nan                         # a NaN key in one of request 0's blocks
+    variants = [(q, keys), (wild(q), wild(keys)), (jnp.asarray(edge), jnp.asarray(k, key_dtype))]
+    for q, keys in variants:
         outs = []
         for p in PATHS:
             monkeypatch.setenv("M3SPARSE_CPU_ISA", p)
