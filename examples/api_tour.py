@@ -83,6 +83,22 @@ ref_sel = m3.reference.select_blocks(idx_q, idx_k_cache, block_table, req_id, ab
                                      topk_blocks=4, layer=layer)
 print("token 995 selects blocks", np.asarray(topk_sel[0, 0]), "(its own block 7 first);",
       "selection equals the reference:", bool(jnp.all(topk_sel == ref_sel)))
+# Decode rows need a request and position too: request r's one row is (r, seq_lens[r] − 1).
+# Inside jit, as a server's step calls it, the selection feeds sparse_decode directly.
+@jax.jit
+def select_and_decode(q, idx_q, cache, idx_k_cache, block_table, seq_lens):
+    rows = jnp.arange(seq_lens.shape[0], dtype=jnp.int32)
+    topk = m3.select_blocks(idx_q, idx_k_cache, block_table, rows, seq_lens - 1, topk_blocks=K,
+                            layer=layer)                          # int32 [Hkv, R, K]
+    return topk, m3.sparse_decode(q, cache, topk, block_table, seq_lens, 1.0, 1.0,
+                                  decode_query_len=1, layer=layer, layout="LBHNC")
+
+
+topk_dec, out_dec = select_and_decode(q, idx_q[:2], cache, idx_k_cache, block_table, seq_lens)
+print("decode rows select", np.asarray(topk_dec[0, 1, :8]), "... equals the reference:",
+      bool(jnp.all(topk_dec == m3.reference.select_blocks(
+          idx_q[:2], idx_k_cache, block_table, np.arange(2, dtype=np.int32), seq_lens - 1,
+          topk_blocks=K, layer=layer))))
 out_sel = m3.sparse_prefill(q_pre, cache, topk_sel, block_table, req_id, abs_pos, 1.0, 1.0,
                             layer=layer, layout="LBHNC")
 print("prefill over the selected blocks", out_sel.shape, "padding rows select nothing:",

@@ -19,8 +19,13 @@ def check_attention(q, kv_cache, topk_indices, block_table, layer, layout, scale
     if topk_indices is not None:
         _checks.rank(topk_indices, "topk_indices", 3, "[Hkv, T, K]")
         _checks.dtype(topk_indices, "topk_indices", (jnp.int32,))
+        hkv, t = num_slots // 2, q.shape[0]
+        if topk_indices.shape[:2] == (t, hkv) and t != hkv:
+            raise ValueError(f"topk_indices: shape {tuple(topk_indices.shape)} is [T, Hkv, K]; "
+                             f"the ops take [Hkv, T, K] (select_blocks' output): transpose it "
+                             f"with jnp.swapaxes(topk_indices, 0, 1)")
         _checks.dim("topk_indices [Hkv, T, K]", "dim 0 (Hkv = kv_cache head slots / 2)",
-                    num_slots // 2, topk_indices.shape[0])
+                    hkv, topk_indices.shape[0])
         _checks.dim("topk_indices [Hkv, T, K]", "dim 1 (T of q)", q.shape[0],
                     topk_indices.shape[1])
     _checks.rank(block_table, "block_table", 2, "[R, max_blocks]")

@@ -288,6 +288,9 @@ def test_trace_time_errors(rng):
         (ValueError, r"topk_indices \[Hkv, T, K\]: dim 0 \(Hkv = kv_cache head slots / 2\) must "
                      r"be 2, got 1",
          lambda: dec(q, c, t[:1], b, s, 1.0, 1.0)),
+        (ValueError, r"topk_indices: shape \(1, 2, 16\) is \[T, Hkv, K\]; the ops take "
+                     r"\[Hkv, T, K\].*swapaxes",                      # T 1 ≠ Hkv 2: it can tell
+         lambda: dec(q, c, np.swapaxes(t, 0, 1), b, s, 1.0, 1.0)),
         (TypeError, "topk_indices must be int32, got int64|topk_indices must be int32, got float32",
          lambda: dec(q, c, t.astype(np.float32), b, s, 1.0, 1.0)),
         (ValueError, r"q: T \(R · decode_query_len\) must be 2, got 1",
