@@ -954,7 +954,8 @@ def format_row(row, tp: int | None = None) -> str:
         lines.append(f"  {name:<26} {p['us_per_layer']:10.1f} µs/layer"
                      + (f" (kernels {k:.1f})" if k else "")
                      + f"   floor {p['floor_us']:8.1f} µs ({p['floor_by']})"
-                     + (f"   {p['routed_experts']} experts routed (the part's random rows)"
+                     + (f"   {p['routed_experts']} experts routed by the part's own random rows,"
+                        " not the step's"
                         if "routed_experts" in p else "")
                      + f"   [{p['layers']} layers, compile {p['compile_s']:.1f} s]")
     if "projected_step_ms" in row:
@@ -983,7 +984,10 @@ def format_report(r) -> str:
         f"floors: bytes ÷ {r['model']['bandwidth'] / 1e12:.2f} TB/s or FLOPs ÷ "
         f"{r['model']['flops'] / 1e12:.0f} TFLOP/s; the MoE's counts the routed experts only. "
         f"All-reduces: {r['model']['allreduce']}, {r['model']['link_bandwidth'] / 1e9:.0f} GB/s, "
-        f"{r['model']['collective_latency'] * 1e6:.0f} µs.",
+        f"{r['model']['collective_latency'] * 1e6:.0f} µs."
+        + ("" if r["backend"] == "gpu" else
+           f" These are an H200's rates (--bandwidth, --flops), not this {r['backend']}'s: on "
+           f"it the floors and 'per GPU' say what the shapes would need there."),
         "| step | requests | context | step ms | floor ms | host B down | compile s | "
         "projected ms (all layers) | tok/s per GPU |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
