@@ -95,7 +95,7 @@ def select_and_decode(q, idx_q, cache, idx_k_cache, block_table, seq_lens):
 
 
 topk_dec, out_dec = select_and_decode(q, idx_q[:2], cache, idx_k_cache, block_table, seq_lens)
-print("decode rows select", np.asarray(topk_dec[0, 1, :8]), "... equals the reference:",
+print("decode row 1 (token 999) selects", np.asarray(topk_dec[0, 1, :8]), "... equals the reference:",
       bool(jnp.all(topk_dec == m3.reference.select_blocks(
           idx_q[:2], idx_k_cache, block_table, np.arange(2, dtype=np.int32), seq_lens - 1,
           topk_blocks=K, layer=layer))))
@@ -129,7 +129,7 @@ print("full attention", out_full.shape, "equals every block selected:",
 print("gfx950 serves this geometry:", m3.unsupported_reason(HQ, HKV, D, K, N, "rocm") is None)
 keys, values = m3.unpack_kv_pages(cache, jnp.array([5], jnp.int32), 1.0, 1.0, layer=layer,
                                layout="LBHNC")
-print("page 5 dequantized:", keys.shape, "rel. error vs bf16 K:",
+print("page 5 dequantized:", keys.shape, "rel. error vs bf16 K (NVFP4 on Gaussian data: ~0.09):",
       float(jnp.linalg.norm(keys[0, 0] - k[:128, 0]) / jnp.linalg.norm(k[:128, 0].astype(jnp.float32))))
 
 # A mixture of experts' routed experts: (token, expert) pairs sorted by expert, one grouped

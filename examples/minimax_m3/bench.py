@@ -936,7 +936,8 @@ def rows_note(row) -> str:
 
 
 def format_row(row, tp: int | None = None) -> str:
-    head = (f"{row['kind']} {row['requests']} req × {row['context']} ctx ({row['tokens']} "
+    ctx_from = " (--prefill-context)" if row["kind"] == "prefill" else ""
+    head = (f"{row['kind']} {row['requests']} req × {row['context']} ctx{ctx_from} ({row['tokens']} "
             f"tokens{rows_note(row)}): step {row['step_ms']:.2f} ms (median; min {row['step_ms_min']:.2f})"
             + (f", floor {row['step_floor_ms']:.2f} ms" if "step_floor_ms" in row else "")
             + f", compile {row['compile_s']:.1f} s, host {row['host_bytes']['to_device']:,} B up"
@@ -998,6 +999,8 @@ def format_report(r) -> str:
         + ("" if r["backend"] == "gpu" else
            f" These are an H200's rates (--bandwidth, --flops), not this {r['backend']}'s: on "
            f"it the floors and 'per GPU' say what the shapes would need there."),
+        *(["(no floor, projection or tok/s: --no-parts times whole steps only; the floors come "
+           "from the parts)"] if not any("step_floor_ms" in x for x in r["shapes"]) else []),
         "| step | requests | context | step ms | floor ms | host B down | compile s | "
         "projected ms (all layers) | tok/s per GPU |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -10,7 +10,7 @@ def test_api_tour_runs(capsys):
     assert "padding rows are zeros: True" in out
     assert "selection equals the reference: True" in out
     assert "padding rows select nothing: True" in out
-    assert "decode rows select [7 " in out and "... equals the reference: True" in out  # own block first
+    assert "decode row 1 (token 999) selects [7 " in out and "... equals the reference: True" in out  # own block first
     assert "decode row equals sparse_decode: True" in out
     assert "full attention (8, 16, 128) equals every block selected: True" in out
     assert "gfx950 serves this geometry: True" in out
