@@ -98,7 +98,8 @@ def parse_args(argv=None):
                     "%(default)s; the median is reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default "
                     "%(default)s)")
-    ap.add_argument("--no-parts", action="store_true", help="time the whole step only")
+    ap.add_argument("--no-parts", action="store_true", help="time whole steps only (the floors still come from the parts' byte and "
+                         "FLOP counts; no projection)")
     ap.add_argument("--block-stats", action="store_true",
                     help="the step also counts each sparse layer's attended blocks, as the "
                          "engine's report asks (default: as a server calls it, without)")
@@ -347,8 +348,8 @@ class Bench:
         self.caches = state["caches"]            # the calls above donated the caches
         if kind == "decode" and any(m == "sparse" for m in self.cfg.mlp_layer_types):
             row["routing"] = self.step_routing(batch, nd)
-        if parts and not self.args.no_parts:
-            parts = Parts(self, batch, nd, kind, ctx)
+        if parts:      # --no-parts: the parts' floors only (their byte and FLOP counts)
+            parts = Parts(self, batch, nd, kind, ctx, timed=not self.args.no_parts)
             row["parts"] = parts.run()
             row.update(self.project(row, parts))
         return row
@@ -408,14 +409,15 @@ class Bench:
     def project(self, row, parts) -> dict:
         """The step at all layers and tp: the measured step, plus the missing layers at their
         parts' per-layer times, plus the modelled all-reduces. The floors take the MoE's over
-        the experts the step routes to (its routing report) where there is one."""
+        the experts the step routes to (its routing report) where there is one. Parts not
+        timed (``--no-parts``): the floors and bytes only."""
         a, full, cfg = self.args, self.full, self.cfg
-        p = {x["part"]: x for x in row["parts"]}
+        p = {x["part"]: x for x in row["parts"] if "error" not in x}
         built_sparse = sum(t == "minimax_m3_sparse" for t in cfg.layer_types)
         built_moe = sum(m == "sparse" for m in cfg.mlp_layer_types)
         total_sparse = sum(t == "minimax_m3_sparse" for t in full.layer_types)
         total_moe = sum(m == "sparse" for m in full.mlp_layer_types)
-        us = lambda name: p[name]["us_per_layer"] if name in p else 0.0
+        us = lambda name: (p[name]["us_per_layer"] or 0.0) if name in p else 0.0
         floor = lambda name: p[name]["floor_us"] if name in p else 0.0
         moe_name = f"moe ({cfg.moe_impl})" if f"moe ({cfg.moe_impl})" in p else next(
             (k for k in p if k.startswith("moe")), "")
@@ -440,21 +442,25 @@ class Bench:
             m = p[moe_name]
             nbytes = (m["floor_bytes"] + (row["routing"]["experts_mean"] - m["routed_experts"])
                       * m["expert_bytes"])
-            p[moe_name] = dict(m, floor_us=max(nbytes / a.bandwidth,
-                                               m["floor_flops"] / a.flops) * 1e6)
+            p[moe_name] = dict(m, floor_bytes=nbytes, floor_us=max(nbytes / a.bandwidth,
+                                                                  m["floor_flops"] / a.flops) * 1e6)
         floor_all = (total_sparse * (floor("attention (sparse)") + floor("selection"))
                      + (full.num_layers - total_sparse) * floor(attn_full)
                      + total_moe * floor(moe_name) + (full.num_layers - total_moe)
                      * floor("dense MLP") + full.num_layers * floor("projections+norms")
                      + floor("lm_head+sampling"))
-        floor_built = sum(floor(x) * n for x, n in (
-            ("attention (sparse)", built_sparse), ("selection", built_sparse),
-            (attn_full, cfg.num_layers - built_sparse), (moe_name, built_moe),
-            ("dense MLP", cfg.num_layers - built_moe),
-            ("projections+norms", cfg.num_layers), ("lm_head+sampling", 1)))
+        built = (("attention (sparse)", built_sparse), ("selection", built_sparse),
+                 (attn_full, cfg.num_layers - built_sparse), (moe_name, built_moe),
+                 ("dense MLP", cfg.num_layers - built_moe),
+                 ("projections+norms", cfg.num_layers), ("lm_head+sampling", 1))
+        floor_built = sum(floor(x) * n for x, n in built)
+        floors = dict(step_floor_ms=floor_built / 1e3, step_floor_gb=sum(
+            p[x]["floor_bytes"] * n for x, n in built if x in p) / 1e9)
+        if any(x["us_per_layer"] is None for x in p.values()):
+            return floors
         ms = (step_all + ar) / 1e3
         out_tokens = row["requests"] if row["kind"] == "decode" else 1
-        return dict(step_floor_ms=floor_built / 1e3, projected_layers=full.num_layers,
+        return dict(floors, projected_layers=full.num_layers,
                     projected_step_ms=ms, projected_floor_ms=(floor_all + ar) / 1e3,
                     modelled_allreduce_ms=ar / 1e3,
                     projected_tpot_ms=ms if row["kind"] == "decode" else None,
@@ -638,10 +644,11 @@ class Parts:
     """Each part of a layer as a jitted ``lax.scan`` over the built layers of its kind (their
     own weights), on the step's shapes; µs per layer = median call time / layers."""
 
-    def __init__(self, bench, batch, nd, kind, ctx):
+    def __init__(self, bench, batch, nd, kind, ctx, timed: bool = True):
+        """``timed`` False: each part's floor (bytes, FLOPs) without compiling or timing it."""
         import jax.numpy as jnp  # noqa: PLC0415
         from . import model  # noqa: PLC0415
-        self.b, self.cfg, self.kind, self.ctx = bench, bench.cfg, kind, ctx
+        self.b, self.cfg, self.kind, self.ctx, self.time_parts = bench, bench.cfg, kind, ctx, timed
         self.batch = {k: jnp.asarray(v) for k, v in batch.items()}
         self.meta, self.req, self.pos = model.batch_rows(self.batch, nd, 1)
         self.T = batch["tokens"].shape[0]
@@ -661,7 +668,7 @@ class Parts:
             out.append(self.attention(full_seg, False))
         if moe_seg is not None:
             routed = self.once("routed", lambda: self.routed_experts(moe_seg))
-            for impl in self.b.impls:
+            for impl in self.b.impls if self.time_parts else self.b.impls[:1]:
                 try:
                     out.append(self.once(f"moe {impl}",
                                           lambda: self.mlp(moe_seg, True, impl, routed)))
@@ -676,7 +683,7 @@ class Parts:
 
     def once(self, name, fn):
         """Parts whose shapes depend on the token count only are timed once per count."""
-        key = (name, self.kind, self.T)
+        key = (name, self.kind, self.T, self.time_parts)
         if key not in self.b.part_cache:
             self.b.part_cache[key] = fn()
         return self.b.part_cache[key]
@@ -688,6 +695,12 @@ class Parts:
         (state, out)``, threaded through the calls; the final state is in ``state``."""
         import jax  # noqa: PLC0415
         a = self.b.args
+        floor_b, floor_f = floor_bytes / a.bandwidth * 1e6, floor_flops / a.flops * 1e6
+        floor = dict(part=name, floor_us=max(floor_b, floor_f),
+                     floor_by="bytes" if floor_b >= floor_f else "FLOPs",
+                     floor_bytes=floor_bytes, floor_flops=floor_flops, layers=layers, **extra)
+        if not self.time_parts:
+            return dict(floor, us_per_layer=None, kernel_us_per_layer=None, compile_s=None)
         t0 = time.perf_counter()
         if state is None:
             compiled = jax.jit(fn).lower(*args).compile()
@@ -703,12 +716,9 @@ class Parts:
         times = wall_times(call, a.warmup, a.repeats)
         us = 1e6 * statistics.median(times) / layers
         kernel_us = self.kernel_time(call, name)
-        floor_b, floor_f = floor_bytes / a.bandwidth * 1e6, floor_flops / a.flops * 1e6
-        return dict(part=name, us_per_layer=us, kernel_us_per_layer=(kernel_us / layers
-                                                                     if kernel_us else None),
-                    floor_us=max(floor_b, floor_f), floor_by="bytes" if floor_b >= floor_f
-                    else "FLOPs", floor_bytes=floor_bytes, floor_flops=floor_flops,
-                    layers=layers, compile_s=compile_s, **extra)
+        return dict(floor, us_per_layer=us, kernel_us_per_layer=(kernel_us / layers
+                                                                 if kernel_us else None),
+                    compile_s=compile_s)
 
     def kernel_time(self, call, name):
         """GPU kernels' µs of one call from a profiler trace, else None (CPU, or no trace);
@@ -939,7 +949,8 @@ def format_row(row, tp: int | None = None) -> str:
     ctx_from = " (--prefill-context)" if row["kind"] == "prefill" else ""
     head = (f"{row['kind']} {row['requests']} req × {row['context']} ctx{ctx_from} ({row['tokens']} "
             f"tokens{rows_note(row)}): step {row['step_ms']:.2f} ms (median; min {row['step_ms_min']:.2f})"
-            + (f", floor {row['step_floor_ms']:.2f} ms" if "step_floor_ms" in row else "")
+            + (f", floor {row['step_floor_ms']:.2f} ms ({row['step_floor_gb']:.2f} GB)"
+               if "step_floor_ms" in row else "")
             + f", compile {row['compile_s']:.1f} s, host {row['host_bytes']['to_device']:,} B up"
             f" / {row['host_bytes']['to_host']:,} B down")
     lines = [head]
@@ -956,6 +967,8 @@ def format_row(row, tp: int | None = None) -> str:
                      f"layers; {r['pairs'] / max(r['experts_mean'], 1):.1f} rows per routed "
                      f"expert on average)")
     for p in row.get("parts", []):
+        if p.get("us_per_layer", 0) is None:      # --no-parts: its floor only (in the step's)
+            continue
         if "error" in p:
             lines.append(f"  {p['part']:<26} failed: {p['error']}")
             continue
@@ -999,14 +1012,16 @@ def format_report(r) -> str:
         + ("" if r["backend"] == "gpu" else
            f" These are an H200's rates (--bandwidth, --flops), not this {r['backend']}'s: on "
            f"it the floors and 'per GPU' say what the shapes would need there."),
-        *(["(no floor, projection or tok/s: --no-parts times whole steps only; the floors come "
-           "from the parts)"] if not any("step_floor_ms" in x for x in r["shapes"]) else []),
-        "| step | requests | context | step ms | floor ms | host B down | compile s | "
-        "projected ms (all layers) | tok/s per GPU |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        *(["(--no-parts: whole steps timed, the floors from the parts' byte and FLOP counts; "
+           "no part timed, so no projection)"]
+          if not any("projected_step_ms" in x for x in r["shapes"]) else []),
+        "| step | requests | context | step ms | floor ms | GB read (floor) | host B down | "
+        "compile s | projected ms (all layers) | tok/s per GPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in r["shapes"]:
         lines.append(f"| {s['kind']}{rows_note(s)} | {s['requests']} | {s['context']} | {s['step_ms']:.2f} | "
                      f"{s.get('step_floor_ms', float('nan')):.2f} | "
+                     f"{s.get('step_floor_gb', float('nan')):.2f} | "
                      f"{s['host_bytes']['to_host']:,} | {s['compile_s']:.1f} | "
                      f"{s.get('projected_step_ms', float('nan')):.2f} | "
                      f"{s.get('projected_tokens_per_s_per_gpu', float('nan')):.1f} |")

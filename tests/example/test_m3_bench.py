@@ -37,6 +37,14 @@ def test_tiny_bench_runs(tmp_path):
     # two tokens of top-4-of-16 routing touch between 4 and 8 experts
     assert 4 <= parts["moe (dense)"]["routed_experts"] <= 8
     assert row["projected_step_ms"] >= row["step_ms"]
+    # the floor is each built part's max(bytes, FLOPs) time: never under its bytes alone
+    assert row["step_floor_ms"] * 1e-3 * 4.25e12 >= row["step_floor_gb"] * 1e9 * (1 - 1e-9) > 0
+    # --no-parts: the same floors from the parts' counts, no part compiled or timed
+    quick = bench.main(["--tiny", "--batch", "2", "--context", "256", "--prefill", "0",
+                        "--repeats", "1", "--warmup", "0", "--no-parts"])
+    (q,) = quick["shapes"]
+    assert all(p["us_per_layer"] is None for p in q["parts"]) and "projected_step_ms" not in q
+    assert (q["step_floor_ms"], q["step_floor_gb"]) == (row["step_floor_ms"], row["step_floor_gb"])
 
 
 def test_random_caches_are_finite_and_the_step_routes_widely():
