@@ -98,8 +98,9 @@ def parse_args(argv=None):
                     "%(default)s; the median is reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default "
                     "%(default)s)")
-    ap.add_argument("--no-parts", action="store_true", help="time whole steps only (the floors still come from the parts' byte and "
-                         "FLOP counts; no projection)")
+    ap.add_argument("--no-parts", action="store_true",
+                    help="time whole steps only (the floors still come from the parts' byte "
+                         "and FLOP counts; no projection)")
     ap.add_argument("--block-stats", action="store_true",
                     help="the step also counts each sparse layer's attended blocks, as the "
                          "engine's report asks (default: as a server calls it, without)")
@@ -343,7 +344,8 @@ class Bench:
         host = host_bytes(batch, out)
         row = dict(kind=kind, requests=n if kind == "decode" else 1, tokens=T, context=ctx,
                    dense_matmul_rows=self.cfg.dense_matmul_rows,
-                   layer_unroll=self.cfg.layer_unroll, step_ms=1e3 * statistics.median(times), step_ms_min=1e3 * min(times),
+                   layer_unroll=self.cfg.layer_unroll, step_ms=1e3 * statistics.median(times),
+                   step_ms_min=1e3 * min(times),
                    compile_s=compile_s, host_bytes=host, **self.step_trace(call, kind, T))
         self.caches = state["caches"]            # the calls above donated the caches
         if kind == "decode" and any(m == "sparse" for m in self.cfg.mlp_layer_types):
@@ -947,8 +949,8 @@ def rows_note(row) -> str:
 
 def format_row(row, tp: int | None = None) -> str:
     ctx_from = " (--prefill-context)" if row["kind"] == "prefill" else ""
-    head = (f"{row['kind']} {row['requests']} req × {row['context']} ctx{ctx_from} ({row['tokens']} "
-            f"tokens{rows_note(row)}): step {row['step_ms']:.2f} ms (median; min {row['step_ms_min']:.2f})"
+    head = (f"{row['kind']} {row['requests']} req × {row['context']} ctx{ctx_from} "
+            f"({row['tokens']} tokens{rows_note(row)}): step {row['step_ms']:.2f} ms (median; min {row['step_ms_min']:.2f})"
             + (f", floor {row['step_floor_ms']:.2f} ms ({row['step_floor_gb']:.2f} GB)"
                if "step_floor_ms" in row else "")
             + f", compile {row['compile_s']:.1f} s, host {row['host_bytes']['to_device']:,} B up"

@@ -433,6 +433,24 @@ def test_dry_run_plans_the_real_model(capsys, monkeypatch):
         cli.main(["--config", cfg_path, "--dry-run", "--tp", "8"])
 
 
+def _prompt_batch(tokens, pages):
+    """One prompt's whole prefill as forward_step's batch: its tokens at slots 0.., pages
+    0..pages−1 in its block table, its last token sampled."""
+    from minimax_m3 import sampling
+    S = len(tokens)
+    return dict(tokens=tokens, slot_mapping=np.arange(S, dtype=np.int32),
+                query_lens=np.array([S], np.int32), context_lens=np.array([0], np.int32),
+                block_table=np.arange(pages, dtype=np.int32)[None],
+                **sampling.batch_arrays(np.array([S - 1])))
+
+
+def _assert_same_caches(a, b):
+    """Every cache array equal byte for byte."""
+    for name in a:
+        np.testing.assert_array_equal(np.asarray(a[name]).view(np.uint8),
+                                      np.asarray(b[name]).view(np.uint8), err_msg=name)
+
+
 def test_fp8_index_cache_selects_like_bf16():
     """FP8 (E4M3) index keys against bf16 ones on real text (3072 bytes of docs/SPEC.md through
     the default model): the first sparse layer sees the same hidden states in both runs, so its
@@ -440,17 +458,14 @@ def test_fp8_index_cache_selects_like_bf16():
     blocks visible), measured on a Zen 3 CPU: 98.5 % of selected blocks shared, 77 % of (token,
     KV head) rows with the same set (FP8 rounding reorders near-equal blocks)."""
     import dataclasses
-    from minimax_m3 import model, sampling
+    from minimax_m3 import model
     tokens = np.frombuffer((pathlib.Path(__file__).resolve().parents[2] / "docs" / "SPEC.md")
                            .read_bytes()[:3072], np.uint8).astype(np.int32)
     base = ModelConfig()
     S, N, K = len(tokens), base.block_size, base.index_topk_blocks
     M = -(-S // N)
     params = init_params(base, 0)
-    batch = dict(tokens=tokens, slot_mapping=np.arange(S, dtype=np.int32),
-                 query_lens=np.array([S], np.int32), context_lens=np.array([0], np.int32),
-                 block_table=np.arange(M, dtype=np.int32)[None],
-                 **sampling.batch_arrays(np.array([S - 1])))
+    batch = _prompt_batch(tokens, M)
     topk = {}
     for dtype in ("bfloat16", "float8_e4m3fn"):
         cfg = dataclasses.replace(base, index_cache_dtype=dtype)
@@ -475,15 +490,12 @@ def test_step_without_block_stats(params):
     missing ``blocks``: the same tokens and caches bit for bit. With it, ``blocks`` equals a
     count made here from the collected selections (live rows' non-negative ids per sparse
     layer; every visible block on full layers)."""
-    from minimax_m3 import model, sampling
+    from minimax_m3 import model
     cfg = CFG
     S, N = 300, cfg.block_size
     M = -(-S // N)
     tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, S).astype(np.int32)
-    batch = dict(tokens=tokens, slot_mapping=np.arange(S, dtype=np.int32),
-                 query_lens=np.array([S], np.int32), context_lens=np.array([0], np.int32),
-                 block_table=np.arange(M, dtype=np.int32)[None],
-                 **sampling.batch_arrays(np.array([S - 1])))
+    batch = _prompt_batch(tokens, M)
     runs = {}
     for stats in (True, False):
         caches, out = model.forward_step(params, model.allocate_caches(cfg, M), batch, cfg=cfg,
@@ -493,9 +505,7 @@ def test_step_without_block_stats(params):
     (c_on, on), (c_off, off) = runs[True], runs[False]
     assert "blocks" not in off and set(on) - set(off) == {"blocks"}
     np.testing.assert_array_equal(on["tokens"], off["tokens"])
-    for name in c_on:
-        np.testing.assert_array_equal(np.asarray(c_on[name]).view(np.uint8),
-                                      np.asarray(c_off[name]).view(np.uint8))
+    _assert_same_caches(c_on, c_off)
     visible = cfg.num_key_value_heads * int(np.sum(np.arange(S) // N + 1))
     expected = np.full((cfg.num_layers, 2), visible)
     expected[list(cfg.sparse_layers), 0] = (on["topk"] >= 0).sum(axis=(1, 2, 3))
@@ -526,7 +536,7 @@ def test_layer_unroll_changes_nothing_but_the_loop():
     tokens, hidden states and caches of the one-layer loop, bit for bit, on a run of 3 equal
     layers: unroll 2 (does not divide it) and 64 (the whole run); 0 is refused."""
     import dataclasses
-    from minimax_m3 import model, sampling
+    from minimax_m3 import model
     base = dataclasses.replace(CFG, num_hidden_layers=4, layer_types=(FULL,) + (SPARSE,) * 3,
                                mlp_layer_types=(DENSE_MLP,) + (MOE,) * 3)
     assert [n for *_, n in base.segments()] == [1, 3]
@@ -534,10 +544,7 @@ def test_layer_unroll_changes_nothing_but_the_loop():
     S, N = 200, CFG.block_size
     M = -(-S // N)
     tokens = np.random.default_rng(4).integers(0, CFG.vocab_size, S).astype(np.int32)
-    batch = dict(tokens=tokens, slot_mapping=np.arange(S, dtype=np.int32),
-                 query_lens=np.array([S], np.int32), context_lens=np.array([0], np.int32),
-                 block_table=np.arange(M, dtype=np.int32)[None],
-                 **sampling.batch_arrays(np.array([S - 1])))
+    batch = _prompt_batch(tokens, M)
     runs = []
     for unroll in (1, 2, 64):
         cfg = dataclasses.replace(base, layer_unroll=unroll)
@@ -549,8 +556,6 @@ def test_layer_unroll_changes_nothing_but_the_loop():
     for c, o in runs[1:]:
         np.testing.assert_array_equal(o["tokens"], o1["tokens"])
         np.testing.assert_array_equal(o["hidden"], o1["hidden"])
-        for name in c1:
-            np.testing.assert_array_equal(np.asarray(c[name]).view(np.uint8),
-                                          np.asarray(c1[name]).view(np.uint8))
+        _assert_same_caches(c, c1)
     with pytest.raises(ValueError, match=r"layer_unroll \(0\) must be an integer >= 1"):
         ModelConfig(layer_unroll=0)
