@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
-import itertools
 import json
 import math
 import os
@@ -90,10 +89,6 @@ def parse_args(argv=None):
                     "input width %% 64 == 0, through jax_m3sparse.dense_matmul; 0: XLA's dot; "
                     "default %(default)s); a list times each shape "
                     "once per value, the parts with the first")
-    ap.add_argument("--layer-unroll", default="1",
-                    help="cfg.layer_unroll (layers per lax.scan iteration: on GPUs one command "
-                    "buffer each; default %(default)s); a list times each shape once per value, "
-                    "the parts with the first")
     ap.add_argument("--repeats", type=int, default=10, help="timed steps per shape (default "
                     "%(default)s; the median is reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default "
@@ -240,7 +235,6 @@ class Bench:
         self.batches = [int(b) for b in args.batch.split(",") if b]
         self.contexts = [int(c) for c in args.context.split(",") if c]
         self.dense_rows = [int(u) for u in args.dense_matmul_rows.split(",") if u]
-        self.unrolls = [int(u) for u in args.layer_unroll.split(",") if u]
         N = self.full.block_size
         self.part_cache = {}     # parts that depend on the token count only, by (part, T)
         self.pages = max([b * -(-c // N) for b in self.batches for c in self.contexts]
@@ -304,10 +298,8 @@ class Bench:
             shapes.append(("prefill", self.args.prefill, self.args.prefill_context))
         rows = []
         for kind, n, ctx in shapes:
-            for i, (dense_rows, unroll) in enumerate(itertools.product(self.dense_rows,
-                                                                          self.unrolls)):
-                self.cfg = dataclasses.replace(self.cfg, dense_matmul_rows=dense_rows,
-                                               layer_unroll=unroll)
+            for i, dense_rows in enumerate(self.dense_rows):
+                self.cfg = dataclasses.replace(self.cfg, dense_matmul_rows=dense_rows)
                 row = self.time_shape(kind, n, ctx, parts=i == 0)
                 rows.append(row)
                 print(format_row(row, self.args.tp), flush=True)
@@ -344,8 +336,7 @@ class Bench:
         host = host_bytes(batch, out)
         row = dict(kind=kind, requests=n if kind == "decode" else 1, tokens=T, context=ctx,
                    dense_matmul_rows=self.cfg.dense_matmul_rows,
-                   layer_unroll=self.cfg.layer_unroll, step_ms=1e3 * statistics.median(times),
-                   step_ms_min=1e3 * min(times),
+                   step_ms=1e3 * statistics.median(times), step_ms_min=1e3 * min(times),
                    compile_s=compile_s, host_bytes=host, **self.step_trace(call, kind, T))
         self.caches = state["caches"]            # the calls above donated the caches
         if kind == "decode" and any(m == "sparse" for m in self.cfg.mlp_layer_types):
@@ -941,10 +932,9 @@ class Parts:
 
 # ----------------------------------------------------------------------------- output
 def rows_note(row) -> str:
-    """", dense_matmul_rows N" and ", layer_unroll U" where they are not the defaults."""
-    n, u = row.get("dense_matmul_rows"), row.get("layer_unroll", 1)
-    return ("" if n is None or n == int(DENSE_ROWS_DEFAULT) else f", dense_matmul_rows {n}") + (
-        "" if u == 1 else f", layer_unroll {u}")
+    """", dense_matmul_rows N" where a run times more than one value."""
+    n = row.get("dense_matmul_rows")
+    return "" if n is None or n == int(DENSE_ROWS_DEFAULT) else f", dense_matmul_rows {n}"
 
 
 def format_row(row, tp: int | None = None) -> str:

@@ -81,10 +81,6 @@ class ModelConfig:
     dense_matmul_rows: int = 16                # GPUs: bf16 projections of <= this many rows and
                                                # an input width % 64 == 0 through
                                                # jax_m3sparse.dense_matmul (0: never; layers.linear)
-    layer_unroll: int = 1                      # lax.scan unroll over each run of equal
-                                               # layers (model.scan_layers): on GPUs that many
-                                               # layers share one command buffer, fewer launch
-                                               # gaps; compile time grows with it
     moe_epilogue: bool = False                 # "grouped": the SwiGLU and routing weight in the
                                                # gate_up kernel (grouped_matmul's epilogue); off:
                                                # slower in the H100 step (moe.experts_sorted)
@@ -123,9 +119,6 @@ class ModelConfig:
             raise ValueError(f"expert_format {self.expert_format!r} needs hidden_size ({self.hidden_size}) and "
                              f"intermediate_size ({self.intermediate_size}) multiples of 32 "
                              f"(one scale per 32 or 16 inputs)")
-        if not isinstance(self.layer_unroll, int) or self.layer_unroll < 1:
-            raise ValueError(f"layer_unroll ({self.layer_unroll!r}) must be an integer >= 1 "
-                             f"(1: one layer per scan iteration)")
         if self.dense_matmul_rows < 0:
             raise ValueError(f"dense_matmul_rows ({self.dense_matmul_rows}) must be >= 0 (0: "
                              f"XLA's dot for every projection)")

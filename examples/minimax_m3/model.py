@@ -465,8 +465,7 @@ def mlp_input(p, x, attn, cfg):
 
 
 def scan_layers(params, cfg, layer_fn, carry):
-    """Every layer in order, one ``lax.scan`` per run of equal layers (``cfg.segments()``,
-    ``cfg.layer_unroll`` layers per iteration):
+    """Every layer in order, one ``lax.scan`` per run of equal layers (``cfg.segments()``):
     ``layer_fn(attn_kind, mlp_kind, carry, (p, layer, sparse_row)) -> (carry, ys)``. Returns
     ``(carry, ys)`` with each ys key concatenated over the layers that have it."""
     sparse_rank = np.cumsum([t == SPARSE for t in cfg.layer_types]) - 1
@@ -475,8 +474,7 @@ def scan_layers(params, cfg, layer_fn, carry):
         layers = np.arange(first, first + n)
         xs = (p, jnp.asarray(layers, jnp.int32),
               jnp.asarray(np.maximum(sparse_rank[layers], 0), jnp.int32))
-        carry, ys = jax.lax.scan(functools.partial(layer_fn, attn_kind, mlp_kind), carry, xs,
-                                 unroll=min(cfg.layer_unroll, n))
+        carry, ys = jax.lax.scan(functools.partial(layer_fn, attn_kind, mlp_kind), carry, xs)
         outs.append(ys)
     keys = dict.fromkeys(k for o in outs for k in o)
     return carry, {k: jnp.concatenate([o[k] for o in outs if k in o]) for k in keys}

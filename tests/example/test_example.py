@@ -529,33 +529,3 @@ def test_step_names_missing_batch_arrays(params):
 def test_negative_dense_matmul_rows_is_refused():
     with pytest.raises(ValueError, match=r"dense_matmul_rows \(-1\) must be >= 0"):
         ModelConfig(dense_matmul_rows=-1)
-
-
-def test_layer_unroll_changes_nothing_but_the_loop():
-    """``cfg.layer_unroll`` (layers per scan iteration: one GPU command buffer each) gives the
-    tokens, hidden states and caches of the one-layer loop, bit for bit, on a run of 3 equal
-    layers: unroll 2 (does not divide it) and 64 (the whole run); 0 is refused."""
-    import dataclasses
-    from minimax_m3 import model
-    base = dataclasses.replace(CFG, num_hidden_layers=4, layer_types=(FULL,) + (SPARSE,) * 3,
-                               mlp_layer_types=(DENSE_MLP,) + (MOE,) * 3)
-    assert [n for *_, n in base.segments()] == [1, 3]
-    params = model.init_params(base, 5)
-    S, N = 200, CFG.block_size
-    M = -(-S // N)
-    tokens = np.random.default_rng(4).integers(0, CFG.vocab_size, S).astype(np.int32)
-    batch = _prompt_batch(tokens, M)
-    runs = []
-    for unroll in (1, 2, 64):
-        cfg = dataclasses.replace(base, layer_unroll=unroll)
-        caches, out = model.forward_step(params, model.allocate_caches(cfg, M), batch, cfg=cfg,
-                                         num_decode_requests=0, decode_query_len=1,
-                                         collect=("hidden",))
-        runs.append(jax.device_get((caches, out)))
-    (c1, o1) = runs[0]
-    for c, o in runs[1:]:
-        np.testing.assert_array_equal(o["tokens"], o1["tokens"])
-        np.testing.assert_array_equal(o["hidden"], o1["hidden"])
-        _assert_same_caches(c, c1)
-    with pytest.raises(ValueError, match=r"layer_unroll \(0\) must be an integer >= 1"):
-        ModelConfig(layer_unroll=0)
