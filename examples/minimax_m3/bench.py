@@ -15,7 +15,7 @@ chunk):
 * each part per layer, as its own jitted function over the built layers' weights (a
   ``lax.scan``, so that one call's launch cost is shared by the layers): attention, selection,
   MoE (each ``--moe-impls``), dense MLP, projections + norms + cache writes, lm_head +
-  sampling. On GPUs also the kernels' time from a profiler trace (falls back to wall time);
+  sampling. On GPUs with ``--kernel-times`` also the kernels' time from a profiler trace;
 
 beside each part's floor (bytes ÷ ``--bandwidth`` or FLOPs ÷ ``--flops``, whichever is larger;
 the MoE's counts only the experts the batch routes to, measured), and projects the time per
@@ -293,6 +293,7 @@ class Bench:
 
     def run(self) -> dict:
         self.build()
+        print(format_header(self.summary()), flush=True)    # what is built, before the timings
         shapes = [("decode", b, c) for c in self.contexts for b in self.batches]
         if self.args.prefill:
             shapes.append(("prefill", self.args.prefill, self.args.prefill_context))
@@ -303,11 +304,15 @@ class Bench:
                 row = self.time_shape(kind, n, ctx, parts=i == 0)
                 rows.append(row)
                 print(format_row(row, self.args.tp), flush=True)
+        return dict(self.summary(), shapes=rows)
+
+    def summary(self) -> dict:
+        """The report's fields other than the timed shapes."""
         return dict(device=_device_name(), backend=self.backend, rank_config=_cfg_dict(self.cfg),
                     full_layers=self.full.num_layers, tp=self.args.tp, pages=self.pages,
                     init_s=self.init_s, memory=self.mem, moe_impl=self.args.moe_impl,
                     block_stats=self.args.block_stats,
-                    impls=self.impls, model=self.model_note(), router_bias="zero", shapes=rows)
+                    impls=self.impls, model=self.model_note(), router_bias="zero")
 
     def model_note(self) -> dict:
         a = self.args
@@ -675,11 +680,14 @@ class Parts:
         return out
 
     def once(self, name, fn):
-        """Parts whose shapes depend on the token count only are timed once per count."""
+        """Parts whose shapes depend on the token count only are timed once per count; a later
+        shape's copy says which context it was timed at (``reused_from``)."""
         key = (name, self.kind, self.T, self.time_parts)
         if key not in self.b.part_cache:
-            self.b.part_cache[key] = fn()
-        return self.b.part_cache[key]
+            self.b.part_cache[key] = (fn(), self.ctx)
+            return self.b.part_cache[key][0]
+        value, ctx = self.b.part_cache[key]
+        return dict(value, reused_from=ctx) if isinstance(value, dict) else value
 
     # --- timing
     def timed(self, name, fn, args, layers, floor_bytes, floor_flops, state=None,
@@ -973,7 +981,9 @@ def format_row(row, tp: int | None = None) -> str:
                      + (f"   {p['routed_experts']} experts routed by the part's own random rows,"
                         " not the step's"
                         if "routed_experts" in p else "")
-                     + f"   [{p['layers']} layers, compile {p['compile_s']:.1f} s]")
+                     + f"   [{p['layers']} layers, compile {p['compile_s']:.1f} s"
+                     + (f"; the same shapes as at context {p['reused_from']}: not re-timed"
+                        if "reused_from" in p else "") + "]")
     if "projected_step_ms" in row:
         lines.append(
             f"  projected, {row['projected_layers']} layers at TP {tp or '?'}: step "
@@ -984,6 +994,26 @@ def format_row(row, tp: int | None = None) -> str:
 
 
 def format_report(r) -> str:
+    """The built model, the floors' rates and one table row per timed shape."""
+    lines = [format_header(r),
+             *(["(--no-parts: whole steps timed, the floors from the parts' byte and FLOP counts; "
+                "no part timed, so no projection)"]
+               if not any("projected_step_ms" in x for x in r["shapes"]) else []),
+             "| step | requests | context | step ms | floor ms | GB read (floor) | host B down | "
+             "compile s | projected ms (all layers) | tok/s per GPU |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in r["shapes"]:
+        lines.append(f"| {s['kind']}{rows_note(s)} | {s['requests']} | {s['context']} | {s['step_ms']:.2f} | "
+                     f"{s.get('step_floor_ms', float('nan')):.2f} | "
+                     f"{s.get('step_floor_gb', float('nan')):.2f} | "
+                     f"{s['host_bytes']['to_host']:,} | {s['compile_s']:.1f} | "
+                     f"{s.get('projected_step_ms', float('nan')):.2f} | "
+                     f"{s.get('projected_tokens_per_s_per_gpu', float('nan')):.1f} |")
+    return "\n".join(lines)
+
+
+def format_header(r) -> str:
+    """What one rank builds and the rates its floors use (``Bench.summary``'s fields)."""
     cfg = r["rank_config"]
     lines = [
         f"\n{r['backend']}{'' if r['device'] == r['backend'] else ' (' + r['device'] + ')'}: "
@@ -1003,20 +1033,7 @@ def format_report(r) -> str:
         f"{r['model']['collective_latency'] * 1e6:.0f} µs."
         + ("" if r["backend"] == "gpu" else
            f" These are an H200's rates (--bandwidth, --flops), not this {r['backend']}'s: on "
-           f"it the floors and 'per GPU' say what the shapes would need there."),
-        *(["(--no-parts: whole steps timed, the floors from the parts' byte and FLOP counts; "
-           "no part timed, so no projection)"]
-          if not any("projected_step_ms" in x for x in r["shapes"]) else []),
-        "| step | requests | context | step ms | floor ms | GB read (floor) | host B down | "
-        "compile s | projected ms (all layers) | tok/s per GPU |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for s in r["shapes"]:
-        lines.append(f"| {s['kind']}{rows_note(s)} | {s['requests']} | {s['context']} | {s['step_ms']:.2f} | "
-                     f"{s.get('step_floor_ms', float('nan')):.2f} | "
-                     f"{s.get('step_floor_gb', float('nan')):.2f} | "
-                     f"{s['host_bytes']['to_host']:,} | {s['compile_s']:.1f} | "
-                     f"{s.get('projected_step_ms', float('nan')):.2f} | "
-                     f"{s.get('projected_tokens_per_s_per_gpu', float('nan')):.1f} |")
+           f"it the floors and 'per GPU' say what the shapes would need there.")]
     return "\n".join(lines)
 
 

@@ -24,11 +24,16 @@ def test_module_entry_point():
 
 def test_tiny_bench_runs(tmp_path):
     out = tmp_path / "bench.json"
-    rep = bench.main(["--tiny", "--batch", "2", "--context", "256", "--prefill", "0",
+    rep = bench.main(["--tiny", "--batch", "2", "--context", "256,512", "--prefill", "0",
                       "--repeats", "1", "--warmup", "0", "--moe-impls", "dense,ragged",
                       "--json", str(out)])
     assert json.loads(out.read_text())["shapes"][0]["kind"] == "decode"
-    (row,) = rep["shapes"]
+    row, longer = rep["shapes"]
+    # the parts whose shapes do not change with the context are timed once and say so
+    again = {p["part"]: p for p in longer["parts"]}
+    assert again["dense MLP"]["reused_from"] == 256 and "reused_from" not in again["selection"]
+    assert again["dense MLP"]["us_per_layer"] == {p["part"]: p for p in row["parts"]}[
+        "dense MLP"]["us_per_layer"]
     assert row["tokens"] == 2 and row["host_bytes"]["to_host"] < 1 << 20
     parts = {p["part"]: p for p in row["parts"]}
     assert {"attention (sparse)", "attention (full)", "selection", "moe (dense)",
