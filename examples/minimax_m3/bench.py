@@ -415,11 +415,28 @@ class Bench:
         built_moe = sum(m == "sparse" for m in cfg.mlp_layer_types)
         total_sparse = sum(t == "minimax_m3_sparse" for t in full.layer_types)
         total_moe = sum(m == "sparse" for m in full.mlp_layer_types)
-        us = lambda name: (p[name]["us_per_layer"] or 0.0) if name in p else 0.0
         floor = lambda name: p[name]["floor_us"] if name in p else 0.0
         moe_name = f"moe ({cfg.moe_impl})" if f"moe ({cfg.moe_impl})" in p else next(
             (k for k in p if k.startswith("moe")), "")
         attn_full = "attention (full)"
+        if moe_name and "routing" in row and p[moe_name].get("expert_bytes"):
+            # the MoE floor over the experts the step itself routes to (its routing report),
+            # not the part's random rows
+            m = p[moe_name]
+            nbytes = (m["floor_bytes"] + (row["routing"]["experts_mean"] - m["routed_experts"])
+                      * m["expert_bytes"])
+            p[moe_name] = dict(m, floor_bytes=nbytes, floor_us=max(nbytes / a.bandwidth,
+                                                                  m["floor_flops"] / a.flops) * 1e6)
+        built = (("attention (sparse)", built_sparse), ("selection", built_sparse),
+                 (attn_full, cfg.num_layers - built_sparse), (moe_name, built_moe),
+                 ("dense MLP", cfg.num_layers - built_moe),
+                 ("projections+norms", cfg.num_layers), ("lm_head+sampling", 1))
+        floor_built = sum(floor(x) * n for x, n in built)
+        floors = dict(step_floor_ms=floor_built / 1e3, step_floor_gb=sum(
+            p[x]["floor_bytes"] * n for x, n in built if x in p) / 1e9)
+        if not parts.time_parts:
+            return floors
+        us = lambda name: p[name]["us_per_layer"] if name in p else 0.0
         # per layer: projections/norms/writes in every layer; attention + selection by kind
         missing = dict(sparse=total_sparse - built_sparse, full=(full.num_layers - total_sparse)
                        - (cfg.num_layers - built_sparse), moe=total_moe - built_moe,
@@ -434,28 +451,11 @@ class Bench:
         tp = a.tp
         ar = (2 * full.num_layers * (2 * (tp - 1) / tp * ar_bytes / a.link_bandwidth
                                      + a.collective_latency) if tp > 1 else 0.0) * 1e6
-        if moe_name and "routing" in row and p[moe_name].get("expert_bytes"):
-            # the MoE floor over the experts the step itself routes to (its routing report),
-            # not the part's random rows
-            m = p[moe_name]
-            nbytes = (m["floor_bytes"] + (row["routing"]["experts_mean"] - m["routed_experts"])
-                      * m["expert_bytes"])
-            p[moe_name] = dict(m, floor_bytes=nbytes, floor_us=max(nbytes / a.bandwidth,
-                                                                  m["floor_flops"] / a.flops) * 1e6)
         floor_all = (total_sparse * (floor("attention (sparse)") + floor("selection"))
                      + (full.num_layers - total_sparse) * floor(attn_full)
                      + total_moe * floor(moe_name) + (full.num_layers - total_moe)
                      * floor("dense MLP") + full.num_layers * floor("projections+norms")
                      + floor("lm_head+sampling"))
-        built = (("attention (sparse)", built_sparse), ("selection", built_sparse),
-                 (attn_full, cfg.num_layers - built_sparse), (moe_name, built_moe),
-                 ("dense MLP", cfg.num_layers - built_moe),
-                 ("projections+norms", cfg.num_layers), ("lm_head+sampling", 1))
-        floor_built = sum(floor(x) * n for x, n in built)
-        floors = dict(step_floor_ms=floor_built / 1e3, step_floor_gb=sum(
-            p[x]["floor_bytes"] * n for x, n in built if x in p) / 1e9)
-        if any(x["us_per_layer"] is None for x in p.values()):
-            return floors
         ms = (step_all + ar) / 1e3
         out_tokens = row["requests"] if row["kind"] == "decode" else 1
         return dict(floors, projected_layers=full.num_layers,

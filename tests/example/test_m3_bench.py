@@ -29,13 +29,12 @@ def test_tiny_bench_runs(tmp_path):
                       "--json", str(out)])
     assert json.loads(out.read_text())["shapes"][0]["kind"] == "decode"
     row, longer = rep["shapes"]
+    assert row["tokens"] == 2 and row["host_bytes"]["to_host"] < 1 << 20
+    parts = {p["part"]: p for p in row["parts"]}
     # the parts whose shapes do not change with the context are timed once and say so
     again = {p["part"]: p for p in longer["parts"]}
     assert again["dense MLP"]["reused_from"] == 256 and "reused_from" not in again["selection"]
-    assert again["dense MLP"]["us_per_layer"] == {p["part"]: p for p in row["parts"]}[
-        "dense MLP"]["us_per_layer"]
-    assert row["tokens"] == 2 and row["host_bytes"]["to_host"] < 1 << 20
-    parts = {p["part"]: p for p in row["parts"]}
+    assert again["dense MLP"]["us_per_layer"] == parts["dense MLP"]["us_per_layer"]
     assert {"attention (sparse)", "attention (full)", "selection", "moe (dense)",
             "moe (ragged)", "dense MLP", "projections+norms", "lm_head+sampling"} <= set(parts)
     assert all(p["us_per_layer"] > 0 and p["floor_us"] > 0 for p in parts.values())
