@@ -22,7 +22,10 @@
 //      & 3)): ldmatrix, and the quantized fragments' 2-byte and 1-byte loads, read 8 rows
 //      without bank conflicts.
 //   3. Each warp owns 32 columns (four n8 tiles) and the BM rows; BN = 32, 64 or 128 (1, 2 or 4
-//      warps: narrower tiles give a decode batch's few groups more CTAs). bf16 weight fragments
+//      warps: narrower tiles give a decode batch's few groups more CTAs). Weights widened in
+//      registers (MXFP8, FP4) cost instructions rather than bytes at decode sizes, so their
+//      16-row tiles of 32 or 64 columns take four warps of 8 or 16 columns instead of one or
+//      two of 32: four times the warps widen the same weights. bf16 weight fragments
 //      come from ldmatrix; fp8 ones are loaded per thread and widened in registers to exactly
 //      the bf16 value of SPEC §9.1 — the fragment a bf16 launch on the dequantized weights
 //      would load. FP4 ones (fp4_stage) are widened 8 k at a time into (k, k + 4) pairs, the
@@ -264,11 +267,12 @@ enum class Fmt { kBf16, kFp8W, kW8A8, kFp4Mx, kFp4Nv };
 // per row; FP4: 64), with a bf16 lhs in two [BM][64] sub-tiles, an fp8 lhs in one [BM][128];
 // four E8M0 bytes per fp8 or MXFP4 row and stage, eight E4M3 per NVFP4 row (weights, then the
 // lhs rows).
-template <Fmt kF, int kMTiles, int kWarpsN>
+template <Fmt kF, int kMTiles, int kWarpsN, int kNT>
 struct Geometry {
   static constexpr bool kFp4 = kF == Fmt::kFp4Mx || kF == Fmt::kFp4Nv;
   static constexpr bool kFp8B = kF != Fmt::kBf16, kFp8A = kF == Fmt::kW8A8;  // kFp8B: quantized
-  static constexpr int kThreads = 32 * kWarpsN, kBN = 32 * kWarpsN, kBM = 16 * kMTiles;
+  static constexpr int kThreads = 32 * kWarpsN, kBN = 8 * kNT * kWarpsN, kBM = 16 * kMTiles;
+  static constexpr int kWarpN = 8 * kNT;                        // columns per warp
   static constexpr int kSubTiles = kF == Fmt::kFp8W || kFp4 ? 2 : 1;   // [BM][128 B] lhs sub-tiles
   static constexpr int kStepK = kFp8B ? 128 : 64;              // k per stage
   static constexpr int kScaleB = kF == Fmt::kFp4Nv ? 8 : kFp8B ? 4 : 0;   // per weight row
@@ -298,9 +302,9 @@ __device__ __forceinline__ void mma_fp8(float* d, const uint32_t* a, uint32_t b0
 // for every tile and batch: a row's bits still depend only on its row and its group's weights.
 // kExact (MXFP4 only): some exponent of the warp's stage is below 2, so every (row, 32 k) tests
 // its own; otherwise none does and the stage's code has no branch (fp4_stage chooses per warp).
-template <Fmt kF, int kMTiles, bool kExact>
+template <Fmt kF, int kMTiles, int kNT, bool kExact>
 __device__ __forceinline__ void fp4_steps(const uint8_t* a, const uint8_t* b, int sub_a,
-                                          int stage_b, float (*acc)[4][4], int wn, int lane,
+                                          int stage_b, float (*acc)[kNT][4], int wn, int lane,
                                           const uint32_t* ew) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -323,8 +327,8 @@ __device__ __forceinline__ void fp4_steps(const uint8_t* a, const uint8_t* b, in
       }
     }
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const int r = wn * 32 + nt * 8 + g;
+    for (int nt = 0; nt < kNT; ++nt) {
+      const int r = (wn * kNT + nt) * 8 + g;
       const uint32_t w = *reinterpret_cast<const uint32_t*>(b + swz4(r, k2) + 4 * t);
       uint32_t p[4];
       if constexpr (kF == Fmt::kFp4Nv) {       // the E4M3 scale of k 16 · (2 · k2 + t / 2)
@@ -348,24 +352,24 @@ __device__ __forceinline__ void fp4_steps(const uint8_t* a, const uint8_t* b, in
 // One stage (128 k) of an FP4 launch. MXFP4: each thread's 4 rows' exponent words (4 k32 each)
 // are read once, and one vote per warp picks the stage's code: a branch per (row, k32) step cut
 // the unrolled steps into regions the scheduler could not interleave (docs/perf-log/fp4-experts.md).
-template <Fmt kF, int kMTiles>
+template <Fmt kF, int kMTiles, int kNT>
 __device__ __forceinline__ void fp4_stage(const uint8_t* a, const uint8_t* b, int sub_a,
-                                          int stage_b, float (*acc)[4][4], int wn, int lane) {
-  uint32_t ew[4] = {};
+                                          int stage_b, float (*acc)[kNT][4], int wn, int lane) {
+  uint32_t ew[kNT] = {};
   if constexpr (kF == Fmt::kFp4Mx) {
     bool low = false;                        // some byte < 2: (x − 0x02..) & ~x & 0x80.. != 0
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      ew[nt] = *reinterpret_cast<const uint32_t*>(b + stage_b + 4 * (wn * 32 + nt * 8 +
+    for (int nt = 0; nt < kNT; ++nt) {
+      ew[nt] = *reinterpret_cast<const uint32_t*>(b + stage_b + 4 * ((wn * kNT + nt) * 8 +
                                                                      (lane >> 2)));
       low |= ((ew[nt] - 0x02020202u) & ~ew[nt] & 0x80808080u) != 0;
     }
     if (__any_sync(0xFFFFFFFFu, low)) {
-      fp4_steps<kF, kMTiles, true>(a, b, sub_a, stage_b, acc, wn, lane, ew);
+      fp4_steps<kF, kMTiles, kNT, true>(a, b, sub_a, stage_b, acc, wn, lane, ew);
       return;
     }
   }
-  fp4_steps<kF, kMTiles, false>(a, b, sub_a, stage_b, acc, wn, lane, ew);
+  fp4_steps<kF, kMTiles, kNT, false>(a, b, sub_a, stage_b, acc, wn, lane, ew);
 }
 
 // The weight row behind tile row r (n0 + local row). With an activation (SPEC §9 item 6) the
@@ -405,8 +409,8 @@ __device__ __forceinline__ void store2(const GroupedMatmulParams& p, int64_t i, 
 // Step 4 for a warp's 32 columns from c0 of the tile rows m0.. (< end): the accumulators as they
 // are (fp32, or rounded to bf16 when out_bf16). Written out rather than through store1 / store2:
 // this is the plain kernels' code as it was measured (register-identical to before the epilogue).
-template <int kMTiles>
-__device__ __forceinline__ void store_tile(const GroupedMatmulParams& p, const float (*acc)[4][4],
+template <int kMTiles, int kNT>
+__device__ __forceinline__ void store_tile(const GroupedMatmulParams& p, const float (*acc)[kNT][4],
                                            int64_t m0, int64_t end, int64_t c0, int lane) {
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
@@ -415,7 +419,7 @@ __device__ __forceinline__ void store_tile(const GroupedMatmulParams& p, const f
       const int64_t row = m0 + mt * 16 + (lane >> 2) + 8 * half;
       if (row >= end) continue;
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
+      for (int nt = 0; nt < kNT; ++nt) {
         const int64_t col = c0 + nt * 8 + 2 * (lane & 3);
         const float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
         if (p.out_bf16) {   // rounded to nearest even as stored
@@ -442,9 +446,9 @@ __device__ __forceinline__ void store_tile(const GroupedMatmulParams& p, const f
 
 // The same through SPEC §9 item 6's epilogue: times the group's scale, the activation's pairs
 // (v0, v1) = (gate, up) of output column col / 2 (weight_row), times the row's scale.
-template <int kMTiles>
+template <int kMTiles, int kNT>
 __device__ __forceinline__ void store_tile_epilogue(const GroupedMatmulParams& p,
-                                                 const float (*acc)[4][4], int g, int64_t m0,
+                                                 const float (*acc)[kNT][4], int g, int64_t m0,
                                                  int64_t end, int64_t c0, int lane) {
   const float gs = p.group_scale != nullptr ? p.group_scale[g] : 1.0f;   // x · 1 = x exactly
 #pragma unroll
@@ -455,7 +459,7 @@ __device__ __forceinline__ void store_tile_epilogue(const GroupedMatmulParams& p
       if (row >= end) continue;
       const float rs = p.row_scale != nullptr ? p.row_scale[row] : 1.0f;
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
+      for (int nt = 0; nt < kNT; ++nt) {
         const int64_t col = c0 + nt * 8 + 2 * (lane & 3);
         const float v0 = __fmul_rn(acc[mt][nt][2 * half], gs);
         const float v1 = __fmul_rn(acc[mt][nt][2 * half + 1], gs);
@@ -476,10 +480,14 @@ __device__ __forceinline__ void store_tile_epilogue(const GroupedMatmulParams& p
 }
 
 // Steps 2-4 for the rows [start, end) of group g and the column tile from n0.
-template <Fmt kF, int kMTiles, int kWarpsN, int kStages, bool kEpi>
+template <Fmt kF, int kMTiles, int kWarpsN, int kNT, int kStages, bool kEpi>
 __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, int64_t start,
                                           int64_t end, int64_t n0, uint8_t* smem) {
-  using Geo = Geometry<kF, kMTiles, kWarpsN>;
+  using Geo = Geometry<kF, kMTiles, kWarpsN, kNT>;
+  // Narrower warps (kNT < 4: 8 or 16 columns) only where fragments are widened per thread
+  // (ldmatrix takes two n8 tiles), and at most one lhs row per thread's copies.
+  static_assert(kNT == 4 || kF == Fmt::kFp8W || Geo::kFp4, "narrow warps: widened weights only");
+  static_assert(Geo::kThreads / 8 <= Geo::kBM, "more copying threads than lhs rows");
   constexpr bool kFp8B = Geo::kFp8B, kFp8A = Geo::kFp8A;
   constexpr int kThreads = Geo::kThreads, kBN = Geo::kBN, kBM = Geo::kBM;
   constexpr bool kFp4 = Geo::kFp4;
@@ -566,7 +574,8 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
             cp_async16_zfill(b + swz(r0 + j * kRowStep, c), ok ? src : rhs, ok);
           }
         }
-        if constexpr (kFp8B) {  // K % 128 == 0: a stage's scale bytes are whole and aligned
+        // K % 128 == 0: a stage's scale bytes are whole and aligned. Threads t < BN copy.
+        if constexpr (kFp8B) if (kThreads == kBN || tid < kBN) {
           const bool ok = tid < p.n - n0;      // weight row n0 + tid < N
           if constexpr (Geo::kScaleB == 8) {
             const uint8_t* src = scales + weight_row<kEpi>(p, n0 + tid) * wscale_row + k0 / 16;
@@ -585,7 +594,7 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
       commit();
     };
 
-    float acc[kMTiles][4][4] = {};
+    float acc[kMTiles][kNT][4] = {};
     for (int s = 0; s < kStages - 1; ++s) load(s);
     for (int ks = 0; ks < ksteps; ++ks) {
       wait_groups<kStages - 2>();
@@ -594,24 +603,24 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
       const uint8_t* a = smem + (ks % kStages) * Geo::kStage;
       const uint8_t* b = a + Geo::kStageA;
       if constexpr (kFp4) {
-        fp4_stage<kF, kMTiles>(a, b, Geo::kSubA, Geo::kStageB, acc, wn, lane);
+        fp4_stage<kF, kMTiles, kNT>(a, b, Geo::kSubA, Geo::kStageB, acc, wn, lane);
       } else {
         // A k-step kk covers 32 bytes of every row (16 bf16 k, or 32 fp8 k: one MXFP8 block).
         // (fp8 lhs: two at a time, one with 64-row tiles; unrolled further, ptxas spills.)
 #pragma unroll(kFp8A ? (kMTiles == 1 ? 2 : 1) : 4 * Geo::kSubTiles)
         for (int kk = 0; kk < 4 * Geo::kSubTiles; ++kk) {
-          uint32_t bf[4][2];
+          uint32_t bf[kNT][2];
           if constexpr (kF == Fmt::kFp8W) {
             // Thread (g, t) of n8 tile nt holds rows nt·8 + g, k = 16·kk + 2t (+1) and + 8.
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-              const int r = wn * 32 + nt * 8 + (lane >> 2);
+            for (int nt = 0; nt < kNT; ++nt) {
+              const int r = (wn * kNT + nt) * 8 + (lane >> 2);
               const uint8_t* q = b + swz(r, kk) + 2 * (lane & 3);
               const float2 s = e8m0_factors(b[Geo::kStageB + 4 * r + (kk >> 1)]);
               bf[nt][0] = dequant_fp8x2(*reinterpret_cast<const uint16_t*>(q), s);
               bf[nt][1] = dequant_fp8x2(*reinterpret_cast<const uint16_t*>(q + 8), s);
             }
-          } else {
+          } else if constexpr (kNT == 4) {
             // bf16 (16 k) or fp8 (32 k) fragments: the same bytes of the same rows either way
 #pragma unroll
             for (int h = 0; h < 2; ++h) {   // n8 tiles 2h, 2h + 1 of this warp's 32 columns
@@ -637,7 +646,7 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
               fa[mt][1] = e8m0_float(sa[4 * (mt * 16 + (lane >> 2) + 8) + kk]);
             }
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
+            for (int nt = 0; nt < kNT; ++nt) {
               const int col = wn * 32 + nt * 8 + 2 * (lane & 3);
               const float fw0 = e8m0_float(sb[4 * col + kk]);
               const float fw1 = e8m0_float(sb[4 * col + 4 + kk]);
@@ -658,7 +667,7 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
               const int r = mt * 16 + (lane & 15);
               ldmatrix_x4(af, a_sub + swz(r, 2 * (kk & 3) + (lane >> 4)));
 #pragma unroll
-              for (int nt = 0; nt < 4; ++nt) mma(acc[mt][nt], af, bf[nt][0], bf[nt][1]);
+              for (int nt = 0; nt < kNT; ++nt) mma(acc[mt][nt], af, bf[nt][0], bf[nt][1]);
             }
           }
         }
@@ -667,8 +676,9 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
     wait_groups<0>();
     __syncthreads();                    // the ring is free before the next tile's prologue
 
-    if constexpr (kEpi) store_tile_epilogue<kMTiles>(p, acc, g, m0, end, n0 + wn * 32, lane);
-    else store_tile<kMTiles>(p, acc, m0, end, n0 + wn * 32, lane);
+    const int64_t c0 = n0 + wn * Geo::kWarpN;
+    if constexpr (kEpi) store_tile_epilogue<kMTiles, kNT>(p, acc, g, m0, end, c0, lane);
+    else store_tile<kMTiles, kNT>(p, acc, m0, end, c0, lane);
   }
 }
 
@@ -679,20 +689,21 @@ __device__ __forceinline__ void gemm_rows(const GroupedMatmulParams& p, int g, i
 template <Fmt kF, int kMTiles, int kWarpsN>
 constexpr int kMinBlocks = kMTiles == 1 ? (kF == Fmt::kW8A8 && kWarpsN == 4 ? 3 : 4) : 2;
 
-template <Fmt kF, int kMTiles, int kWarpsN, int kStages, bool kEpi>
+template <Fmt kF, int kMTiles, int kWarpsN, int kNT, int kStages, bool kEpi>
 __global__ void __launch_bounds__(32 * kWarpsN, (kMinBlocks<kF, kMTiles, kWarpsN>))
 grouped_matmul_kernel(GroupedMatmulParams p, int64_t unit) {
-  using Geo = Geometry<kF, kMTiles, kWarpsN>;
+  using Geo = Geometry<kF, kMTiles, kWarpsN, kNT>;
   constexpr int kThreads = Geo::kThreads, kBN = Geo::kBN, kBM = Geo::kBM;
   extern __shared__ __align__(128) uint8_t smem[];
 
-  // unit > 0 (tiles of 64 rows): one CTA row per (group, chunk of unit rows); else one per
+  // unit > 0 (64-row tiles, narrow-warp 16-row ones): one CTA row per (group, chunk of unit
+  // rows); else one per
   // group. Each CTA row takes one unit (a loop over several changed how ptxas allocates the
   // tile loop, 157 registers instead of 184; the host never needs one: see launch).
   const int64_t n0 = int64_t(blockIdx.x) * kBN;
   int g;
   int64_t start, end;
-  find_group<(kBM > 16)>(p.group_sizes, p.num_groups, p.m, blockIdx.y,
+  find_group<(kBM > 16 || kNT < 4)>(p.group_sizes, p.num_groups, p.m, blockIdx.y,
                          blockIdx.y == gridDim.y - 1, unit, &g, &start, &end);
   if (start >= end) return;
   if (g < 0) {  // rows no group covers: zeros (SPEC §9), out [M, N] or [M, N / 2]
@@ -703,14 +714,14 @@ grouped_matmul_kernel(GroupedMatmulParams p, int64_t unit) {
         store1(p, i * width + n, 0.0f);
     return;
   }
-  gemm_rows<kF, kMTiles, kWarpsN, kStages, kEpi>(p, g, start, end, n0, smem);
+  gemm_rows<kF, kMTiles, kWarpsN, kNT, kStages, kEpi>(p, g, start, end, n0, smem);
 }
 
-template <Fmt kF, int kMTiles, int kWarpsN, int kStages, bool kEpi>
+template <Fmt kF, int kMTiles, int kWarpsN, int kStages, bool kEpi, int kNT = 4>
 cudaError_t launch(const GroupedMatmulParams& p, int64_t unit, cudaStream_t stream) {
-  using Geo = Geometry<kF, kMTiles, kWarpsN>;
+  using Geo = Geometry<kF, kMTiles, kWarpsN, kNT>;
   constexpr size_t kSmem = size_t(kStages) * Geo::kStage;
-  auto kernel = grouped_matmul_kernel<kF, kMTiles, kWarpsN, kStages, kEpi>;
+  auto kernel = grouped_matmul_kernel<kF, kMTiles, kWarpsN, kNT, kStages, kEpi>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        int(kSmem));
   if (e != cudaSuccess) return e;
@@ -718,7 +729,7 @@ cudaError_t launch(const GroupedMatmulParams& p, int64_t unit, cudaStream_t stre
   // unit rows: one CTA row each, plus the uncovered rows' one. Past the grid's 65535 rows (M
   // over ~4 M rows) a split launch takes one CTA row per group instead.
   const int64_t groups = p.num_groups < p.m ? p.num_groups : p.m;
-  if (Geo::kBM == 16 || groups + (unit > 0 ? p.m / unit : 0) > 65534) unit = 0;
+  if ((Geo::kBM == 16 && kNT == 4) || groups + (unit > 0 ? p.m / unit : 0) > 65534) unit = 0;
   const int64_t units = unit > 0 ? groups + p.m / unit : groups;
   const dim3 grid(unsigned((p.n + Geo::kBN - 1) / Geo::kBN), unsigned(units + 1));
   kernel<<<grid, Geo::kThreads, kSmem, stream>>>(p, unit);
@@ -750,8 +761,16 @@ cudaError_t launch_tile(const GroupedMatmulParams& p, const GroupedMatmulTile& t
                        : p.block_n == 4 ? 256 : big_tile(p) ? 64 : 0;
     return launch<kF, 4, 4, kF == Fmt::kFp8W ? 3 : 4, kEpi>(p, unit, stream);
   }
-  if (t.block_n == 32) return launch<kF, 1, 1, kFp8B ? (kFp4 ? 8 : 6) : 8, kEpi>(p, 0, stream);
-  if (t.block_n == 64) return launch<kF, 1, 2, kFp8B ? (kFp4 ? 7 : 5) : 6, kEpi>(p, 0, stream);
+  constexpr int kS32 = kFp8B ? (kFp4 ? 8 : 6) : 8, kS64 = kFp8B ? (kFp4 ? 7 : 5) : 6;
+  // Widened weights: four warps of BN / 4 columns (step 3); the narrower ones take one CTA row
+  // per 16 rows of a group, so a skewed batch's few large groups run side by side.
+  if constexpr (kF == Fmt::kFp8W || kFp4) {
+    if (t.block_n == 32) return launch<kF, 1, 4, kS32, kEpi, 1>(p, 16, stream);
+    if (t.block_n == 64) return launch<kF, 1, 4, kS64, kEpi, 2>(p, 16, stream);
+  } else {
+    if (t.block_n == 32) return launch<kF, 1, 1, kS32, kEpi>(p, 0, stream);
+    if (t.block_n == 64) return launch<kF, 1, 2, kS64, kEpi>(p, 0, stream);
+  }
   return launch<kF, 1, 4, kFp4 ? 6 : 4, kEpi>(p, 0, stream);
 }
 
@@ -784,6 +803,13 @@ GroupedMatmulTile grouped_matmul_tile(const GroupedMatmulParams& p) {
   if (t.block_m != 16 || (t.block_n != 32 && t.block_n != 64 && t.block_n != 128)) {
     // Narrower column tiles when few groups would leave SMs idle (one CTA streams its tile).
     t.block_n = t.block_m != 16 || ctas(p, 128) >= 264 ? 128 : ctas(p, 64) >= 264 ? 64 : 32;
+    // Weights widened in registers (MXFP8, FP4) with a long K (gate_up's) are bound by the
+    // widening's instructions: narrower tiles (four warps each, step 3) spread them over more
+    // warps — for MXFP8 at every 16-row size, for FP4 up to ~64 groups of rows (one H200,
+    // docs/perf-log/fp4-experts.md, round 4).
+    const bool widened = p.rhs_scale != nullptr && p.lhs_scale == nullptr;
+    if (t.block_m == 16 && widened && big_tile(p))
+      t.block_n = p.fp4 == 0 || ctas(p, 64) < 264 ? 32 : ctas(p, 128) < 528 ? 64 : 128;
   }
   return t;
 }

@@ -57,17 +57,24 @@ def test_grouped_matmul_resources(tmp_path):
     weights, MXFP8 rows and weights, MXFP4 and NVFP4 weights (the first template argument,
     ``FmtE0`` / ``1`` / ``2`` / ``3`` / ``4``), each plain and with the epilogue (SPEC §9 item
     6; the last template argument), none spilling — but W8A8's 16 × 128 tile, 3 CTAs per SM (at
-    most 170 registers), which spills 4 bytes as it was measured (BENCHMARKS.md §1.2)."""
+    most 170 registers), which spills 4 bytes as it was measured (BENCHMARKS.md §1.2). The
+    widened formats (MXFP8, MXFP4, NVFP4 weights) run every 16-row tile with 4 warps (the
+    template's row tiles, warps and n8 tiles per warp: ``Li1ELi4ELi1E`` / ``2`` / ``4``)."""
     res = _resources(_nvcc(CUDA / "grouped_matmul.cu", tmp_path / "gm.o", "-Xptxas", "-v"))
     kernels = {k: v for k, v in res.items() if "grouped_matmul_kernel" in k}
     assert len(kernels) == 40 and len(res) == 40, res
     fmts = sorted(re.search(r"kernelILNS1_3FmtE(\d)E", k).group(1) for k in kernels)
     assert fmts == [f for f in "01234" for _ in range(8)], fmts
     assert sum(k.endswith("ELb1EEEvNS0_19GroupedMatmulParamsEl") for k in kernels) == 20, kernels
+    shapes = sorted(re.search(r"FmtE(\d)ELi(\d)ELi(\d)ELi(\d)E", k).groups() for k in kernels)
+    widened = [(f, "1", "4", n) for f in "134" for n in "124"] + [(f, "4", "4", "4") for f in "134"]
+    plain = [(f, m, w, "4") for f in "02" for m, w in (("1", "1"), ("1", "2"), ("1", "4"),
+                                                         ("4", "4"))]
+    assert shapes == sorted(2 * (widened + plain)), shapes
     for name, r in kernels.items():
         w8a8_wide = "FmtE2ELi1ELi4E" in name
         assert r["spill_stores"] <= (8 if w8a8_wide else 0), (name, r)
-        if "Li1ELi4E" in name:   # 16 × 128: 4 CTAs of 128 threads per SM (W8A8: 3)
+        if re.search(r"FmtE\dELi1ELi4E", name):   # 16-row, 4 warps: 4 CTAs per SM (W8A8: 3)
             assert r["registers"] <= (170 if w8a8_wide else 128), (name, r)
 
 
