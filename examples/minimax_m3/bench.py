@@ -666,8 +666,13 @@ class Parts:
             out.append(self.attention(full_seg, False))
         if moe_seg is not None:
             routed = self.once("routed", lambda: self.routed_experts(moe_seg))
+            timed = set()    # formulations timed: "dense" after "auto = dense" is not re-timed
             for impl in self.b.impls if self.time_parts else self.b.impls[:1]:
                 try:
+                    formulation = self.moe_formulation(moe_seg, impl)
+                    if formulation in timed:
+                        continue
+                    timed.add(formulation)
                     out.append(self.once(f"moe {impl}",
                                           lambda: self.mlp(moe_seg, True, impl, routed)))
                 except Exception as e:  # noqa: BLE001 (an optional formulation may not run here)
@@ -832,6 +837,13 @@ class Parts:
         chosen = moe.route(p, h, self.cfg).experts
         return int(jnp.unique(chosen).shape[0])
 
+    def moe_formulation(self, i, impl: str) -> str:
+        """The formulation ``impl`` runs at this shape (moe.resolve_impl): "auto" names another."""
+        from . import moe  # noqa: PLC0415
+        cfg = self.cfg
+        return moe.resolve_impl(impl, self.T * cfg.num_experts_per_tok / cfg.num_local_experts,
+                                weight_dtype=self.seg(i)["mlp"]["experts"]["gate_up_proj"].dtype)
+
     def mlp(self, i, is_moe: bool, impl: str = "dense", routed: int = 0) -> dict:
         import jax  # noqa: PLC0415
         import jax.numpy as jnp  # noqa: PLC0415
@@ -855,9 +867,7 @@ class Parts:
             flops = 2 * T * (k * 3 * I * H + 3 * cfg.shared_intermediate_size * H + E * H)
             expected = E * (1 - (1 - k / E) ** T)
             return self.timed(f"moe ({impl})", fn, (x, self.seg(i)["mlp"]), n, nbytes, flops,
-                              resolved=moe.resolve_impl(impl, T * k / E,
-                                                        weight_dtype=self.seg(i)["mlp"][
-                                                            "experts"]["gate_up_proj"].dtype),
+                              resolved=self.moe_formulation(i, impl),
                               routed_experts=routed, expert_bytes=per_expert,
                               expected_routed_experts=expected)
         D = cfg.dense_intermediate_size
