@@ -343,7 +343,7 @@ if [ "$MODE" = select ] || [ "$MODE" = grouped ]; then  # one op: harness, timin
   if [ "${PYTEST:-1}" = 1 ]; then
     wait $CMAKE_PID; grep -E "CUDA module built|rror" "$OUT/cmake.log" | head -5
     echo "=== pytest tests/cuda/test_gpu.py -k $PYK"
-    PYTHONPATH=$ROOT timeout ${PYTEST_S:-300} python3 -m pytest -q tests/cuda/test_gpu.py -k $PYK \
+    PYTHONPATH=$ROOT timeout ${PYTEST_S:-300} python3 -m pytest -q tests/cuda/test_gpu.py -k "$PYK" \
       -p no:cacheprovider 2>&1 | tee "$OUT/pytest_$MODE.log" | tail -15
     date -u
   fi
