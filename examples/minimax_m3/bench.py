@@ -950,7 +950,7 @@ class Parts:
 
 # ----------------------------------------------------------------------------- output
 def rows_note(row) -> str:
-    """", dense_matmul_rows N" where a run times more than one value."""
+    """", dense_matmul_rows N" where the row's value is not the default."""
     n = row.get("dense_matmul_rows")
     return "" if n is None or n == int(DENSE_ROWS_DEFAULT) else f", dense_matmul_rows {n}"
 

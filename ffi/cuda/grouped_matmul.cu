@@ -273,6 +273,8 @@ struct Geometry {
   static constexpr bool kFp8B = kF != Fmt::kBf16, kFp8A = kF == Fmt::kW8A8;  // kFp8B: quantized
   static constexpr int kThreads = 32 * kWarpsN, kBN = 8 * kNT * kWarpsN, kBM = 16 * kMTiles;
   static constexpr int kWarpN = 8 * kNT;                        // columns per warp
+  // A CTA row per chunk of a group's rows (64-row tiles; narrow-warp 16-row ones): find_group
+  static constexpr bool kSplit = kBM > 16 || kNT < 4;
   static constexpr int kSubTiles = kF == Fmt::kFp8W || kFp4 ? 2 : 1;   // [BM][128 B] lhs sub-tiles
   static constexpr int kStepK = kFp8B ? 128 : 64;              // k per stage
   static constexpr int kScaleB = kF == Fmt::kFp4Nv ? 8 : kFp8B ? 4 : 0;   // per weight row
@@ -696,14 +698,13 @@ grouped_matmul_kernel(GroupedMatmulParams p, int64_t unit) {
   constexpr int kThreads = Geo::kThreads, kBN = Geo::kBN, kBM = Geo::kBM;
   extern __shared__ __align__(128) uint8_t smem[];
 
-  // unit > 0 (64-row tiles, narrow-warp 16-row ones): one CTA row per (group, chunk of unit
-  // rows); else one per
+  // unit > 0 (Geo::kSplit launches): one CTA row per (group, chunk of unit rows); else one per
   // group. Each CTA row takes one unit (a loop over several changed how ptxas allocates the
   // tile loop, 157 registers instead of 184; the host never needs one: see launch).
   const int64_t n0 = int64_t(blockIdx.x) * kBN;
   int g;
   int64_t start, end;
-  find_group<(kBM > 16 || kNT < 4)>(p.group_sizes, p.num_groups, p.m, blockIdx.y,
+  find_group<Geo::kSplit>(p.group_sizes, p.num_groups, p.m, blockIdx.y,
                          blockIdx.y == gridDim.y - 1, unit, &g, &start, &end);
   if (start >= end) return;
   if (g < 0) {  // rows no group covers: zeros (SPEC §9), out [M, N] or [M, N / 2]
@@ -729,7 +730,7 @@ cudaError_t launch(const GroupedMatmulParams& p, int64_t unit, cudaStream_t stre
   // unit rows: one CTA row each, plus the uncovered rows' one. Past the grid's 65535 rows (M
   // over ~4 M rows) a split launch takes one CTA row per group instead.
   const int64_t groups = p.num_groups < p.m ? p.num_groups : p.m;
-  if ((Geo::kBM == 16 && kNT == 4) || groups + (unit > 0 ? p.m / unit : 0) > 65534) unit = 0;
+  if (!Geo::kSplit || groups + (unit > 0 ? p.m / unit : 0) > 65534) unit = 0;
   const int64_t units = unit > 0 ? groups + p.m / unit : groups;
   const dim3 grid(unsigned((p.n + Geo::kBN - 1) / Geo::kBN), unsigned(units + 1));
   kernel<<<grid, Geo::kThreads, kSmem, stream>>>(p, unit);
