@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <type_traits>
@@ -97,13 +98,14 @@ inline int64_t visible_limit(const SelectArgs& a, const Row& r, int64_t b, int64
 // ---- the generic path: portable C++ in the reference summation layout --------------------
 
 // e4m3_to_float as masks, so a loop of it vectorizes: s.eeee.mmm with e ≥ 1 is the bits
-// (eeeemmm << 20) + (120 << 23); e = 0 is m · 2^-9 (exact); 0x7F is NaN; then the sign.
+// (eeeemmm << 20) + (120 << 23); with e = 0 the same bits one binade up, 2^-6 + m · 2^-9, less
+// 2^-6 (exact: m · 2^-9, +0 for m = 0); 0x7F is NaN; then the sign.
 inline float e4m3_lanes(uint32_t byte) {
   const uint32_t mag = byte & 0x7Fu;
   const uint32_t sub = 0u - uint32_t(mag < 8), nan = 0u - uint32_t(mag == 0x7Fu);
-  uint32_t bits = (float_bits(float(int32_t(mag)) * (1.0f / 512.0f)) & sub) |
-                  (((mag << 20) + (120u << 23)) & ~sub);
-  bits = (0x7FC00000u & nan) | (bits & ~nan);
+  const float v = bits_float((mag << 20) + (120u << 23) + (sub & (1u << 23))) -
+                  bits_float(sub & 0x3C800000u);  // 2^-6 where e = 0, else +0
+  const uint32_t bits = (0x7FC00000u & nan) | (float_bits(v) & ~nan);
   return bits_float(bits | ((byte & 0x80u) << 24));
 }
 
@@ -127,17 +129,30 @@ constexpr int kGenericKeys = 8;
 
 static_assert(kKeyTile % kGenericKeys == 0, "key groups stay inside the tile");
 
+typedef float v8f __attribute__((vector_size(32)));  // GCC/Clang vector extension
+
+// [a0+a1, a2+a3, a4+a5, a6+a7, b0+b1, b2+b3, b4+b5, b6+b7]: one level of the fold for two
+// vectors at once (a + b is the same bits as b + a, so lane order inside a pair is free).
+inline v8f pair_sums(v8f a, v8f b) {
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
 inline void dots_generic(const float* q, const float* key, int64_t Dp, float* out) {
+  static_assert(kGenericKeys == 8 && kLanes == 8, "the fold below is an 8 x 8 tree");
   float x[kGenericKeys][kLanes] = {};
   for (int64_t d = 0; d < Dp; d += kLanes)
     for (int c = 0; c < kGenericKeys; ++c) {
 #pragma omp simd
       for (int l = 0; l < kLanes; ++l) x[c][l] = std::fma(q[d + l], key[c * Dp + d + l], x[c][l]);
     }
-  for (int c = 0; c < kGenericKeys; ++c) {
-    const float* v = x[c];
-    out[c] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-  }
+  // The 8 keys' folds as vectors (three levels of pair_sums, 7 adds in all): lane c of the
+  // result is key c's ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)).
+  v8f v[kGenericKeys];
+  std::memcpy(v, x, sizeof(v));
+  const v8f s = pair_sums(pair_sums(pair_sums(v[0], v[1]), pair_sums(v[2], v[3])),
+                          pair_sums(pair_sums(v[4], v[5]), pair_sums(v[6], v[7])));
+  std::memcpy(out, &s, sizeof(s));
 }
 
 // Each seeing row's block maximum over the tile's keys [0, n) (o0: the first one's offset in
@@ -171,9 +186,15 @@ void widen_tile(const SelectArgs& a, Buffers& buf, const BlockJob& job, int64_t 
 
 // Tiles of widened keys (the widening and the dot products are separate loops: GCC and Clang
 // vectorize both; widening in the dot loop spilled its halves through the stack).
+// The next valid block's keys at the same offsets are prefetched tile by tile, so its page
+// arrives while this one is scored (a decode request's pages are scattered over the pool).
 void score_block_generic(const SelectArgs& a, Buffers& buf, const BlockJob& job) {
+  const int64_t kb = key_bytes(a);
   for (int64_t o0 = 0; o0 < job.n_keys; o0 += kKeyTile) {
     const int64_t n = std::min(kKeyTile, job.n_keys - o0);
+    if (job.next)
+      for (int64_t byte = o0 * kb; byte < (o0 + n) * kb; byte += 64)
+        __builtin_prefetch(job.next + byte, 0, 3);
     widen_tile(a, buf, job, o0, n, widen_generic);
     rows_max_generic(a, buf, job.b, o0, n);
   }
