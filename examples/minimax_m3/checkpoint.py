@@ -454,6 +454,9 @@ def quant_method(qc: dict | None) -> str | None:
         need("fmt", qc.get("fmt"), ("e4m3",))
     elif method == "mxfp8":
         need("weight_block_size", qc.get("weight_block_size"), ([1, 32],))
+        # "dynamic": activations quantized per 32 at run time (--expert-format mxfp8_w8a8 does
+        # so for the experts; the default keeps them bf16); a static scheme would ship scales
+        need("activation_scheme", qc.get("activation_scheme"), ("dynamic",))
     elif method == "modelopt":
         need("quant_algo", qc.get("quant_algo"), ("MIXED_PRECISION", "NVFP4", "MXFP8"))
         for name, layer in (qc.get("quantized_layers") or {}).items():

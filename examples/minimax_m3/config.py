@@ -52,6 +52,7 @@ class ModelConfig:
     rope_theta: float = 5e6
     rotary_dim: int = 64                       # = head_dim · partial_rotary_factor
     tie_word_embeddings: bool = False
+    max_position_embeddings: int = 1048576     # a request's prompt + new tokens at most
     # MLPs: swiglu-oai everywhere; "dense" layers one MLP, "sparse" layers a mixture of experts
     dense_intermediate_size: int = 512
     intermediate_size: int = 128               # per expert
@@ -194,15 +195,24 @@ class ModelConfig:
 def from_hf_config(source, **overrides) -> ModelConfig:
     """A :class:`ModelConfig` from a Hugging Face ``config.json`` (path, directory or dict).
 
+    The layer pattern comes from ``layer_types`` / ``mlp_layer_types`` or, as in the released
+    config, from ``sparse_attention_config.sparse_attention_freq`` / ``moe_layer_freq``; with
+    neither, transformers' defaults (every layer full attention, every MLP a mixture of
+    experts), as transformers itself reads such a file. ``num_mtp_modules`` is read and not
+    built (no published checkpoint has ``mtp.*`` weights).
+
     Raises:
       ValueError: a field our model cannot serve (rope type other than default, rotary_dim
-        disagreeing with partial_rotary_factor, index heads != KV heads, ...), naming it.
+        disagreeing with partial_rotary_factor, index heads != KV heads, a model_type not
+        M3's, a ``*_freq`` entry other than 0 / 1, ...), naming it.
     """
     if isinstance(source, (str, os.PathLike)):
         path = os.path.join(source, "config.json") if os.path.isdir(source) else source
         with open(path) as f:
             source = json.load(f)
     c = dict(source.get("text_config") or source)
+    if "text_config" in source:        # the VL wrapper's type decides; its text model's own
+        c["model_type"] = source.get("model_type", c.get("model_type"))
     sparse_cfg = c.get("sparse_attention_config") or {}
     for flat, legacy in _LEGACY_INDEX.items():
         if flat not in c and legacy in sparse_cfg:
@@ -253,6 +263,17 @@ def _check_modelled(c: dict, sparse_cfg: dict, L: int, layer_types, mlp_types) -
             raise ValueError(f"config.json: {key} {get(key)!r} is not implemented here "
                              f"(only {ok}: {why})")
 
+    model_type = c.get("model_type")
+    if model_type not in (None, "minimax_m3_vl", "minimax_m3_vl_text"):
+        raise ValueError(f"config.json: model_type {model_type!r} is not MiniMax M3's "
+                         f"('minimax_m3_vl', or 'minimax_m3_vl_text' for its text model)")
+    for key, freq in (("sparse_attention_freq", sparse_cfg.get("sparse_attention_freq")),
+                      ("moe_layer_freq", c.get("moe_layer_freq"))):
+        if freq is not None and (not isinstance(freq, list) or any(f not in (0, 1) for f in freq)):
+            raise ValueError(f"config.json: {key} must be a list of 0 or 1 per layer, got "
+                             f"{freq!r}")
+    # num_mtp_modules: the published checkpoints carry no mtp.* weights and the engine drafts
+    # from the prompt instead (--spec-tokens), so any count is accepted and none is built.
     need("sparse_score_type", ("max",), "a block scores the max over its keys, SPEC §8")
     need("sparse_init_block", (0,), "no always-selected initial blocks")
     # transformers' config writes "silu" and computes the swiglu-oai gate inline whatever it says
@@ -265,7 +286,7 @@ def _check_modelled(c: dict, sparse_cfg: dict, L: int, layer_types, mlp_types) -
                              f"entries for num_hidden_layers {L}")
     disable = get("sparse_disable_index_value")
     if disable is not None:
-        if len(disable) != L or any(v not in (0, 1) for v in disable):
+        if not isinstance(disable, list) or len(disable) != L or any(v not in (0, 1) for v in disable):
             raise ValueError(f"config.json: sparse_disable_index_value must hold 0 or 1 per "
                              f"layer ({L}), got {disable!r}")
         kinds = layer_types or [FULL] * L

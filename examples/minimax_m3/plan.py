@@ -41,11 +41,12 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
     ``$XLA_PYTHON_CLIENT_MEM_FRACTION``, else JAX's 0.75) with ``reserve_gb`` left for
     activations; with ``device_memory_gb``, ``formats`` also gives that for each routed-
     experts format on the device (bf16, mxfp8, nvfp4, mxfp4) and index-key cache dtype (bf16, fp8), with
-    the requests of ``context_len`` tokens that fit (``max_requests``).
+    the requests of ``context_len`` tokens that fit (``max_requests``) and the requests that fit
+    at each of :func:`plan_contexts` (``max_requests_at``).
 
     Raises:
-      ValueError when ``tp`` does not divide the model's sizes, or ``mem_fraction`` is not in
-      (0, 1].
+      ValueError when ``tp`` does not divide the model's sizes, ``context_len`` exceeds the
+      model's ``max_position_embeddings``, or ``mem_fraction`` is not in (0, 1].
     """
     source = "--mem-fraction"
     if mem_fraction is None:
@@ -59,6 +60,9 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
     if not 0 < mem_fraction <= 1:
         raise ValueError(f"mem_fraction (XLA_PYTHON_CLIENT_MEM_FRACTION) must be in (0, 1], "
                          f"got {mem_fraction}")
+    if context_len > cfg.max_position_embeddings:
+        raise ValueError(f"context_len {context_len} exceeds the model's max_position_embeddings "
+                         f"{cfg.max_position_embeddings} (config.json)")
     check_divisible(cfg, tp)
     cfg = dataclasses.replace(cfg, kv_replicas=kv_head_replicas(cfg.num_key_value_heads, tp))
     shapes = model.param_shapes(cfg)
@@ -106,20 +110,32 @@ def _cache_bytes(cfg, tp: int, pages: int, index_dtype) -> tuple[int, int]:
     return cfg.num_layers * pages * spec.page_bytes, idx
 
 
+def plan_contexts(cfg, context_len: int) -> tuple[int, ...]:
+    """The contexts the plan's grid shows: 8k, 32k, 128k and 1M tokens up to the model's
+    ``max_position_embeddings``, and ``context_len``."""
+    grid = {c for c in (8192, 32768, 131072, 1048576) if c <= cfg.max_position_embeddings}
+    return tuple(sorted(grid | {context_len}))
+
+
 def _formats(cfg, tp, context_len, batch, weight_dtype, budget) -> list[dict]:
     """Per device, for each routed-experts format on the device and index-key cache dtype:
-    weight and cache bytes for ``batch`` requests, whether they fit ``budget`` bytes, and how
-    many requests of ``context_len`` tokens fit it."""
-    pages = -(-context_len // cfg.block_size)
+    weight, NVFP4 K/V and index-key cache bytes for ``batch`` requests of ``context_len``,
+    whether they fit ``budget`` bytes, how many requests of ``context_len`` tokens fit it, and
+    (``max_requests_at``) how many fit at each of :func:`plan_contexts`."""
+    per_request = lambda ctx, index: _cache_bytes(cfg, tp, -(-ctx // cfg.block_size), index)
     rows = []
     for experts in ("bf16", "mxfp8", "nvfp4", "mxfp4"):
         weights = _weight_bytes(dataclasses.replace(cfg, expert_format=experts), tp, weight_dtype)
+        room = max(budget - weights, 0)
         for index in ("bfloat16", "float8_e4m3fn"):
-            per_request = sum(_cache_bytes(cfg, tp, pages, index))
+            kv, idx = per_request(context_len, index)
             rows.append(dict(experts=experts, index_cache_dtype=index, weight_bytes=weights,
-                             cache_bytes=batch * per_request,
-                             fits=weights + batch * per_request <= budget,
-                             max_requests=max(budget - weights, 0) // per_request))
+                             kv_cache_bytes=batch * kv, index_cache_bytes=batch * idx,
+                             cache_bytes=batch * (kv + idx),
+                             fits=weights + batch * (kv + idx) <= budget,
+                             max_requests=room // (kv + idx),
+                             max_requests_at={c: room // sum(per_request(c, index))
+                                              for c in plan_contexts(cfg, context_len)}))
     return rows
 
 
@@ -219,13 +235,20 @@ def format_plan(p: dict) -> str:
            "counted; the pool as --mem-fraction says: set XLA_PYTHON_CLIENT_MEM_FRACTION to "
            "that for the run)")]
     if "formats" in p:
-        lines.append(f"  each format in that pool less {gb(p['reserve_bytes'])} (weights + caches "
-                     f"of {p['batch']} requests; requests of {p['context_len']} tokens that fit):")
+        contexts = list(p["formats"][0]["max_requests_at"])
+        ctx = lambda c: f"{c // 1048576}M" if c % 1048576 == 0 else (
+            f"{c // 1024}k" if c % 1024 == 0 else str(c))
+        lines.append(f"  each format in that pool less {gb(p['reserve_bytes'])}: per device, GB of "
+                     f"weights, K/V and index keys for {p['batch']} requests × "
+                     f"{p['context_len']} tokens, and the requests that fit at each context:")
+        lines.append("    experts index | weights    K/V  index | fits | " + " ".join(
+            f"{ctx(c):>6s}" for c in contexts))
         for f in p["formats"]:
             idx = "bf16" if f["index_cache_dtype"] == "bfloat16" else "fp8"
-            lines.append(f"    experts {f['experts']:5s}, index keys {idx:4s}: "
-                         f"{gb(f['weight_bytes'])} + {gb(f['cache_bytes'])}, "
-                         f"{'fits' if f['fits'] else 'does NOT fit'}, {f['max_requests']} requests")
+            lines.append(f"    {f['experts']:7s} {idx:5s} | {f['weight_bytes'] / 1e9:7.1f} "
+                         f"{f['kv_cache_bytes'] / 1e9:6.1f} {f['index_cache_bytes'] / 1e9:6.1f} | "
+                         f"{'yes ' if f['fits'] else 'NO  '} | " + " ".join(
+                             f"{f['max_requests_at'][c]:6d}" for c in contexts))
         lines.append("  (every checkpoint format loads into every experts format (--expert-format): "
                      "the experts are quantized on the "
                      "device — exactly for the MXFP8 and MXFP4 checkpoints — or, in the format "

@@ -7,6 +7,7 @@ really skip blocks; sparse and full attention, MoE and dense MLPs interleaved). 
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import jax
@@ -255,7 +256,13 @@ def test_released_config_and_unmodelled_values():
            (("hidden_act",), "gelu", "hidden_act"),
            (("qk_norm_type",), "per_layer", "qk_norm_type"),
            (("use_gemma_norm",), False, "use_gemma_norm"),
-           (("moe_layer_freq",), [1] * 59, "59 entries")]
+           (("moe_layer_freq",), [1] * 59, "59 entries"),
+           (("moe_layer_freq",), [0, 0, 0] + [2] * 57, "moe_layer_freq must be a list of 0 or 1"),
+           (("sparse_attention_config", "sparse_attention_freq"), "1" * 60,
+            "sparse_attention_freq must be a list"),
+           (("sparse_attention_config", "sparse_disable_index_value"), 1,
+            "sparse_disable_index_value must hold 0 or 1 per layer"),
+           (("model_type",), "minimax_m2", "model_type 'minimax_m2' is not MiniMax M3's")]
     for path, value, match in bad:
         text_cfg = copy.deepcopy(RELEASED_TEXT)
         d = text_cfg
@@ -263,7 +270,11 @@ def test_released_config_and_unmodelled_values():
             d = d[key]
         d[path[-1]] = value
         with pytest.raises(ValueError, match=match):
-            from_hf_config(dict(model_type="minimax_m3_vl", text_config=text_cfg))
+            from_hf_config(dict(model_type="minimax_m3_vl", text_config=text_cfg)
+                           if path != ("model_type",) else text_cfg)
+    with pytest.raises(ValueError, match="model_type 'llama' is not MiniMax M3's"):
+        from_hf_config(dict(model_type="llama", text_config=RELEASED_TEXT))
+    assert cfg.max_position_embeddings == 1048576
 
 
 def test_propose_drafts():
@@ -405,11 +416,20 @@ def test_dry_run_plans_the_real_model(capsys, monkeypatch):
          for i in ("bfloat16", "float8_e4m3fn")],
         weights, (int(141e9 * 0.95) - 8e9 - weights) // per_request)]
     assert [f["fits"] for f in p["formats"]] == [False, True] + [True] * 6 and got[0][3] == 6
+    # the split per format, and the grid: at each context the requests of that length that fit
+    for f, w in zip(p["formats"], weights):
+        isize = 2 if f["index_cache_dtype"] == "bfloat16" else 1
+        assert f["kv_cache_bytes"] == p["kv_cache_bytes_per_device"]
+        assert f["index_cache_bytes"] == 57 * pages * 128 * 128 * isize
+        assert list(f["max_requests_at"]) == [8192, 32768, 131072, 1048576]
+        for c, n in f["max_requests_at"].items():
+            per = c // 128 * (60 * 2 * 128 * 72 + 57 * 128 * 128 * isize)
+            assert n == (int(141e9 * 0.95) - 8e9 - w) // per, (f, c)
     # the example README shows this very command's output: it must be what the code prints
     readme = (pathlib.Path(cfg_path).parents[0] / "minimax_m3" / "README.md").read_text()
     block = readme.split("--tp 8 --context-len 131072 --batch 8\n")[1]
     shown = block.split("```")[0].strip().splitlines()
-    assert len(shown) == 16 and all(line in out for line in shown), (shown, out)
+    assert len(shown) == 17 and all(line in out for line in shown), (shown, out)
     # MXFP8 routed experts: the same parameters; each expert weight 1 byte + 1/32 for its
     # exponent instead of 2 (57 MoE layers × 128 experts × 3 × 6144 × 3072 / 8 per device)
     q = cli.main(["--config", cfg_path, "--dry-run", "--tp", "8", "--context-len", "131072",
@@ -417,6 +437,9 @@ def test_dry_run_plans_the_real_model(capsys, monkeypatch):
     experts = 57 * 128 * 3 * 6144 * 3072 // 8
     assert q["parameters"] == p["parameters"] and "mxfp8" in q["weight_dtype"]
     assert p["weight_bytes_per_device"] - q["weight_bytes_per_device"] == experts - experts // 32
+    with pytest.raises(ValueError, match="context_len 2097152 exceeds the model's "
+                                         "max_position_embeddings 1048576"):
+        cli.main(["--config", cfg_path, "--dry-run", "--tp", "8", "--context-len", "2097152"])
     with pytest.raises(ValueError, match="--tp 3 must divide num_attention_heads = 64"):
         cli.main(["--config", cfg_path, "--dry-run", "--tp", "3"])
     # JAX's default pool (75 %) when the variable is unset; --mem-fraction overrides both
@@ -529,3 +552,13 @@ def test_step_names_missing_batch_arrays(params):
 def test_negative_dense_matmul_rows_is_refused():
     with pytest.raises(ValueError, match=r"dense_matmul_rows \(-1\) must be >= 0"):
         ModelConfig(dense_matmul_rows=-1)
+
+
+def test_request_longer_than_the_model_is_refused(params):
+    """A request past config.json's max_position_embeddings is refused when it is added,
+    naming the limit, even where the engine's max_seq_len would hold it."""
+    short = dataclasses.replace(CFG, max_position_embeddings=300)
+    engine = Engine(params, short, ECFG)
+    engine.add_request(0, [1] * 290, max_new_tokens=10)          # exactly the limit
+    with pytest.raises(ValueError, match="exceed the model's max_position_embeddings 300"):
+        engine.add_request(1, [1] * 291, max_new_tokens=10)

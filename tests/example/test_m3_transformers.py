@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -202,8 +204,38 @@ def test_published_format_mismatch_is_named(tmp_path):
     config = json.loads((path / "config.json").read_text())
     for qc, match in (({"quant_method": "mxfp8"}, r"w1\.weight: stored as nvfp4"),
                       ({"quant_method": "awq"}, "quant_method 'awq'"),
-                      ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, "quant_algo")):
+                      ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, "quant_algo"),
+                      ({"quant_method": "mxfp8", "activation_scheme": "static"},
+                       "activation_scheme 'static'")):
         (path / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+        with pytest.raises(ValueError, match=match):
+            load_params(str(path), cfg, shardings)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "mxfp4"])
+def test_published_tensor_damage_is_named(tmp_path, fmt):
+    """A block scale cut short, a weight (packed FP4: a byte per two inputs) with a column
+    missing, and — NVFP4 experts kept as stored — w1 and w3 of one expert with different
+    weight_scale_2: each is refused before any weight is read, naming the tensor."""
+    from safetensors.torch import load_file, save_file
+    hf = fixtures.build_model(fixtures.tiny_text_config(), seed=2)
+    fixtures.save_published(hf, str(tmp_path / "good"), fmt, twin=str(tmp_path / "twin"))
+    files = {f.name: load_file(str(f)) for f in (tmp_path / "good").glob("*.safetensors")}
+    expert = "language_model.model.layers.1.block_sparse_moe.experts.0."
+    scale = expert + ("w1.weight_scale_inv" if fmt == "mxfp8" else "w1.weight_scale")
+    damage = [(scale, lambda t: t[:, :-1], rf"{re.escape(scale)}: expected shape"),
+              (expert + "w1.weight", lambda t: t[:, :-1],
+               rf"{re.escape(expert)}w1\.weight: expected shape")]
+    if fmt == "nvfp4":
+        damage.append((expert + "w3.weight_scale_2", lambda t: t * 2, "weight_scale_2 differ"))
+    for case, (name, cut, match) in enumerate(damage):
+        path = tmp_path / f"bad{case}"
+        shutil.copytree(tmp_path / "good", path)
+        for file, tensors in files.items():
+            if name in tensors:
+                save_file({**tensors, name: cut(tensors[name]).contiguous()}, str(path / file))
+        cfg = from_hf_config(str(path), expert_format="nvfp4" if fmt == "nvfp4" else "bf16")
+        shardings = parallel.param_shardings(model.param_shapes(cfg), cfg, parallel.make_mesh(1))
         with pytest.raises(ValueError, match=match):
             load_params(str(path), cfg, shardings)
 
