@@ -217,10 +217,11 @@ class Engine:
         if need > self.max_blocks * self.cfg.block_size or not prompt or max_new_tokens < 1:
             raise ValueError(f"request {rid}: {len(prompt)} prompt tokens + {max_new_tokens} "
                              f"new do not fit max_seq_len {self.ecfg.max_seq_len} (or none)")
-        if len(prompt) + max_new_tokens > self.cfg.max_position_embeddings:
+        limit = getattr(self.cfg, "max_position_embeddings", None)   # M3's; other models: none
+        if limit is not None and len(prompt) + max_new_tokens > limit:
             raise ValueError(f"request {rid}: {len(prompt)} prompt tokens + {max_new_tokens} "
-                             f"new exceed the model's max_position_embeddings "
-                             f"{self.cfg.max_position_embeddings} (config.json)")
+                             f"new exceed the model's max_position_embeddings {limit} "
+                             f"(config.json)")
         self.waiting.append(Request(rid, list(prompt), max_new_tokens, sampling))
 
     def _pages_needed(self, r: Request) -> int:
