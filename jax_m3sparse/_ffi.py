@@ -169,7 +169,7 @@ OPS = ("pack_kv_pages", "query_token_positions", "sparse_decode", "sparse_prefil
        "dense_matmul")
 # Ops with a kernel on some platforms only (the others lower them to the reference or, for
 # full_attention on the CPU, to another op's kernel).
-_ONLY_ON = {"grouped_matmul": ("cuda", "rocm"), "dense_matmul": ("cuda",), "route_experts": ("cuda", "rocm"),
+_ONLY_ON = {"grouped_matmul": ("cpu", "cuda", "rocm"), "dense_matmul": ("cuda",), "route_experts": ("cuda", "rocm"),
             "full_attention": ("cuda", "rocm"),
             "write_index_keys": ("cpu",)}
 

@@ -68,6 +68,7 @@ if [ $# -eq 0 ]; then
     -k "native and not geometry_grid and not 2gib"
   pytest_logged "$ROOT/tests/library/test_select.py" -k "not sharded and not reference_gathers"
   pytest_logged "$ROOT/tests/library/test_index_keys.py" -k "not export"
+  pytest_logged "$ROOT/tests/library/test_grouped_matmul.py" -k "not cuda"
 else
   pytest_logged "$@"
 fi

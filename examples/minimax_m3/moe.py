@@ -94,7 +94,9 @@ IMPLS = ("auto", "dense", "dense_batched", "gather", "ragged", "grouped", "tokam
 # expert): (largest load or None, impl) pairs, first match wins ("tokamax" skipped where it
 # does not import, "grouped" where the weights are not bf16). CPU (Zen 3, jax 0.10.2):
 # ragged_dot is a masked product over every group, slower than dense dispatch at every size
-# measured, and the small default model keeps dense. GPU (one H200, jaxlib 0.11.2, one TP-8
+# measured, and the small default model keeps dense (grouped_matmul's CPU kernel, since
+# 2026-12-07, was within this shared machine's noise of dense dispatch on the tiny bench's
+# MoE: hidden 256, 16 experts of 64; it pays where experts are many, --moe-impl grouped). GPU (one H200, jaxlib 0.11.2, one TP-8
 # rank of M3: E 128, k 4, H 6144, I 384; the real-size bench, per layer inside a scan over 42
 # layers): "grouped" (jax_m3sparse.grouped_matmul) 184 µs at T = 4, 499 µs at T = 128, 1.74 ms
 # for a 2048-token prefill chunk; "gather" 266 µs, 1.88 ms, 9.46 ms; dense dispatch 1.67-1.77

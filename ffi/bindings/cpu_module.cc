@@ -17,6 +17,7 @@ XLA_FFI_Error* m3sparse_sparse_decode_cpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_sparse_prefill_cpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_select_blocks_cpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_write_index_keys_cpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* m3sparse_grouped_matmul_cpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_missing_cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* m3sparse_missing_rocm(XLA_FFI_CallFrame*);
 }
@@ -37,6 +38,7 @@ NB_MODULE(_m3sparse_cpu, m) {
     d["m3sparse_sparse_prefill_cpu"] = capsule(m3sparse_sparse_prefill_cpu);
     d["m3sparse_select_blocks_cpu"] = capsule(m3sparse_select_blocks_cpu);
     d["m3sparse_write_index_keys_cpu"] = capsule(m3sparse_write_index_keys_cpu);
+    d["m3sparse_grouped_matmul_cpu"] = capsule(m3sparse_grouped_matmul_cpu);
     return d;
   });
   // The stand-in handler for the targets of a GPU module ("cuda", "rocm") that did not load

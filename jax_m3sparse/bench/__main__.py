@@ -1,4 +1,4 @@
-"""``python -m jax_m3sparse.bench {peak,pack,decode,prefill,select,all} [--platform P] [--quick]``
+"""``python -m jax_m3sparse.bench {peak,pack,decode,prefill,select,grouped,all} [--platform P] [--quick]``
 
 Prints tables (speed is measured here, never in tests). ``peak`` measures the machine's
 ceilings (multiply-add loops per instruction set on the CPU, copy and read bandwidth); ``all``
@@ -18,7 +18,8 @@ import sys
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m jax_m3sparse.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["peak", "pack", "decode", "prefill", "select", "all"])
+    parser.add_argument("what", choices=["peak", "pack", "decode", "prefill", "select", "grouped",
+                                         "all"])
     parser.add_argument("--platform", default=None, help="JAX platform (default: JAX's default)")
     parser.add_argument("--quick", action="store_true", help="smallest shapes only (a smoke run)")
     args = parser.parse_args(argv)
@@ -32,7 +33,8 @@ def main(argv=None):
 
     from jax_m3sparse.bench import timing  # noqa: PLC0415
     device = jax.devices(args.platform)[0]
-    todo = ["peak", "pack", "decode", "prefill", "select"] if args.what == "all" else [args.what]
+    todo = (["peak", "pack", "decode", "prefill", "select", "grouped"] if args.what == "all"
+            else [args.what])
     for what in todo:
         getattr(timing, f"bench_{what}")(device, quick=args.quick)
         print()

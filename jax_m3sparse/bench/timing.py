@@ -319,3 +319,38 @@ def bench_select(device, quick=False, Hkv=4, Di=128):
             t.append(median_time(jax.jit(fn, donate_argnums=0), args, 10, donate_first=True))
         tqdm.write(row(f"write_index_keys {T} keys, pool {pool}, {jnp.dtype(kd).name}", *t,
                        T * Di * jnp.dtype(kd).itemsize, copy_bw))
+
+
+def bench_grouped(device, quick=False):
+    """grouped_matmul (SPEC §9) against the reference lowering (one product per group, rows
+    selected: G× the routed FLOPs) and against one XLA dot of the routed FLOPs; bf16 rows,
+    bf16 / MXFP8 / MXFP4 weights; uniform routing over G experts. GB/s counts the routed
+    groups' weights once (what the kernel must read); GFLOP/s the routed products."""
+    rng = np.random.default_rng(5)
+    copy_bw = copy_bandwidth(device)
+    print(f"grouped_matmul on {device_name(device)}; copy bandwidth {copy_bw / 1e9:.1f} GB/s; "
+          "'XLA dot' is one [M, K] × [K, N] product of the routed FLOPs")
+    head = header("rows M × K × N, G groups, weights", flops=True).splitlines()[0]
+    head += " | XLA dot (µs)"
+    print(head + "\n" + "-" * len(head))
+    # (M, K, N, G): a decode MoE of 8 rows, a 64-row one, a prefill chunk's rows
+    cases = [(8, 1024, 256, 8), (64, 1024, 256, 16), (512, 1024, 256, 16)]
+    for M, Kd, Nd, G in tqdm(cases[:1] if quick else cases, desc="grouped", leave=False,
+                             disable=None):
+        lhs = jnp.asarray(rng.standard_normal((M, Kd)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((G, Nd, Kd)), jnp.float32)
+        sizes = jnp.asarray(rng.multinomial(M, np.ones(G) / G), jnp.int32)
+        dot = jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32))
+        t_dot = median_time(dot, [jax.device_put(a, device) for a in (lhs, w[0].astype(
+            jnp.bfloat16))], 10)
+        routed = int(np.count_nonzero(np.asarray(sizes)))
+        for fmt, (rhs, scale) in (("bf16", (w.astype(jnp.bfloat16), None)),
+                                  ("mxfp8", m3.mxfp8_quantize(w)), ("mxfp4", m3.mxfp4_quantize(w))):
+            args = [jax.device_put(a, device) for a in (lhs, rhs, sizes)]
+            kw = {} if scale is None else {"rhs_scale": jax.device_put(scale, device)}
+            ours = jax.jit(lambda a, b, s: m3.grouped_matmul(a, b, s, **kw))
+            ref = jax.jit(lambda a, b, s: reference.grouped_matmul(a, b, s, **kw))
+            t_ours, t_ref = median_time(ours, args, 10), median_time(ref, args, 5)
+            nbytes = routed * rhs[0].size * rhs.dtype.itemsize
+            tqdm.write(row(f"{M} × {Kd} × {Nd}, G {G}, {fmt}", t_ours, t_ref, nbytes, copy_bw,
+                           2 * M * Kd * Nd) + f" | {t_dot * 1e6:10.1f}")

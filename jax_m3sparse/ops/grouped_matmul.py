@@ -36,11 +36,14 @@ def _platform_reason(platform, lhs, rhs, *_, **__):
 _I32_MAX = 2**31 - 1
 
 
-def _rocm_reference(platform, lhs, rhs, group_sizes, rhs_scale, lhs_rows, *_, gather, activation,
+def _reference_when(platform, lhs, rhs, group_sizes, rhs_scale, lhs_rows, *_, gather, activation,
                     **__):
-    """Calls the gfx950 kernel (ffi/flydsl/grouped_matmul.py) does not serve, lowered to the
-    reference on rocm: an MXFP8 lhs (W8A8), K not a multiple of 32, output columns not a multiple
-    of 16, byte offsets past 32 bits or more tiles than a launch's grid holds."""
+    """Calls a native kernel does not serve, lowered to the reference there. CPU: an MXFP8 lhs
+    (W8A8). rocm (the gfx950 kernel, ffi/flydsl/grouped_matmul.py): an MXFP8 lhs, K not a
+    multiple of 32, output columns not a multiple of 16, byte offsets past 32 bits or more tiles
+    than a launch's grid holds."""
+    if platform == "cpu":
+        return lhs.dtype != jnp.bfloat16
     if platform != "rocm":
         return False
     K, N = lhs.shape[1], rhs.shape[1]
@@ -51,18 +54,19 @@ def _rocm_reference(platform, lhs, rhs, group_sizes, rhs_scale, lhs_rows, *_, ga
             or -(-M // 16) + rhs.shape[0] + 1 > 65535)
 
 
-# CUDA and rocm (gfx950, the shapes _rocm_reference leaves it); the CPU lowers to the reference
-# (a product per group, each row selected).
+# CUDA, the CPU (ffi/cpu/grouped_matmul.cc: bf16 rows) and rocm (gfx950, the shapes
+# _reference_when leaves it); other calls lower to the reference (a product per group, each row
+# selected).
 grouped_matmul_p = define_primitive(
     "grouped_matmul",
     abstract_eval=_abstract_eval,
     reference=reference.grouped_matmul_impl,
     platform_reason=_platform_reason,
-    reference_when=_rocm_reference,
+    reference_when=_reference_when,
     attributes=lambda gather, out_dtype, activation, alpha, limit: {   # out's dtype is its own
         "gather": i64(gather), "activation": i64(ACTIVATIONS[activation]), "alpha": f32(alpha),
         "limit": f32(limit)},
-    native_platforms=("cuda", "rocm"),
+    native_platforms=("cpu", "cuda", "rocm"),
 )
 
 

@@ -9,7 +9,7 @@ def test_cpu_module_registers_every_target():
     assert _ffi.import_error("cpu") is None
     for op in _ffi.ops_of("cpu"):
         assert _ffi.has_native(op, "cpu"), op
-    assert not _ffi.has_native("grouped_matmul", "cpu")   # CUDA only: the reference lowering
+    assert not _ffi.has_native("dense_matmul", "cpu")   # CUDA only: the reference lowering
 
 
 def test_cpu_lowering_is_the_custom_call():
@@ -21,6 +21,16 @@ def test_cpu_lowering_is_the_custom_call():
         .lower(cache, k).as_text()
     assert "custom_call @m3sparse_pack_kv_pages_cpu" in text
     assert "output_operand_aliases" in text
+    lhs, rhs = jnp.zeros((4, 32), jnp.bfloat16), jnp.zeros((2, 8, 32), jnp.bfloat16)
+    sizes = jnp.asarray([1, 3], jnp.int32)
+    text = jax.jit(m3.grouped_matmul).lower(lhs, rhs, sizes).as_text()
+    assert "custom_call @m3sparse_grouped_matmul_cpu" in text
+    # an MXFP8 lhs (W8A8) is the reference's on the CPU: no custom call
+    a8, ae = m3.mxfp8_quantize(lhs)
+    w8, we = m3.mxfp8_quantize(rhs)
+    text = jax.jit(lambda *a: m3.grouped_matmul(*a[:4], lhs_scale=a[4])).lower(
+        a8, w8, sizes, we, ae).as_text()
+    assert "m3sparse_grouped_matmul_cpu" not in text
 
 
 def test_export_needs_only_the_core_dependencies():
