@@ -152,21 +152,21 @@ up = m3.grouped_matmul(x, w_up, sizes, lhs_rows=jnp.asarray(order // TOPK, jnp.i
 print("grouped matmul", up.shape, "row 0 is token", order[0] // TOPK, "through expert",
       chosen.reshape(-1)[order[0]], ":", bool(jnp.allclose(
           up[0], x[order[0] // TOPK].astype(jnp.float32) @ w_up[0].astype(jnp.float32).T,
-          rtol=1e-5, atol=1e-4)), "| equals the reference on the sorted copy:",
-      bool(jnp.array_equal(up, m3.reference.grouped_matmul(x[order // TOPK], w_up, sizes))))
+          rtol=1e-5, atol=1e-4)), "| equals the call on the sorted copy:",
+      bool(jnp.array_equal(up, m3.grouped_matmul(x[order // TOPK], w_up, sizes))))
 # MXFP8 weights (SPEC §9.1): fp8 e4m3 + an E8M0 exponent per 32 inputs, read as they are; the
 # call equals the bf16 call on the dequantized weights.
 w8, w8_scale = m3.mxfp8_quantize(w_up)
 up8 = m3.grouped_matmul(x, w8, sizes, w8_scale, lhs_rows=jnp.asarray(order // TOPK, jnp.int32))
 print("MXFP8 grouped matmul equals the bf16 call on mxfp8_dequantize:", bool(jnp.array_equal(
-    up8, m3.reference.grouped_matmul(x[order // TOPK], m3.mxfp8_dequantize(w8, w8_scale), sizes))))
+    up8, m3.grouped_matmul(x[order // TOPK], m3.mxfp8_dequantize(w8, w8_scale), sizes))))
 # FP4 weights (SPEC §9.3): two E2M1 codes per byte with an E8M0 exponent per 32 inputs (MXFP4),
 # or an E4M3 scale per 16 (NVFP4: nvfp4_quantize(w, weight_scale_2) per expert, and
 # group_scale=weight_scale_2 [E] in the call).
 w4, w4_scale = m3.mxfp4_quantize(w_up)                         # uint8 [E, I, H/2], [E, I, H/32]
 up4 = m3.grouped_matmul(x, w4, sizes, w4_scale, lhs_rows=jnp.asarray(order // TOPK, jnp.int32))
 print("MXFP4 grouped matmul equals the bf16 call on fp4_dequantize:", bool(jnp.array_equal(
-    up4, m3.reference.grouped_matmul(x[order // TOPK], m3.fp4_dequantize(w4, w4_scale), sizes))))
+    up4, m3.grouped_matmul(x[order // TOPK], m3.fp4_dequantize(w4, w4_scale), sizes))))
 # The epilogue (SPEC §9 item 6): gate_up [E, 2I, H] (gate rows, then up rows) → the SwiGLU of
 # each row times its routing weight, [T·k, I]: the [T·k, 2I] product never reaches memory.
 w_gate_up = jnp.asarray(rng.standard_normal((E, 2 * I, H)) * H ** -0.5, jnp.bfloat16)

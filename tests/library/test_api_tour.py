@@ -18,7 +18,7 @@ def test_api_tour_runs(capsys):
             "positions [299 995 996 997 998 999  -1  -1]") in out
     assert "grouped as argsort would: True | weights sum to 1: True" in out
     assert "grouped matmul (10, 32) row 0 is token 0 through expert 0 : True" in out
-    assert "equals the reference on the sorted copy: True" in out
+    assert "equals the call on the sorted copy: True" in out
     assert "MXFP8 grouped matmul equals the bf16 call on mxfp8_dequantize: True" in out
     assert "MXFP4 grouped matmul equals the bf16 call on fp4_dequantize: True" in out
     assert "grouped matmul with a SwiGLU epilogue (10, 32) equals silu(gate) · up · weight: True" in out
