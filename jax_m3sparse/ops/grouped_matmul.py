@@ -104,9 +104,10 @@ def grouped_matmul(lhs, rhs, group_sizes, rhs_scale=None, *, lhs_rows=None, lhs_
     group 1 the next ``group_sizes[1]``, and so on (XLA's ``ragged_dot`` convention, with
     ``rhs`` in PyTorch's ``[out, in]`` orientation per group). A mixture of experts sorts its
     (token, expert) pairs by expert and calls this once per projection: each routed expert's
-    weights are read once per tile of its rows, unrouted experts not at all (CUDA; gfx950 for
-    bf16 rows with K % 32 == 0 and output columns % 16 == 0; elsewhere the reference: every
-    group's product over all rows, each row's selected — G times the work, for correctness).
+    weights are read once per tile of its rows, unrouted experts not at all (CUDA; the CPU for
+    bf16 rows; gfx950 for bf16 rows with K % 32 == 0 and output columns % 16 == 0; elsewhere
+    the reference: every group's product over all rows, each row's selected — G times the work,
+    for correctness).
 
     The weights may be MXFP8 (SPEC §9.1; :func:`jax_m3sparse.mxfp8_quantize`): ``rhs`` fp8
     e4m3 with ``rhs_scale``, one E8M0 exponent per 32 k. The CUDA kernel reads them as they are
