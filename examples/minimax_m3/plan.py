@@ -60,6 +60,8 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
     if not 0 < mem_fraction <= 1:
         raise ValueError(f"mem_fraction (XLA_PYTHON_CLIENT_MEM_FRACTION) must be in (0, 1], "
                          f"got {mem_fraction}")
+    if context_len < 1 or batch < 1:
+        raise ValueError(f"context_len ({context_len}) and batch ({batch}) must be >= 1")
     if context_len > cfg.max_position_embeddings:
         raise ValueError(f"context_len {context_len} exceeds the model's max_position_embeddings "
                          f"{cfg.max_position_embeddings} (config.json)")
@@ -239,9 +241,9 @@ def format_plan(p: dict) -> str:
         ctx = lambda c: f"{c // 1048576}M" if c % 1048576 == 0 else (
             f"{c // 1024}k" if c % 1024 == 0 else str(c))
         lines.append(f"  each format in that pool less {gb(p['reserve_bytes'])}: per device, GB of "
-                     f"weights, K/V and index keys for {p['batch']} requests × "
+                     f"weights, K/V and index keys (keys: their cache's dtype) for {p['batch']} requests × "
                      f"{p['context_len']} tokens, and the requests that fit at each context:")
-        lines.append("    experts index | weights    K/V  index | fits | " + " ".join(
+        lines.append("    experts keys  | weights    K/V   keys | fits | " + " ".join(
             f"{ctx(c):>6s}" for c in contexts))
         for f in p["formats"]:
             idx = "bf16" if f["index_cache_dtype"] == "bfloat16" else "fp8"

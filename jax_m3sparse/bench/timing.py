@@ -324,7 +324,8 @@ def bench_select(device, quick=False, Hkv=4, Di=128):
 def bench_grouped(device, quick=False):
     """grouped_matmul (SPEC §9) against the reference lowering (one product per group, rows
     selected: G× the routed FLOPs) and against one XLA dot of the routed FLOPs; bf16 rows,
-    bf16 / MXFP8 / MXFP4 weights; uniform routing over G experts. GB/s counts the routed
+    bf16 / MXFP8 / MXFP4 weights; the rows routed at random over G experts (a multinomial draw:
+    some groups may be empty — the row says how many are routed). GB/s counts the routed
     groups' weights once (what the kernel must read); GFLOP/s the routed products."""
     rng = np.random.default_rng(5)
     copy_bw = copy_bandwidth(device)
@@ -352,5 +353,6 @@ def bench_grouped(device, quick=False):
             ref = jax.jit(lambda a, b, s: reference.grouped_matmul(a, b, s, **kw))
             t_ours, t_ref = median_time(ours, args, 10), median_time(ref, args, 5)
             nbytes = routed * rhs[0].size * rhs.dtype.itemsize
-            tqdm.write(row(f"{M} × {Kd} × {Nd}, G {G}, {fmt}", t_ours, t_ref, nbytes, copy_bw,
+            tqdm.write(row(f"{M} × {Kd} × {Nd}, G {G} ({routed} routed), {fmt}", t_ours, t_ref,
+                           nbytes, copy_bw,
                            2 * M * Kd * Nd) + f" | {t_dot * 1e6:10.1f}")
