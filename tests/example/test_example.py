@@ -440,6 +440,8 @@ def test_dry_run_plans_the_real_model(capsys, monkeypatch):
     with pytest.raises(ValueError, match="context_len 2097152 exceeds the model's "
                                          "max_position_embeddings 1048576"):
         cli.main(["--config", cfg_path, "--dry-run", "--tp", "8", "--context-len", "2097152"])
+    with pytest.raises(ValueError, match=r"context_len \(0\) and batch \(8\) must be >= 1"):
+        cli.main(["--config", cfg_path, "--dry-run", "--tp", "8", "--context-len", "0"])
     with pytest.raises(ValueError, match="--tp 3 must divide num_attention_heads = 64"):
         cli.main(["--config", cfg_path, "--dry-run", "--tp", "3"])
     # JAX's default pool (75 %) when the variable is unset; --mem-fraction overrides both
