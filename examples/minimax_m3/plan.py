@@ -76,7 +76,7 @@ def plan(cfg, *, tp: int, context_len: int, batch: int, weight_dtype="bfloat16",
         is_leaf=is_shape))
     pages = batch * -(-context_len // cfg.block_size)
     kv_bytes, idx_bytes = _cache_bytes(cfg, tp, pages, cfg.index_cache_dtype)
-    traced = _trace(cfg, shapes, weight_dtype, pages)
+    traced = _trace(cfg, shapes, weight_dtype, pages, batch)
     out = dict(tp=tp, context_len=context_len, batch=batch, pages=pages,
                parameters=total_weights, weight_dtype=str(jnp.dtype(weight_dtype)) + (
                    f", routed experts {cfg.expert_format}" if cfg.quantized_experts else ""),
@@ -141,13 +141,13 @@ def _formats(cfg, tp, context_len, batch, weight_dtype, budget) -> list[dict]:
     return rows
 
 
-def _trace(cfg, shapes, weight_dtype, pages) -> tuple[int, ...]:
-    """The logits shape of one decode step of 8 requests (every row sampled), traced
-    abstractly (no weights)."""
+def _trace(cfg, shapes, weight_dtype, pages, requests: int) -> tuple[int, ...]:
+    """The logits shape of one decode step of ``requests`` requests (every row sampled),
+    traced abstractly (no weights, no caches allocated)."""
     import inspect  # noqa: PLC0415
     params = jax.tree_util.tree_map(jax.ShapeDtypeStruct, shapes,
                                     model.param_dtypes(cfg, weight_dtype), is_leaf=is_shape)
-    R, M = 8, 4
+    R, M = requests, 4
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     batch = dict(tokens=i32(R), slot_mapping=i32(R), query_lens=i32(R), context_lens=i32(R),
                  block_table=i32(R, M))
@@ -222,7 +222,7 @@ def format_plan(p: dict) -> str:
     lines = [
         f"dry run: {p['parameters'] / 1e9:,.3g} B parameters ({p['weight_dtype']}), tp {p['tp']}, "
         f"{p['batch']} requests × {p['context_len']} tokens ({p['pages']} pages of 128); the "
-        f"step traces (logits {p['step_logits']})",
+        f"decode step of {p['batch']} requests traces (logits {p['step_logits']})",
         f"  weights per device:        {gb(p['weight_bytes_per_device'])}",
         f"  NVFP4 K/V cache per device: {gb(p['kv_cache_bytes_per_device'])} "
         f"({p['cache_kv_heads']} KV heads stored, {p['cache_kv_heads'] // p['tp']} per device)",
