@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "attend_common.h"
+#include "vec8.h"
 
 namespace m3sparse {
 namespace generic {
@@ -47,11 +48,7 @@ inline void dequantize_tile(const CacheGeometry& geo, const uint8_t* tile, int64
   }
 }
 
-// 8-lane float vectors (GCC/Clang vector extensions: AVX2 registers where the CPU has them,
-// pairs of SSE registers otherwise). Register-blocked so each loaded K/V vector feeds many FMAs.
-typedef float v8f __attribute__((vector_size(32)));
-inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof(v)); return v; }
-inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+// 8-lane float vectors (vec8.h), register-blocked so each loaded K/V vector feeds many FMAs.
 
 // s[i][j0..j0+8) = q_i · k_j for H heads from i0; kt is the transposed tile [D][N].
 template <int H>

@@ -27,6 +27,7 @@
 #include "m3sparse/ffi_checks.h"
 #include "m3sparse/nvfp4.h"
 #include "parallel.h"
+#include "vec8.h"
 
 namespace m3sparse {
 namespace {
@@ -125,21 +126,9 @@ void dequantize_rows(const Args& a, int64_t g, const int64_t* ids, int64_t rows,
 
 // ---- dot products -------------------------------------------------------------------------
 
-typedef float v8f __attribute__((vector_size(32)));  // GCC/Clang vector extension
-
-inline v8f load8(const float* p) {
-  v8f v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// a · b + c per lane, one rounding (GCC and Clang make it one vector fma where the ISA has one)
-inline v8f fma8(v8f a, v8f b, v8f c) {
-  v8f r;
-#pragma omp simd
-  for (int l = 0; l < kLanes; ++l) r[l] = std::fma(a[l], b[l], c[l]);
-  return r;
-}
+using generic::fma8;
+using generic::load8;
+using generic::v8f;
 
 // d[r][c] = x_r · w_c for R rows of x and C rows of w (Kp floats each, Kp % 8 == 0), in the
 // summation layout of step 3. The R · C ≤ 8 accumulators are vector values, so they stay in
@@ -155,10 +144,7 @@ void dots(const float* const* x, const float* const* w, int64_t kp, float (*d)[C
       for (int c = 0; c < C; ++c) acc[r][c] = fma8(xv[r], wv[c], acc[r][c]);
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      const v8f v = acc[r][c];
-      d[r][c] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-    }
+    for (int c = 0; c < C; ++c) d[r][c] = generic::fold8(acc[r][c]);
 }
 
 // y[r][c] for R rows against the tile's `rows` weight rows, C at a time (a group of C past the

@@ -41,6 +41,7 @@
 #include "m3sparse/ffi_checks.h"
 #include "m3sparse/nvfp4.h"
 #include "parallel.h"
+#include "vec8.h"
 
 namespace m3sparse {
 namespace {
@@ -129,15 +130,6 @@ constexpr int kGenericKeys = 8;
 
 static_assert(kKeyTile % kGenericKeys == 0, "key groups stay inside the tile");
 
-typedef float v8f __attribute__((vector_size(32)));  // GCC/Clang vector extension
-
-// [a0+a1, a2+a3, a4+a5, a6+a7, b0+b1, b2+b3, b4+b5, b6+b7]: one level of the fold for two
-// vectors at once (a + b is the same bits as b + a, so lane order inside a pair is free).
-inline v8f pair_sums(v8f a, v8f b) {
-  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
-         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
-}
-
 inline void dots_generic(const float* q, const float* key, int64_t Dp, float* out) {
   static_assert(kGenericKeys == 8 && kLanes == 8, "the fold below is an 8 x 8 tree");
   float x[kGenericKeys][kLanes] = {};
@@ -146,13 +138,10 @@ inline void dots_generic(const float* q, const float* key, int64_t Dp, float* ou
 #pragma omp simd
       for (int l = 0; l < kLanes; ++l) x[c][l] = std::fma(q[d + l], key[c * Dp + d + l], x[c][l]);
     }
-  // The 8 keys' folds as vectors (three levels of pair_sums, 7 adds in all): lane c of the
-  // result is key c's ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)).
-  v8f v[kGenericKeys];
+  // The 8 keys' folds as vectors: lane c of the result is key c's fold8.
+  generic::v8f v[kGenericKeys];
   std::memcpy(v, x, sizeof(v));
-  const v8f s = pair_sums(pair_sums(pair_sums(v[0], v[1]), pair_sums(v[2], v[3])),
-                          pair_sums(pair_sums(v[4], v[5]), pair_sums(v[6], v[7])));
-  std::memcpy(out, &s, sizeof(s));
+  generic::store8(out, generic::fold8x8(v));
 }
 
 // Each seeing row's block maximum over the tile's keys [0, n) (o0: the first one's offset in
