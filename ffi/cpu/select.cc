@@ -17,8 +17,8 @@
 //    on every path: 8 fp32 partial sums (lane l takes dims l, l + 8, ...: one explicit fma
 //    each, in increasing dim), folded ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)); the file is built
 //    with -ffp-contract=off, and bf16 / E4M3 widen exactly. So a row's scores are the same
-//    bits on the generic and avx2 paths, on every machine, in any batch, piece, pool size or
-//    page placement. The block score is the max over the row's visible keys (offsets
+//    bits on the generic, avx2 and avx512 paths, on every machine, in any batch, piece, pool
+//    size or page placement. The block score is the max over the row's visible keys (offsets
 //    ≤ pos − b·N); a NaN dot product never wins a `>`, so it counts as −inf.
 // 4. Top-k. Per row: the local blocks (pos/N − local_blocks < b ≤ pos/N, b < M) in ascending
 //    id, then the other candidates with a finite score by descending score, ties to the lower
@@ -426,6 +426,135 @@ M3_AVX2 void score_block_avx2(const SelectArgs& a, Buffers& buf, const BlockJob&
   }
 }
 
+// ---- the avx512 path: the decode shortcut, two keys per zmm ------------------------------
+// When few rows see a block (decode), a zmm holds lane l of two keys' dot products (key c in
+// lanes [0, 8), key c + 1 in [8, 16)) against a row's q broadcast to both halves: per 8 dims one
+// fma serves two keys, where the avx2 path needs one per key; the keys' widening (bf16, or E4M3
+// through fp16 against q · 256, as the avx2 shortcut) fills both halves with one conversion.
+// Every lane takes the same fmas in the same order as the generic layout, and the fold below is
+// its tree, so the scores are the same bits. Blocks the shortcut cannot take (many rows, Di not a
+// multiple of 16, an E4M3 NaN byte, q the ×256 trick cannot scale) go to the avx2 path.
+#define M3_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+
+// Dims [d, d + 16) of keys k0 and k1: *lo = [k0 d..d+7 | k1 d..d+7], *hi = [.. d+8..d+15].
+M3_AVX512 inline void load_pair(const uint16_t* k0, const uint16_t* k1, __m512* lo, __m512* hi) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k1));
+  auto widen = [](__m256i h) {  // 16 bf16 → fp32: the bits shifted up
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  };
+  *lo = widen(_mm256_permute2x128_si256(a, b, 0x20));
+  *hi = widen(_mm256_permute2x128_si256(a, b, 0x31));
+}
+
+M3_AVX512 inline void load_pair(const E4M3Scaled* k0, const E4M3Scaled* k1, __m512* lo,
+                                __m512* hi) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(k0));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(k1));
+  // bytes [k0 d..d+7, k1 d..d+7 | k0 d+8.., k1 d+8..] → 16-bit fp16 bits (value · 2^-8)
+  const __m512i x = _mm512_cvtepu8_epi16(
+      _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi64(a, b)),
+                              _mm_unpackhi_epi64(a, b), 1));
+  const __m512i h = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(x, 8), 1),
+                                     _mm512_set1_epi16(int16_t(0xBFFF)));
+  *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
+// [a0+a1, a2+a3, b0+b1, b2+b3] in each 128-bit quarter: _mm256_hadd_ps, on a zmm.
+M3_AVX512 inline __m512 hadd512(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+// out[r · 2P + c] = q[r] · k[c] for R rows and 2P keys over Dp dims (a multiple of 16).
+template <int R, int P, typename T>
+M3_AVX512 inline void dots512(const float* const* q, const T* const* k, int64_t Dp, float* out) {
+  static_assert(R * P % 4 == 0 && R * P <= 16, "folds of four accumulators");
+  __m512 x[R * P];
+  for (auto& v : x) v = _mm512_setzero_ps();
+  for (int64_t d = 0; d < Dp; d += 16) {
+    __m512 lo[P], hi[P];
+    for (int p = 0; p < P; ++p) load_pair(k[2 * p] + d, k[2 * p + 1] + d, &lo[p], &hi[p]);
+    for (int r = 0; r < R; ++r) {
+      const __m512 q0 = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[r] + d));
+      const __m512 q1 = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[r] + d + 8));
+      for (int p = 0; p < P; ++p)
+        x[r * P + p] = _mm512_fmadd_ps(q1, hi[p], _mm512_fmadd_ps(q0, lo[p], x[r * P + p]));
+    }
+  }
+  // The avx2 fold on four accumulators at once: quarter 0 (+ 1) holds their first keys' lanes
+  // 0-3 (4-7), quarters 2 and 3 their second keys'.
+  for (int i = 0; i < R * P; i += 4) {
+    const __m512 h = hadd512(hadd512(x[i], x[i + 1]), hadd512(x[i + 2], x[i + 3]));
+    const __m512 s = _mm512_add_ps(h, _mm512_shuffle_f32x4(h, h, _MM_SHUFFLE(2, 3, 0, 1)));
+    alignas(64) float v[16];
+    _mm512_store_ps(v, s);
+    for (int j = 0; j < 4; ++j) {
+      const int r = (i + j) / P, p = (i + j) % P;
+      out[r * 2 * P + 2 * p] = v[j];
+      out[r * 2 * P + 2 * p + 1] = v[8 + j];
+    }
+  }
+}
+
+// rows_max's loop for the avx512 shortcut: keys straight from the cache, 2P at a time.
+template <int R, int P, typename T>
+M3_AVX512 void rows_max512(const SelectArgs& a, const Row* const* rows, const T* base,
+                           int64_t b, int64_t n, const char* next) {
+  const float* q[R];
+  int64_t lim[R];
+  float m[R];
+  for (int r = 0; r < R; ++r) {
+    q[r] = rows[r]->q;
+    lim[r] = visible_limit(a, *rows[r], b, 0);
+    m[r] = rows[r]->scores[b];
+  }
+  const int64_t kb = key_bytes(a);
+  float d[R * 2 * P];
+  for (int64_t o = 0; o < n; o += 2 * P) {
+    const T* k[2 * P];
+    for (int c = 0; c < 2 * P; ++c) k[c] = base + std::min<int64_t>(o + c, n - 1) * a.Di;
+    if (next)
+      for (int64_t byte = o * kb; byte < (o + 2 * P) * kb; byte += 64)
+        _mm_prefetch(next + byte, _MM_HINT_T0);
+    dots512<R, P>(q, k, a.Di, d);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 2 * P; ++c)
+        if (o + c <= lim[r] && d[r * 2 * P + c] > m[r]) m[r] = d[r * 2 * P + c];
+  }
+  for (int r = 0; r < R; ++r) rows[r]->scores[b] = m[r];
+}
+
+template <typename T>
+M3_AVX512 void all_rows_max512(const SelectArgs& a, const Buffers& buf, const T* base, int64_t b,
+                               int64_t n, const char* next) {
+  const int64_t S = int64_t(buf.seeing.size());
+  for (int64_t i = 0; i < S; i += 4) {
+    const Row* r[4];
+    for (int j = 0; j < 4; ++j) r[j] = &buf.seeing[std::min(i + j, S - 1)];
+    const int64_t left = S - i;
+    if (left == 1) rows_max512<1, 8>(a, r, base, b, n, next);
+    else if (left == 2) rows_max512<2, 6>(a, r, base, b, n, next);
+    else if (left == 3) rows_max512<3, 4>(a, r, base, b, n, next);
+    else rows_max512<4, 4>(a, r, base, b, n, next);
+    next = nullptr;
+  }
+}
+
+M3_AVX512 void score_block_avx512(const SelectArgs& a, Buffers& buf, const BlockJob& job) {
+  constexpr int64_t kFewRows = 8;  // as score_block_avx2
+  if (a.Di % 16 == 0 && int64_t(buf.seeing.size()) <= kFewRows) {
+    if (a.k_type == ffi::DataType::BF16)
+      return all_rows_max512(a, buf, reinterpret_cast<const uint16_t*>(job.keys), job.b,
+                             job.n_keys, job.next);
+    if (!e4m3_any_nan(reinterpret_cast<const uint8_t*>(job.keys), job.n_keys * a.Di) &&
+        scale_seeing_q(a, buf))
+      return all_rows_max512(a, buf, reinterpret_cast<const E4M3Scaled*>(job.keys), job.b,
+                             job.n_keys, job.next);
+  }
+  score_block_avx2(a, buf, job);
+}
+
 // The avx2 path's E4M3 widening needs F16C (CPUID.1:ECX bit 29), which isa.h does not check:
 // every AVX2 CPU has it, but a virtual machine may hide it. Without it: the generic path.
 bool has_f16c() {
@@ -583,6 +712,7 @@ ffi::Future SelectBlocks(ffi::ThreadPool pool, ffi::AnyBuffer idx_q, ffi::AnyBuf
   ScoreBlock kernel = score_block_generic;
 #if M3_X86
   if (path >= CpuPath::kAvx2 && has_f16c()) kernel = score_block_avx2;
+  if (path >= CpuPath::kAvx512 && has_f16c()) kernel = score_block_avx512;
 #endif
   auto pieces = std::make_shared<std::vector<Piece>>(make_pieces(a));
   return parallel_for(pool, int64_t(pieces->size()), 1, [a, kernel, pieces](int64_t begin,
