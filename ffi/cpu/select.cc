@@ -426,14 +426,16 @@ M3_AVX2 void score_block_avx2(const SelectArgs& a, Buffers& buf, const BlockJob&
   }
 }
 
-// ---- the avx512 path: the decode shortcut, two keys per zmm ------------------------------
-// When few rows see a block (decode), a zmm holds lane l of two keys' dot products (key c in
-// lanes [0, 8), key c + 1 in [8, 16)) against a row's q broadcast to both halves: per 8 dims one
-// fma serves two keys, where the avx2 path needs one per key; the keys' widening (bf16, or E4M3
-// through fp16 against q · 256, as the avx2 shortcut) fills both halves with one conversion.
-// Every lane takes the same fmas in the same order as the generic layout, and the fold below is
-// its tree, so the scores are the same bits. Blocks the shortcut cannot take (many rows, Di not a
-// multiple of 16, an E4M3 NaN byte, q the ×256 trick cannot scale) go to the avx2 path.
+// ---- the avx512 path: two keys per zmm ----------------------------------------------------
+// A zmm holds lane l of two keys' dot products (key c in lanes [0, 8), key c + 1 in [8, 16))
+// against a row's q broadcast to both halves: per 8 dims one fma serves two keys, where the avx2
+// path needs one per key. Decode (few rows) reads the keys straight from the cache (bf16, or
+// E4M3 through fp16 against q · 256, as the avx2 shortcut, both halves in one conversion);
+// prefill widens a tile of keys once, stored pairwise ([key c dims 8j..8j+7, key c + 1 the
+// same] for each j) so that a pair's 16 dims are one load. Every lane takes the same fmas in the
+// same order as the generic layout and the fold below is its tree, so the scores are the same
+// bits. Blocks it cannot take (Dp not a multiple of 16; decode with an E4M3 NaN byte or a q the
+// ×256 trick cannot scale) go to the avx2 path.
 #define M3_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 
 // Dims [d, d + 16) of keys k0 and k1: *lo = [k0 d..d+7 | k1 d..d+7], *hi = [.. d+8..d+15].
@@ -461,25 +463,39 @@ M3_AVX512 inline void load_pair(const E4M3Scaled* k0, const E4M3Scaled* k1, __m5
   *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }
 
+// A pair of widened keys in the pairwise tile: dims [d, d + 16) are 32 floats at pair + d.
+struct TilePair {
+  float v[2];
+};
+
+M3_AVX512 inline void load_pair(const TilePair* pair, const TilePair*, __m512* lo, __m512* hi) {
+  *lo = _mm512_loadu_ps(pair->v);
+  *hi = _mm512_loadu_ps(pair->v + 16);
+}
+
 // [a0+a1, a2+a3, b0+b1, b2+b3] in each 128-bit quarter: _mm256_hadd_ps, on a zmm.
 M3_AVX512 inline __m512 hadd512(__m512 a, __m512 b) {
   return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
 }
 
-// out[r · 2P + c] = q[r] · k[c] for R rows and 2P keys over Dp dims (a multiple of 16).
+// out[r · 2P + c] = q[r] · k[c] for R rows and 2P keys (k[2p], k[2p + 1]: pair p) over D dims
+// (a multiple of 16).
 template <int R, int P, typename T>
-M3_AVX512 inline void dots512(const float* const* q, const T* const* k, int64_t Dp, float* out) {
+M3_AVX512 inline void dots512(const float* const* q, const T* const* k, int64_t D, float* out) {
   static_assert(R * P % 4 == 0 && R * P <= 16, "folds of four accumulators");
   __m512 x[R * P];
   for (auto& v : x) v = _mm512_setzero_ps();
-  for (int64_t d = 0; d < Dp; d += 16) {
-    __m512 lo[P], hi[P];
-    for (int p = 0; p < P; ++p) load_pair(k[2 * p] + d, k[2 * p + 1] + d, &lo[p], &hi[p]);
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 q0[R], q1[R];
     for (int r = 0; r < R; ++r) {
-      const __m512 q0 = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[r] + d));
-      const __m512 q1 = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[r] + d + 8));
-      for (int p = 0; p < P; ++p)
-        x[r * P + p] = _mm512_fmadd_ps(q1, hi[p], _mm512_fmadd_ps(q0, lo[p], x[r * P + p]));
+      q0[r] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[r] + d));
+      q1[r] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[r] + d + 8));
+    }
+    for (int p = 0; p < P; ++p) {
+      __m512 lo, hi;
+      load_pair(k[2 * p] + d, k[2 * p + 1] + d, &lo, &hi);
+      for (int r = 0; r < R; ++r)
+        x[r * P + p] = _mm512_fmadd_ps(q1[r], hi, _mm512_fmadd_ps(q0[r], lo, x[r * P + p]));
     }
   }
   // The avx2 fold on four accumulators at once: quarter 0 (+ 1) holds their first keys' lanes
@@ -497,27 +513,32 @@ M3_AVX512 inline void dots512(const float* const* q, const T* const* k, int64_t 
   }
 }
 
-// rows_max's loop for the avx512 shortcut: keys straight from the cache, 2P at a time.
+// Block maxima of R rows (repeats allowed) over keys [0, n), 2P at a time, as rows_max: the
+// keys from the cache (base + key · Di; a key index past n − 1 reads key n − 1), or from the
+// pairwise tile (o0: its first key's offset in the block; rows of the tile past n are read and
+// never used in a maximum).
 template <int R, int P, typename T>
-M3_AVX512 void rows_max512(const SelectArgs& a, const Row* const* rows, const T* base,
-                           int64_t b, int64_t n, const char* next) {
+M3_AVX512 void rows_max512(const SelectArgs& a, const Row* const* rows, const T* base, int64_t D,
+                           int64_t b, int64_t o0, int64_t n, const char* next) {
   const float* q[R];
   int64_t lim[R];
   float m[R];
   for (int r = 0; r < R; ++r) {
     q[r] = rows[r]->q;
-    lim[r] = visible_limit(a, *rows[r], b, 0);
+    lim[r] = visible_limit(a, *rows[r], b, o0);
     m[r] = rows[r]->scores[b];
   }
   const int64_t kb = key_bytes(a);
   float d[R * 2 * P];
   for (int64_t o = 0; o < n; o += 2 * P) {
     const T* k[2 * P];
-    for (int c = 0; c < 2 * P; ++c) k[c] = base + std::min<int64_t>(o + c, n - 1) * a.Di;
+    for (int c = 0; c < 2 * P; ++c)
+      k[c] = std::is_same_v<T, TilePair> ? base + (o + c) / 2 * D
+                                         : base + std::min<int64_t>(o + c, n - 1) * a.Di;
     if (next)
       for (int64_t byte = o * kb; byte < (o + 2 * P) * kb; byte += 64)
         _mm_prefetch(next + byte, _MM_HINT_T0);
-    dots512<R, P>(q, k, a.Di, d);
+    dots512<R, P>(q, k, D, d);
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 2 * P; ++c)
         if (o + c <= lim[r] && d[r * 2 * P + c] > m[r]) m[r] = d[r * 2 * P + c];
@@ -525,34 +546,64 @@ M3_AVX512 void rows_max512(const SelectArgs& a, const Row* const* rows, const T*
   for (int r = 0; r < R; ++r) rows[r]->scores[b] = m[r];
 }
 
+// Every seeing row, 4 at a time; 2P keys a step, P such that 2P divides kKeyTile (the tile).
 template <typename T>
-M3_AVX512 void all_rows_max512(const SelectArgs& a, const Buffers& buf, const T* base, int64_t b,
-                               int64_t n, const char* next) {
+M3_AVX512 void all_rows_max512(const SelectArgs& a, const Buffers& buf, const T* base, int64_t D,
+                               int64_t b, int64_t o0, int64_t n, const char* next) {
   const int64_t S = int64_t(buf.seeing.size());
   for (int64_t i = 0; i < S; i += 4) {
     const Row* r[4];
     for (int j = 0; j < 4; ++j) r[j] = &buf.seeing[std::min(i + j, S - 1)];
     const int64_t left = S - i;
-    if (left == 1) rows_max512<1, 8>(a, r, base, b, n, next);
-    else if (left == 2) rows_max512<2, 6>(a, r, base, b, n, next);
-    else if (left == 3) rows_max512<3, 4>(a, r, base, b, n, next);
-    else rows_max512<4, 4>(a, r, base, b, n, next);
-    next = nullptr;
+    if (left == 1) rows_max512<1, 12>(a, r, base, D, b, o0, n, next);
+    else if (left == 2) rows_max512<2, 6>(a, r, base, D, b, o0, n, next);
+    else if (left == 3) rows_max512<3, 4>(a, r, base, D, b, o0, n, next);
+    else rows_max512<4, 4>(a, r, base, D, b, o0, n, next);
+    next = nullptr;  // prefetched once
+  }
+}
+static_assert(kKeyTile % 24 == 0, "2P = 24, 12 and 8 keys a step stay inside the tile");
+
+// Widens keys [o0, o0 + n) of the block into the pairwise tile (Dp floats per key, zero past Di).
+M3_AVX512 void widen_tile_pairs(const SelectArgs& a, Buffers& buf, const BlockJob& job, int64_t o0,
+                                int64_t n) {
+  buf.tile.resize(kKeyTile * a.Dp);
+  for (int64_t o = 0; o < n; ++o) {
+    float* dst = buf.tile.data() + (o / 2) * 2 * a.Dp + (o % 2) * kLanes;
+    const char* src = job.keys + (o0 + o) * key_bytes(a);
+    for (int64_t d = 0; d < a.Dp; d += kLanes) {
+      __m256 v = _mm256_setzero_ps();
+      if (d + kLanes <= a.Di)
+        v = a.k_type == ffi::DataType::BF16 ? load8(reinterpret_cast<const uint16_t*>(src) + d)
+                                            : load8(reinterpret_cast<const uint8_t*>(src) + d);
+      else if (d < a.Di) {
+        alignas(32) float t[kLanes] = {};
+        widen_generic(a, src + d * (key_bytes(a) / a.Di), a.Di - d, t);
+        v = _mm256_load_ps(t);
+      }
+      _mm256_storeu_ps(dst + 2 * d, v);
+    }
   }
 }
 
 M3_AVX512 void score_block_avx512(const SelectArgs& a, Buffers& buf, const BlockJob& job) {
   constexpr int64_t kFewRows = 8;  // as score_block_avx2
-  if (a.Di % 16 == 0 && int64_t(buf.seeing.size()) <= kFewRows) {
+  if (a.Dp % 16 != 0) return score_block_avx2(a, buf, job);
+  if (a.Di == a.Dp && int64_t(buf.seeing.size()) <= kFewRows) {
     if (a.k_type == ffi::DataType::BF16)
-      return all_rows_max512(a, buf, reinterpret_cast<const uint16_t*>(job.keys), job.b,
+      return all_rows_max512(a, buf, reinterpret_cast<const uint16_t*>(job.keys), a.Di, job.b, 0,
                              job.n_keys, job.next);
     if (!e4m3_any_nan(reinterpret_cast<const uint8_t*>(job.keys), job.n_keys * a.Di) &&
         scale_seeing_q(a, buf))
-      return all_rows_max512(a, buf, reinterpret_cast<const E4M3Scaled*>(job.keys), job.b,
-                             job.n_keys, job.next);
+      return all_rows_max512(a, buf, reinterpret_cast<const E4M3Scaled*>(job.keys), a.Di, job.b,
+                             0, job.n_keys, job.next);
   }
-  score_block_avx2(a, buf, job);
+  for (int64_t o0 = 0; o0 < job.n_keys; o0 += kKeyTile) {
+    const int64_t n = std::min(kKeyTile, job.n_keys - o0);
+    widen_tile_pairs(a, buf, job, o0, n);
+    all_rows_max512(a, buf, reinterpret_cast<const TilePair*>(buf.tile.data()), a.Dp, job.b, o0,
+                    n, nullptr);
+  }
 }
 
 // The avx2 path's E4M3 widening needs F16C (CPUID.1:ECX bit 29), which isa.h does not check:
