@@ -589,7 +589,11 @@ M3_AVX512 void widen_tile_pairs(const SelectArgs& a, Buffers& buf, const BlockJo
 M3_AVX512 void score_block_avx512(const SelectArgs& a, Buffers& buf, const BlockJob& job) {
   constexpr int64_t kFewRows = 8;  // as score_block_avx2
   if (a.Dp % 16 != 0) return score_block_avx2(a, buf, job);
-  if (a.Di == a.Dp && int64_t(buf.seeing.size()) <= kFewRows) {
+  const int64_t rows = int64_t(buf.seeing.size());
+  // One or two rows: one or two fmas per widened pair, and the pair's shuffles bind — the avx2
+  // kernel was as fast or faster there (docs/perf-log/cpu-backend.md, 2026-12-08).
+  if (rows <= 2) return score_block_avx2(a, buf, job);
+  if (a.Di == a.Dp && rows <= kFewRows) {
     if (a.k_type == ffi::DataType::BF16)
       return all_rows_max512(a, buf, reinterpret_cast<const uint16_t*>(job.keys), a.Di, job.b, 0,
                              job.n_keys, job.next);

@@ -239,12 +239,14 @@ def test_every_e4m3_key_value_ranks_by_its_value(path, rows):
 
 
 @pytest.mark.parametrize("key_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
-def test_every_path_gives_the_same_ids(rng, monkeypatch, key_dtype):
+@pytest.mark.parametrize("Di", [128, 28])
+def test_every_path_gives_the_same_ids(rng, monkeypatch, key_dtype, Di):
     """The paths share one summation layout (ffi/cpu/select.cc), so their scores are the same
     bits; this checks what is visible of that, the ids, on data with heavy cancellation too,
     and (E4M3) with q subnormal or above 2^120 in some rows and NaN bytes in some blocks: the
-    avx2 path's E4M3 decode shortcut (q · 256 against keys · 2^-8) must fall back there."""
-    q, keys, table, req, pos = random_problem(rng, T_per_req=(2, 1, 33), Hkv=4, Di=128,
+    avx2 path's E4M3 decode shortcut (q · 256 against keys · 2^-8) must fall back there.
+    Di = 28 (padded to 32 dims) takes the avx512 path's pairwise tile with a partial last 8."""
+    q, keys, table, req, pos = random_problem(rng, T_per_req=(2, 1, 33), Hkv=4, Di=Di,
                                               key_dtype=key_dtype)
     wild = lambda x: jnp.asarray(np.asarray(x, np.float32) * 2.0 ** rng.integers(-10, 21, x.shape),
                                  x.dtype)
@@ -261,6 +263,74 @@ def test_every_path_gives_the_same_ids(rng, monkeypatch, key_dtype):
             outs.append(native(q, keys, table, req, pos, topk_blocks=16))
         for o in outs[1:]:
             np.testing.assert_array_equal(o, outs[0])
+
+
+def _layout_dot(q, k, steps=None):
+    """SPEC §8 step 6's CPU layout (docs/spec_decisions.md) in NumPy: 8 fp32 lanes, lane l
+    taking dims l, l + 8, ... with one fma each in increasing dim, folded
+    ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)). Exact products (bf16 · bf16), one rounding per fma.
+    ``steps``: the order of the 8-dim steps (a wrong order, to find keys that reveal one)."""
+    x = np.zeros(8, np.float32)
+    for d in steps if steps is not None else range(0, len(q), 8):
+        x = (x.astype(np.float64) + q[d:d + 8].astype(np.float64) * k[d:d + 8]).astype(np.float32)
+    return (x[0] + x[1] + (x[2] + x[3])) + (x[4] + x[5] + (x[6] + x[7]))
+
+
+def _bf16_chunks(v, n=3):
+    """n bf16 values, each v's next 8 significant bits (truncated): they sum to v exactly in any
+    order (every partial sum spans at most 24 bits)."""
+    out = []
+    for _ in range(n):
+        c = np.float32(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
+        if abs(c) > abs(v):   # rounded away from zero: step back one bf16 ulp toward it
+            c = np.float32(np.nextafter(jnp.bfloat16(c), jnp.bfloat16(0)).astype(np.float32))
+        out.append(c)
+        v = np.float32(v - c)
+    assert v == 0
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 12])   # 4 rows a block (decode), 48 (the widened tile)
+def test_every_path_sums_in_the_fixed_layout(rng, monkeypatch, tokens):
+    """Ids only show scores through ranks, so each case is an exact tie: block X holds a key
+    whose dot product rounds differently in other summation orders (heavy cancellation), block
+    Y a key whose dot product is the layout's value of X in every order (three bf16 pieces of
+    it). Ties go to the lower id: with Y before X, a computed X above the layout's value wins;
+    with Y after X, one below it loses. Every path must give the tie's answer in both."""
+    Di, N, Hkv, n = 32, 16, 4, 24
+    ones = np.ones(Di, np.float32)
+    xs = []
+    while len(xs) < n:   # sensitive keys: a sequential sum, or each 16 dims' halves swapped,
+        k = (rng.choice([-1, 1], Di) * (1 + rng.integers(0, 128, Di) / 128)  # round otherwise
+             * 2.0 ** rng.integers(-2, 20, Di))
+        k = np.asarray(jnp.asarray(k, jnp.bfloat16).astype(jnp.float32))
+        v = _layout_dot(ones, k)
+        seq = np.float32(0)
+        for kd in k:
+            seq = np.float32(seq + kd)
+        if v > 0 and seq != v and _layout_dot(ones, k, steps=(8, 0, 24, 16)) != v:
+            xs.append((k, v))
+    R, M = 2 * n, 4                        # blocks 0-2 candidates, block 3 local (K = 2)
+    keys = np.full((R * M + 1, N, Di), -1.0, np.float32)   # every other key scores −32
+    table = np.arange(R * M, dtype=np.int32).reshape(R, M)
+    expect = []
+    for i, (k, v) in enumerate(xs):
+        y = np.zeros(Di, np.float32)
+        y[[0, 9, 18]] = _bf16_chunks(v)
+        for r, (bx, by) in ((2 * i, (1, 0)), (2 * i + 1, (1, 2))):   # Y before X, after X
+            keys[table[r, bx], 5] = k
+            keys[table[r, by], 7] = y
+            expect.append(min(bx, by))
+    req = np.repeat(np.arange(R, dtype=np.int32), tokens)
+    pos = np.tile(3 * N + np.arange(tokens, dtype=np.int32), R)
+    q = jnp.ones((R * tokens, Hkv, Di), jnp.bfloat16)
+    want = np.repeat(np.array(expect), tokens)
+    for p in PATHS:
+        monkeypatch.setenv("M3SPARSE_CPU_ISA", p)
+        out = native(q, jnp.asarray(keys, jnp.bfloat16), table, req, pos, topk_blocks=2)
+        np.testing.assert_array_equal(out[:, :, 0], 3, err_msg=p)
+        np.testing.assert_array_equal(out[:, :, 1], np.broadcast_to(want, out.shape[:2]),
+                                      err_msg=p)
 
 
 def test_reference_gathers_only_the_request_pages():
