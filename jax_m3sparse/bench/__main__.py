@@ -23,7 +23,7 @@ def main(argv=None):
     parser.add_argument("--platform", default=None, help="JAX platform (default: JAX's default)")
     parser.add_argument("--quick", action="store_true", help="smallest shapes only (a smoke run)")
     args = parser.parse_args(argv)
-    print(timed_path(args.platform), flush=True)
+    print(timed_path(args.platform, args.what), flush=True)
     if args.platform == "cuda":
         # CUDA: per-call device time amortized over many calls in one jit (bench/cuda.py);
         # it prints the decode, prefill and pack tables of BENCHMARKS.md together.
@@ -41,8 +41,13 @@ def main(argv=None):
     return 0
 
 
-def timed_path(platform=None) -> str:
-    """Which implementation "ours" is on ``platform``: the compiled module or the reference."""
+# The tables that time each CPU path (M3SPARSE_CPU_ISA) in rows of their own.
+PER_PATH = ("peak", "decode", "prefill", "select", "all")
+
+
+def timed_path(platform=None, what="all") -> str:
+    """Which implementation "ours" is on ``platform``: the compiled module or the reference (and
+    on the CPU, for the tables in PER_PATH, which paths they time)."""
     import jax  # noqa: PLC0415
 
     import jax_m3sparse as m3  # noqa: PLC0415
@@ -52,10 +57,10 @@ def timed_path(platform=None) -> str:
     module, why = m3.native_module(platform)
     if why is None:
         line = f"timed path on {platform}: native module {module} (FFI custom calls)"
-        if platform == "cpu":
+        if platform == "cpu" and what in PER_PATH:
             from jax_m3sparse.bench import timing  # noqa: PLC0415
             paths = timing.cpu_paths(jax.devices("cpu")[0])
-            line += (f"; CPU attention paths timed: {', '.join(paths)} "
+            line += (f"; CPU paths timed: {', '.join(paths)} "
                      f"(a call takes {paths[-1]}; M3SPARSE_CPU_ISA caps it)")
         return line
     return (f"timed path on {platform}: THE PURE-JAX REFERENCE, no native module ({why}); "
