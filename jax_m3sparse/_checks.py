@@ -91,8 +91,9 @@ def static_layer(layer, num_layers, shape, cache_name="kv_cache"):
     if value is None or value.ndim or not np.issubdtype(value.dtype, np.integer):
         return
     if not 0 <= int(value) < num_layers:
-        raise ValueError(f"layer must be in [0, {num_layers}) for a {cache_name} of {num_layers} "
-                         f"layers (shape {tuple(shape)}), got {int(value)}")
+        article = "an" if cache_name[0] in "aeiou" else "a"
+        raise ValueError(f"layer must be in [0, {num_layers}) for {article} {cache_name} of "
+                         f"{num_layers} layers (shape {tuple(shape)}), got {int(value)}")
 
 
 def cache_geometry(kv_cache, layer, layout):

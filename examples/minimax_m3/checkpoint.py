@@ -459,6 +459,8 @@ def quant_method(qc: dict | None) -> str | None:
         need("activation_scheme", qc.get("activation_scheme"), ("dynamic",))
     elif method == "modelopt":
         need("quant_algo", qc.get("quant_algo"), ("MIXED_PRECISION", "NVFP4", "MXFP8"))
+        if qc.get("quant_algo") == "NVFP4":
+            need("group_size", qc.get("group_size"), (16,))
         for name, layer in (qc.get("quantized_layers") or {}).items():
             need(f"quantized_layers[{name!r}].quant_algo", layer.get("quant_algo"),
                  ("MXFP8", "NVFP4"))

@@ -298,13 +298,31 @@ def _check_modelled(c: dict, sparse_cfg: dict, L: int, layer_types, mlp_types) -
 
 
 def quantization_config(source) -> dict | None:
-    """The checkpoint's ``quantization_config`` (top level or under ``text_config``), or None."""
+    """The checkpoint's ``quantization_config`` (top level or under ``text_config``), or None.
+
+    A checkpoint directory whose config.json has none but which holds ModelOpt's older
+    ``hf_quant_config.json`` (``{"producer": {"name": "modelopt", ...}, "quantization":
+    {"quant_algo": ..., ...}}``) gets that file's ``quantization`` as a ``modelopt`` config;
+    config.json's wins where both exist (as transformers reads it)."""
+    folder = None
     if isinstance(source, (str, os.PathLike)):
-        path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+        folder = source if os.path.isdir(source) else None
+        path = os.path.join(source, "config.json") if folder else source
         with open(path) as f:
             source = json.load(f)
-    return source.get("quantization_config") or (source.get("text_config") or {}).get(
+    qc = source.get("quantization_config") or (source.get("text_config") or {}).get(
         "quantization_config")
+    legacy = os.path.join(folder, "hf_quant_config.json") if folder else None
+    if qc or not legacy or not os.path.exists(legacy):
+        return qc
+    with open(legacy) as f:
+        data = json.load(f)
+    producer = (data.get("producer") or {}).get("name")
+    if producer != "modelopt" or not isinstance(data.get("quantization"), dict):
+        raise ValueError(f"{legacy}: expected ModelOpt's layout ({{\"producer\": {{\"name\": "
+                         f"\"modelopt\"}}, \"quantization\": {{...}}}}), got producer "
+                         f"{producer!r}")
+    return {"quant_method": "modelopt", **data["quantization"]}
 
 
 # The published MiniMax M3 text model (transformers' MiniMaxM3VLTextConfig defaults). The

@@ -74,7 +74,7 @@ def row(name, ours, ref, nbytes, copy_bw, flops=None):
 
 
 def header(first, flops=False):
-    cols = [first, "ours (µs)", "XLA ref (µs)", "ratio", "GB/s", "% copy"]
+    cols = [first, "ours (µs)", "XLA ref (µs)", "ratio (ref ÷ ours)", "GB/s", "% copy"]
     if flops:
         cols.append("GFLOP/s")
     line = " | ".join(cols)
@@ -277,7 +277,7 @@ def bench_select(device, quick=False, Hkv=4, Di=128):
     print(f"select_blocks on {device_name(device)}; copy bandwidth {copy_bw / 1e9:.1f} GB/s; "
           f"Hkv={Hkv} Di={Di} bf16 keys unless fp8, top-{K}; GB/s counts each request's own keys "
           "once; flops = 2·Di per (token, KV head, visible key)")
-    print(header("case path", flops=True))
+    print(header("case [CPU path]", flops=True))
     fp8 = jnp.float8_e4m3fn
     # (name, T, context, pool, prefill, key dtype, pages in use): the first two read the same
     # 8 MB of keys (256 pages shared by the 32 requests) from pools of 256 and 4096 pages, so
@@ -299,7 +299,7 @@ def bench_select(device, quick=False, Hkv=4, Di=128):
         for path in cpu_paths(device):
             with cpu_path(path):
                 t_ours = median_time(ours, args, 20)
-            tqdm.write(row(name + (f" {path}" if path else ""), t_ours, t_ref, nbytes, copy_bw,
+            tqdm.write(row(name + (f" [{path}]" if path else ""), t_ours, t_ref, nbytes, copy_bw,
                            flops))
     # Writing the step's index keys first (write_index_keys, SPEC §8.1): in place, O(keys),
     # against the reference's scatter (on the CPU, XLA converts the whole bf16 cache per call).

@@ -212,6 +212,37 @@ def test_published_format_mismatch_is_named(tmp_path):
             load_params(str(path), cfg, shardings)
 
 
+def test_modelopt_hf_quant_config_json_is_read(tmp_path):
+    """ModelOpt's older export keeps the quantization in hf_quant_config.json ({"producer":
+    {"name": "modelopt"}, "quantization": {...}}) with none in config.json: the NVFP4 checkpoint
+    so written loads to the same values; a group size other than 16, or another producer, is
+    refused naming it."""
+    hf = fixtures.build_model(fixtures.tiny_text_config(), seed=2)
+    new = tmp_path / "new"
+    fixtures.save_published(hf, str(new), "nvfp4", twin=str(tmp_path / "twin"))
+    old = tmp_path / "old"
+    shutil.copytree(new, old)
+    config = json.loads((old / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    (old / "config.json").write_text(json.dumps(config))
+    legacy = {"producer": {"name": "modelopt", "version": "0.27.0"},
+              "quantization": {k: v for k, v in qc.items() if k != "quant_method"}}
+    (old / "hf_quant_config.json").write_text(json.dumps(legacy))
+    cfg = from_hf_config(str(new))
+    shardings = parallel.param_shardings(model.param_shapes(cfg), cfg, parallel.make_mesh(1))
+    got = load_params(str(old), from_hf_config(str(old)), shardings, dtype="float32")
+    want = load_params(str(new), cfg, shardings, dtype="float32")
+    assert all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(
+        lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), got, want)))
+    for quantization, producer, match in (({"quant_algo": "NVFP4", "group_size": 32}, "modelopt",
+                                           "group_size 32"),
+                                          (legacy["quantization"], "other", "producer 'other'")):
+        (old / "hf_quant_config.json").write_text(json.dumps(
+            {"producer": {"name": producer}, "quantization": quantization}))
+        with pytest.raises(ValueError, match=match):
+            load_params(str(old), cfg, shardings)
+
+
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "mxfp4"])
 def test_published_tensor_damage_is_named(tmp_path, fmt):
     """A block scale cut short, a weight (packed FP4: a byte per two inputs) with a column

@@ -168,7 +168,7 @@ def test_layer_outside_the_cache_gives_padding(rng, path):
         got = native(q, keys, table, req, pos, topk_blocks=4, layer=jnp.int32(layer))
         assert (got == -1).all()
         assert (ref(q, keys, table, req, pos, topk_blocks=4, layer=jnp.int32(layer)) == -1).all()
-    with pytest.raises(ValueError, match=r"layer must be in \[0, 2\) for a idx_k_cache"):
+    with pytest.raises(ValueError, match=r"layer must be in \[0, 2\) for an idx_k_cache"):
         m3.select_blocks(q, keys, table, req, pos, layer=2)
 
 
