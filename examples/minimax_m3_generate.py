@@ -279,7 +279,8 @@ def serve(args, cfg):
     summary.update(tp=args.tp, kv_cache_bytes=kv.nbytes,
                    kv_cache_bytes_per_device=parallel.bytes_per_device(kv),
                    cache_kv_heads=cfg.cache_kv_heads,
-                   generated={r.rid: r.generated for r in finished})
+                   generated={r.rid: r.generated for r in finished},
+                   logprobs={r.rid: r.logprobs for r in finished})
     print(report.format_summary(summary, cfg))
     st = engine.stats
     summary["decode_step_ms"] = 1e3 * st.decode_seconds / max(st.decode_only_steps, 1)

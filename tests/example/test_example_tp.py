@@ -22,10 +22,21 @@ needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 simulated de
 
 @needs8
 def test_tp8_with_replicated_kv_heads_matches_tp1(capsys):
-    one = minimax_m3_generate.main(TINY + HEADS + ["--tp", "1"])
-    eight = minimax_m3_generate.main(TINY + HEADS + ["--tp", "8"])
-    assert eight["generated"] == one["generated"]
-    assert all(len(g) == 4 for g in one["generated"].values())
+    """TP 8 sums the row-parallel products in another order than TP 1, so a token may differ
+    only where TP 1's top two were a near-tie (on an Intel Xeon, request 1's second token: top
+    two 4e-5 apart in log-probability); elsewhere the same tokens and log-probabilities."""
+    one = minimax_m3_generate.main(TINY + HEADS + ["--tp", "1", "--logprobs", "2"])
+    eight = minimax_m3_generate.main(TINY + HEADS + ["--tp", "8", "--logprobs", "2"])
+    assert one["generated"].keys() == eight["generated"].keys()
+    for rid, tokens in one["generated"].items():
+        assert len(tokens) == len(eight["generated"][rid]) == 4
+        for i, (a, b) in enumerate(zip(tokens, eight["generated"][rid])):
+            _, ids1, top1 = one["logprobs"][rid][i]
+            _, ids8, top8 = eight["logprobs"][rid][i]
+            np.testing.assert_allclose(top8, top1, atol=5e-3, err_msg=f"request {rid} token {i}")
+            if a != b:   # a near-tie, both runs' top two; the contexts differ after it
+                assert {a, b} == set(ids1) == set(ids8) and top1[0] - top1[1] < 5e-3, (rid, i)
+                break
     # 4 KV heads stored twice over 8 devices: each holds 1 KV head, 1/4 of the TP1 cache.
     assert eight["cache_kv_heads"] == 8
     assert eight["kv_cache_bytes_per_device"] * 4 == one["kv_cache_bytes_per_device"]
