@@ -168,7 +168,7 @@ def bench_decode(device, quick=False, seq=32768, Hkv=4, G=16):
     copy_bw = copy_bandwidth(device)
     print(f"decode on {device_name(device)}; copy bandwidth "
           f"{copy_bw / 1e9:.1f} GB/s; Hkv={Hkv} G={G} seq={seq} top-{K}x{N}")
-    print(header("T (dql) path", flops=True))
+    print(header("T (dql) [CPU path]", flops=True))
     shapes = [(1, 1), (32, 1), (128, 1)] if device.platform == "cpu" else \
         [(1, 1), (8, 1), (32, 1), (128, 1), (512, 1), (128, 4)]
     # disable=None: no bar when stderr is not a terminal (it would splice into logged tables)
@@ -183,7 +183,7 @@ def bench_decode(device, quick=False, seq=32768, Hkv=4, G=16):
         for path in cpu_paths(device):
             with cpu_path(path):
                 t_ours = median_time(ours, args, iters)
-            name = f"{T} ({dql})" + (f" {path}" if path else "")
+            name = f"{T} ({dql})" + (f" [{path}]" if path else "")
             tqdm.write(row(name, t_ours, t_ref, nbytes, copy_bw, flops))
 
 
@@ -194,7 +194,7 @@ def bench_prefill(device, quick=False, Hkv=4, G=16):
     sizes = [2048] if device.platform == "cpu" else [2048, 8192]
     print(f"prefill on {device_name(device)}; context {context}; Hkv={Hkv} "
           f"G={G}; flops = 4·G·D per attended key per token and KV head")
-    print(header("tokens path", flops=True))
+    print(header("tokens [CPU path]", flops=True))
     for T in (sizes[:1] if quick else sizes):
         T = 256 if quick else T
         kv_len = context + T
@@ -224,7 +224,7 @@ def bench_prefill(device, quick=False, Hkv=4, G=16):
             for path in cpu_paths(device):
                 with cpu_path(path):
                     t_ours = median_time(ours, a, iters)
-                tqdm.write(row(f"{T}{label}" + (f" {path}" if path else ""), t_ours, t_ref, nbytes,
+                tqdm.write(row(f"{T}{label}" + (f" [{path}]" if path else ""), t_ours, t_ref, nbytes,
                                copy_bw, flops))
 
 
