@@ -48,6 +48,7 @@ namespace {
 
 constexpr int64_t kLanes = 8;         // partial sums per dot product (the summation layout)
 constexpr int64_t kKeyTile = 24;      // keys widened at a time (24 × Di fp32 stay in L1)
+constexpr int64_t kFewRows = 8;       // up to this many rows read a block's keys from the cache
 constexpr int64_t kPieceTokens = 32;  // most tokens of one run served by one piece
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -245,7 +246,6 @@ void all_rows_direct(const SelectArgs& a, const Buffers& buf, const T* base, int
 // The next valid block's keys at the same offsets are prefetched tile by tile, so its page
 // arrives while this one is scored (a decode request's pages are scattered over the pool).
 void score_block_generic(const SelectArgs& a, Buffers& buf, const BlockJob& job) {
-  constexpr int64_t kFewRows = 8;  // as score_block_avx2
   if (a.k_type == ffi::DataType::BF16 && a.Di % kLanes == 0 &&
       int64_t(buf.seeing.size()) <= kFewRows)
     return all_rows_direct(a, buf, reinterpret_cast<const uint16_t*>(job.keys), job.b,
@@ -477,7 +477,6 @@ M3_AVX2 void all_rows_max(const SelectArgs& a, const Buffers& buf, const T* base
 }
 
 M3_AVX2 void score_block_avx2(const SelectArgs& a, Buffers& buf, const BlockJob& job) {
-  constexpr int64_t kFewRows = 8;  // up to this many rows read the keys straight from the cache
   if (a.Di % kLanes == 0 && int64_t(buf.seeing.size()) <= kFewRows) {
     if (a.k_type == ffi::DataType::BF16)
       all_rows_max(a, buf, reinterpret_cast<const uint16_t*>(job.keys), a.Di, a.Di, job.b, 0,
@@ -506,8 +505,8 @@ M3_AVX2 void score_block_avx2(const SelectArgs& a, Buffers& buf, const BlockJob&
 // prefill widens a tile of keys once, stored pairwise ([key c dims 8j..8j+7, key c + 1 the
 // same] for each j) so that a pair's 16 dims are one load. Every lane takes the same fmas in the
 // same order as the generic layout and the fold below is its tree, so the scores are the same
-// bits. Blocks it cannot take (Dp not a multiple of 16; decode with an E4M3 NaN byte or a q the
-// ×256 trick cannot scale) go to the avx2 path.
+// bits. Blocks seen by one or two rows, or with Dp not a multiple of 16, go to the avx2 path;
+// decode blocks with an E4M3 NaN byte or a q the ×256 trick cannot scale, to the pairwise tile.
 #define M3_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 
 // Dims [d, d + 16) of keys k0 and k1: *lo = [k0 d..d+7 | k1 d..d+7], *hi = [.. d+8..d+15].
@@ -659,7 +658,6 @@ M3_AVX512 void widen_tile_pairs(const SelectArgs& a, Buffers& buf, const BlockJo
 }
 
 M3_AVX512 void score_block_avx512(const SelectArgs& a, Buffers& buf, const BlockJob& job) {
-  constexpr int64_t kFewRows = 8;  // as score_block_avx2
   if (a.Dp % 16 != 0) return score_block_avx2(a, buf, job);
   const int64_t rows = int64_t(buf.seeing.size());
   // One or two rows: one or two fmas per widened pair, and the pair's shuffles bind — the avx2

@@ -54,6 +54,13 @@ def _cos_rows(a, b):
                                           1e-30)
 
 
+def _differing_leaves(got, want):
+    """Paths of the leaves whose values differ (bit for bit) between two param trees."""
+    leaves = jax.tree_util.tree_leaves_with_path(jax.tree_util.tree_map(
+        lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), got, want))
+    return [jax.tree_util.keystr(p) for p, same in leaves if not same]
+
+
 def _load(path, **overrides):
     cfg = from_hf_config(str(path), baseline_dtype="float32", baseline_selection="own",
                          **overrides)
@@ -186,9 +193,8 @@ def test_published_format_loads_to_its_dequantized_values(tmp_path, fmt):
     shardings = parallel.param_shardings(model.param_shapes(cfg), cfg, parallel.make_mesh(1))
     got = load_params(str(tmp_path / fmt), cfg, shardings, dtype="float32")
     want = load_params(str(tmp_path / "twin"), cfg, shardings, dtype="float32")
-    leaves = jax.tree_util.tree_leaves_with_path(jax.tree_util.tree_map(
-        lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), got, want))
-    assert all(same for _, same in leaves), [jax.tree_util.keystr(p) for p, s in leaves if not s]
+    differ = _differing_leaves(got, want)
+    assert not differ, differ
     bf16 = load_params(str(tmp_path / fmt), cfg, shardings)
     assert bf16["segments"][1]["mlp"]["experts"]["gate_up_proj"].dtype == "bfloat16"
 
@@ -232,8 +238,8 @@ def test_modelopt_hf_quant_config_json_is_read(tmp_path):
     shardings = parallel.param_shardings(model.param_shapes(cfg), cfg, parallel.make_mesh(1))
     got = load_params(str(old), from_hf_config(str(old)), shardings, dtype="float32")
     want = load_params(str(new), cfg, shardings, dtype="float32")
-    assert all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(
-        lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), got, want)))
+    differ = _differing_leaves(got, want)
+    assert not differ, differ
     for quantization, producer, match in (({"quant_algo": "NVFP4", "group_size": 32}, "modelopt",
                                            "group_size 32"),
                                           (legacy["quantization"], "other", "producer 'other'")):
